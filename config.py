@@ -1,0 +1,147 @@
+"""nanogrpo's configuration: one dataclass, every field a command-line flag of the same name.
+
+Flag names follow TRL's GRPOConfig wherever TRL has the same knob. This module imports nothing
+heavy, so `python train.py --help` answers at once.
+"""
+import argparse
+import dataclasses
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Config:
+    # model and data
+    model: str = "smollm2-135m"  # "smollm2-135m" (embedded), a Hugging Face model id, or a local folder
+    dataset: str = "arithmetic"  # "arithmetic" (embedded), a hub dataset name, or a local .json/.jsonl/.parquet file
+    dataset_split: str = "train"  # split of a hub dataset
+    prompt_column: str = "question"  # column with the user prompt (hub/file datasets)
+    answer_column: str = "answer"  # column with the reference answer; GSM8K's "... #### 42" is understood
+    system_prompt: str = ""  # optional system message before every prompt; "" = the model's default
+    max_prompt_length: int = 512  # tokens; longer prompts are an error at start (say which to change)
+    num_arithmetic_problems: int = 5000  # size of the embedded task's training set
+    # generation (on the vLLM server)
+    num_generations: int = 8  # G: completions per prompt; the group for the advantage baseline
+    prompts_per_step: int = 8  # prompts per optimizer step, over all ranks (so G * this completions)
+    max_completion_length: int = 64  # tokens per completion; longer ones are cut ("length" finish)
+    temperature: float = 1.0  # sampling temperature; the trainer's log-probs use the same one
+    top_p: float = 1.0  # nucleus sampling; 1.0 = off
+    # GRPO
+    beta: float = 0.0  # KL penalty coefficient (k3 estimator); 0 = no reference model is loaded
+    epsilon: float = 0.2  # clip range of the ratio: [1 - epsilon, 1 + epsilon_high]
+    epsilon_high: float = -1.0  # upper clip; -1 = same as epsilon (DAPO's clip-higher uses e.g. 0.28)
+    reward_funcs: str = "accuracy,format"  # comma-separated names from rewards.py
+    reward_weights: str = ""  # comma-separated floats, one per reward function; "" = all 1.0
+    # optimization
+    max_steps: int = 20  # optimizer steps (= generation rounds)
+    learning_rate: float = 2e-5  # peak AdamW learning rate
+    lr_scheduler_type: str = "constant"  # constant | linear | cosine (decay to 0 at max_steps)
+    warmup_steps: int = 0  # linear warmup from 0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    max_grad_norm: float = 1.0  # gradient clipping; 0 = off
+    micro_batch_size: int = 16  # completions per forward/backward pass (memory knob; never changes the math)
+    bf16: bool = True  # bf16 autocast for forward/backward (fp32 master weights); CPU needs avx512_bf16
+    seed: int = 42
+    # server
+    vllm_server_host: str = "127.0.0.1"
+    vllm_server_port: int = 8000
+    vllm_server_timeout: float = 300  # seconds to wait for the server to answer /health at start
+    vllm_group_port: int = 51216  # TCP port for the weight-transfer rendezvous (on this host)
+    weight_sync_bucket_mb: float = 64  # weights leave the trainer packed in buckets of this size
+    # output
+    output_dir: str = "out"  # metrics.jsonl and the final model folder go here
+    save_model: bool = True  # save a Hugging Face model folder at the end (output_dir/model)
+    report_to: str = "none"  # none | wandb
+    wandb_project: str = "nanogrpo"
+    run_name: str = ""  # wandb run name; "" = wandb's default
+
+    @property
+    def eps_high(self) -> float:
+        return self.epsilon if self.epsilon_high < 0 else self.epsilon_high
+
+    def reward_names(self) -> list[str]:
+        return [n.strip() for n in self.reward_funcs.split(",") if n.strip()]
+
+    def reward_weight_list(self) -> list[float]:
+        if not self.reward_weights.strip():
+            return [1.0] * len(self.reward_names())
+        return [float(w) for w in self.reward_weights.split(",")]
+
+    def validate(self, world_size: int = 1):
+        """Raise ValueError with a message that says what to change."""
+        errors = []
+        if self.num_generations < 2:
+            errors.append(f"--num_generations {self.num_generations}: GRPO needs at least 2 completions per prompt "
+                          "to compare them; use 2 or more (8 is typical)")
+        if self.prompts_per_step < 1 or self.prompts_per_step % world_size:
+            errors.append(f"--prompts_per_step {self.prompts_per_step} must be a positive multiple of the number of "
+                          f"processes ({world_size}): each rank samples whole groups")
+        for name in ("max_completion_length", "max_steps", "micro_batch_size", "max_prompt_length"):
+            if getattr(self, name) < 1:
+                errors.append(f"--{name} must be at least 1")
+        if self.beta < 0:
+            errors.append(f"--beta {self.beta} must be >= 0")
+        if self.epsilon <= 0 or self.eps_high <= 0:
+            errors.append("--epsilon and --epsilon_high must be > 0 (epsilon_high -1 means 'same as epsilon')")
+        if self.temperature <= 0:
+            errors.append("--temperature must be > 0 (GRPO needs sampled, different completions)")
+        if not 0 < self.top_p <= 1:
+            errors.append("--top_p must be in (0, 1]")
+        if self.learning_rate <= 0:
+            errors.append("--learning_rate must be > 0")
+        if self.lr_scheduler_type not in ("constant", "linear", "cosine"):
+            errors.append(f"--lr_scheduler_type {self.lr_scheduler_type!r}: use constant, linear or cosine")
+        if self.report_to not in ("none", "wandb"):
+            errors.append(f"--report_to {self.report_to!r}: use none or wandb")
+        if not self.reward_names():
+            errors.append("--reward_funcs is empty: name at least one reward function (see rewards.py)")
+        try:
+            weights = self.reward_weight_list()
+            if len(weights) != len(self.reward_names()):
+                errors.append(f"--reward_weights has {len(weights)} values but --reward_funcs names "
+                              f"{len(self.reward_names())} functions: give one weight per function")
+        except ValueError:
+            errors.append(f"--reward_weights {self.reward_weights!r}: use comma-separated numbers, e.g. 1.0,0.5")
+        if errors:
+            raise ValueError("invalid configuration:\n  - " + "\n  - ".join(errors))
+
+
+def _parse_bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes", "on"):
+        return True
+    if s.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
+
+
+def _field_comments() -> dict[str, str]:
+    """The trailing comment of each field above, used as its --help text."""
+    comments = {}
+    with open(os.path.abspath(__file__)) as f:
+        for line in f:
+            name, _, rest = line.strip().partition(":")
+            if name.isidentifier() and "  # " in rest:
+                comments[name] = rest.split("  # ", 1)[1]
+    return comments
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    """Config from the command line: `--name value` for every field; bools take `--bf16 false` or `--no_bf16`."""
+    parser = argparse.ArgumentParser(description="nanogrpo: GRPO training with a vLLM server.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    comments = _field_comments()
+    hints = typing.get_type_hints(Config)
+    for f in dataclasses.fields(Config):
+        kind = hints[f.name]
+        if kind is bool:
+            parser.add_argument(f"--{f.name}", type=_parse_bool, nargs="?", const=True, default=f.default,
+                                help=comments.get(f.name, ""))
+            parser.add_argument(f"--no_{f.name}", dest=f.name, action="store_false", help=argparse.SUPPRESS)
+        else:
+            parser.add_argument(f"--{f.name}", type=kind, default=f.default, help=comments.get(f.name, ""))
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return Config(**vars(args))

@@ -1,0 +1,76 @@
+"""Shared fixtures: a tiny random model with the SmolLM2 tokenizer, and the real vLLM server on it."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop(proc: subprocess.Popen):
+    """Stop exactly the process group we started (the server's workers included)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A random 2-layer Llama (head_dim 64: vLLM's CPU attention rejects 16) with tied embeddings."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    import utils
+    path = str(tmp_path_factory.mktemp("tiny-llama"))
+    tokenizer = AutoTokenizer.from_pretrained(utils.default_model_path())
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=1, num_key_value_heads=1, head_dim=64, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model, tmp_path_factory):
+    """The real vllm_server.py on a free loopback port, fp32 so log-probs can be compared tightly."""
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "vllm_server.py"), "--model", tiny_model, "--port", str(port),
+                             "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--seed", "0"],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    from vllm_server import VLLMClient
+    client = VLLMClient(port=port)
+    try:
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                client.wait_for_health(timeout=2)
+                break
+            except TimeoutError:
+                pass
+        if proc.poll() is not None or client.model_name is None:
+            log.seek(0)
+            raise RuntimeError("vllm_server.py did not start:\n" + log.read()[-5000:])
+        yield {"port": port, "model": tiny_model, "proc": proc}
+    finally:
+        stop(proc)
+        log.close()

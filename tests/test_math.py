@@ -1,0 +1,109 @@
+"""The GRPO math against naive per-element loops written here, in float64."""
+import math
+
+import torch
+
+from train import group_advantages, grpo_loss, lr_factor
+from config import Config
+from utils import collate, token_logprobs, step_prompt_indices
+from vllm_server import bucket_plan
+
+
+def test_group_advantages_match_naive_loop():
+    torch.manual_seed(0)
+    G = 4
+    rewards = torch.rand(12, dtype=torch.float64)
+    rewards[4:8] = 0.5  # a group with equal rewards: advantage 0, not NaN
+    got = group_advantages(rewards, G)
+    for g in range(3):
+        r = rewards[g * G:(g + 1) * G].tolist()
+        mean = sum(r) / G
+        std = math.sqrt(sum((x - mean) ** 2 for x in r) / (G - 1))
+        for i in range(G):
+            assert abs(got[g * G + i].item() - (r[i] - mean) / (std + 1e-4)) < 1e-12
+    assert torch.all(got[4:8] == 0)
+
+
+def test_token_logprobs_match_naive_loop():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 7, dtype=torch.float64)
+    targets = torch.randint(0, 7, (2, 3))
+    for temperature in (1.0, 0.7):
+        got = token_logprobs(logits, targets, temperature)
+        for b in range(2):
+            for t in range(3):
+                z = [x / temperature for x in logits[b, t].tolist()]
+                lse = math.log(sum(math.exp(x) for x in z))
+                assert abs(got[b, t].item() - (z[targets[b, t]] - lse)) < 1e-6
+
+
+def naive_loss(logp, old, ref, adv, mask, weight, eps_low, eps_high, beta):
+    total, clipped, kl_sum = 0.0, 0, 0.0
+    for b in range(len(logp)):
+        for t in range(len(logp[0])):
+            if not mask[b][t]:
+                continue
+            ratio = math.exp(logp[b][t] - old[b][t])
+            a = adv[b]
+            clipped_ratio = min(max(ratio, 1 - eps_low), 1 + eps_high)
+            objective = min(ratio * a, clipped_ratio * a)
+            kl = math.exp(ref[b][t] - logp[b][t]) - (ref[b][t] - logp[b][t]) - 1 if beta > 0 else 0.0
+            total += -(objective - beta * kl)
+            kl_sum += kl
+            clipped += (ratio < 1 - eps_low and a < 0) or (ratio > 1 + eps_high and a > 0)
+    return total * weight, clipped, kl_sum
+
+
+def test_grpo_loss_matches_naive_loop_with_clipping_and_kl():
+    torch.manual_seed(0)
+    B, C = 4, 5
+    logp = (torch.randn(B, C, dtype=torch.float64) * 0.5 - 2).requires_grad_()
+    old = logp.detach() + torch.randn(B, C, dtype=torch.float64) * 0.4  # ratios far from 1: the clip is active
+    ref = logp.detach() + torch.randn(B, C, dtype=torch.float64) * 0.3
+    adv = torch.tensor([1.0, -1.0, 0.5, -2.0], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0]])
+    for beta in (0.0, 0.04):
+        loss, stats = grpo_loss(logp, old, adv, mask, 1 / 13, 0.2, 0.28, beta, ref)
+        want, clipped, kl = naive_loss(logp.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(),
+                                       1 / 13, 0.2, 0.28, beta)
+        assert abs(loss.item() - want) < 1e-6
+        assert stats["clip"].item() == clipped and clipped > 0
+        assert abs(stats["kl"].item() - kl) < 1e-6
+
+
+def test_on_policy_loss_gradient_is_advantage_weighted_logprob_gradient():
+    # with old = logp.detach() the ratio is 1 and d(loss)/d(logp) = -A * weight on every unmasked token
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, -0.1]], dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([2.0, -1.0], dtype=torch.float64)
+    mask = torch.tensor([[1, 1], [1, 0]])
+    loss, _ = grpo_loss(logp, logp.detach(), adv, mask, 1 / 3, 0.2, 0.2)
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([[-2 / 3, -2 / 3], [1 / 3, 0.0]], dtype=torch.float64))
+
+
+def test_collate_aligns_completions_in_one_column():
+    ids, attn, cmask = collate([[5, 6, 7], [8]], [[1, 2], [3, 4, 9]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7, 1, 2, 0], [0, 0, 8, 3, 4, 9]]
+    assert attn.tolist() == [[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
+    assert cmask.tolist() == [[1, 1, 0], [1, 1, 1]]
+
+
+def test_step_prompt_indices_cover_each_epoch_once_and_are_reproducible():
+    n, per_step = 10, 5
+    first_epoch = step_prompt_indices(0, n, per_step, 3) + step_prompt_indices(1, n, per_step, 3)
+    assert sorted(first_epoch) == list(range(n))
+    assert step_prompt_indices(1, n, per_step, 3) == step_prompt_indices(1, n, per_step, 3)
+    assert step_prompt_indices(2, n, per_step, 3) != step_prompt_indices(0, n, per_step, 3)  # a new permutation
+
+
+def test_bucket_plan_packs_in_order_and_keeps_big_tensors_alone():
+    assert bucket_plan([4, 4, 4, 10, 1, 1], 8) == [[0, 1], [2], [3], [4, 5]]
+    assert [i for b in bucket_plan([3] * 7, 10) for i in b] == list(range(7))
+
+
+def test_lr_schedules():
+    cfg = Config(max_steps=10, warmup_steps=2, lr_scheduler_type="linear")
+    assert [lr_factor(s, cfg) for s in (0, 1, 2)] == [0.5, 1.0, 1.0]
+    assert abs(lr_factor(6, cfg) - 0.5) < 1e-12
+    cfg.lr_scheduler_type = "cosine"
+    assert abs(lr_factor(6, cfg) - 0.5) < 1e-12 and lr_factor(2, cfg) == 1.0

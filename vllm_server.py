@@ -1,0 +1,303 @@
+"""The generation server and the small client the trainer uses to talk to it.
+
+The server is vLLM's own OpenAI-compatible server, started with the same flags as `vllm serve`:
+
+    python vllm_server.py --model smollm2-135m --port 8000 --dtype bfloat16 --enforce-eager
+    python vllm_server.py --model Qwen/Qwen2.5-1.5B-Instruct --tensor-parallel-size 2   # GPUs
+
+What this file adds to plain `vllm serve`, and nothing else:
+  - vLLM's weight-transfer routes (/init_weight_transfer_engine, /start_weight_update,
+    /update_weights, /finish_weight_update) and /reset_prefix_cache, enabled through
+    VLLM_SERVER_DEV_MODE=1;
+  - a `gloo` weight-transfer backend, so weights can be pushed on a CPU (vLLM's own backends
+    need CUDA); on GPUs pass `--weight-transfer-config '{"backend": "nccl"}'`;
+  - defaults for training: bound to 127.0.0.1, the sampler's log-probs after temperature
+    (`--logprobs-mode processed_logprobs`), the embedded model name `smollm2-135m`.
+
+Do not expose this port to a network: the weight-transfer routes let any caller replace the
+model's weights.
+
+The wire protocol of a weight push (trainer rank 0 = gloo rank 0, vLLM worker w = rank 1 + w):
+  1. POST /start_weight_update
+  2. POST /update_weights {names, dtype_names, shapes, bucket_bytes}, answered only after the
+     worker has received every bucket, while the trainer broadcasts the buckets: the tensors in
+     `names` order, concatenated as raw bytes and cut into buckets by `bucket_plan`.
+  3. POST /finish_weight_update, then POST /reset_prefix_cache (cached KV of old weights is stale).
+"""
+import math
+import os
+import re
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import requests
+import torch
+import torch.distributed as dist
+
+DEFAULT_PORT = 8000
+DEFAULT_GROUP_PORT = 51216  # the TCP port of the trainer<->server weight-transfer rendezvous
+
+
+# -----------------------------------------------------------------------------
+# the wire format, shared by both sides
+
+def bucket_plan(nbytes: list[int], bucket_bytes: int) -> list[list[int]]:
+    """Indices of the tensors that travel together: consecutive tensors up to `bucket_bytes`
+    per bucket; a tensor larger than a bucket travels alone."""
+    buckets, current, size = [], [], 0
+    for i, n in enumerate(nbytes):
+        if current and size + n > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += n
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def tensor_nbytes(shape: list[int], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def gloo_group(address: str, port: int, rank: int, world_size: int, timeout_s: float = 600):
+    """A gloo process group of its own (not torch's default group, which torchrun and vLLM use
+    for their own ranks), rendezvousing through a TCPStore that rank 0 hosts."""
+    store = dist.TCPStore(address, port, world_size, is_master=(rank == 0), timeout=timedelta(seconds=timeout_s))
+    return dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))
+
+
+# -----------------------------------------------------------------------------
+# trainer side
+
+class VLLMClient:
+    """What the trainer needs from the server: health, completions of token ids, weight pushes."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, api_key: str | None = None, timeout: float = 600):
+        self.base = f"http://{host}:{port}"
+        self.session = requests.Session()
+        if api_key:
+            self.session.headers["Authorization"] = f"Bearer {api_key}"
+        self.timeout = timeout
+        self.group = None  # the weight-transfer process group, after init_weight_transfer
+        self.model_name = None
+
+    def _post(self, path: str, json: dict | None = None) -> dict:
+        r = self.session.post(self.base + path, json=json, timeout=self.timeout)
+        if r.status_code != 200:
+            raise RuntimeError(f"vLLM server {path} answered {r.status_code}: {r.text[:2000]}")
+        return r.json()
+
+    def wait_for_health(self, timeout: float = 300):
+        """Wait until the server answers /health; a clear error if it does not within `timeout` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self.session.get(self.base + "/health", timeout=5).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"no vLLM server answered at {self.base}/health within {timeout:.0f}s. Start one with "
+                    f"`python vllm_server.py --model <model> --port <port>`, or fix --vllm_server_host/--vllm_server_port "
+                    f"(or raise --vllm_server_timeout if it is still loading).")
+            time.sleep(1)
+        self.model_name = self.session.get(self.base + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+    def server_dtype_and_max_len(self) -> tuple[torch.dtype, int]:
+        """The dtype the server computes in (weights are pushed in it) and its max model length."""
+        info = self.session.get(self.base + "/server_info", timeout=30).json()["vllm_config"]
+        dtype = getattr(torch, re.search(r"dtype=torch\.(\w+)", info).group(1))
+        max_len = self.session.get(self.base + "/v1/models", timeout=30).json()["data"][0]["max_model_len"]
+        return dtype, max_len
+
+    def generate(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = -1, min_p: float = 0.0, repetition_penalty: float = 1.0) -> list[dict]:
+        """n completions of each prompt (token ids). Returns len(prompts) * n dicts, prompt-major:
+        {token_ids, logprobs (the sampler's, per token), finish_reason ('stop' or 'length')}."""
+        body = dict(model=self.model_name, prompt=prompts, n=n, max_tokens=max_tokens, temperature=temperature,
+                    top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
+                    logprobs=0, return_token_ids=True, skip_special_tokens=False)
+        choices = sorted(self._post("/v1/completions", body)["choices"], key=lambda c: c["index"])
+        assert len(choices) == len(prompts) * n, f"asked for {len(prompts) * n} completions, got {len(choices)}"
+        return [dict(token_ids=c["token_ids"], logprobs=c["logprobs"]["token_logprobs"], finish_reason=c["finish_reason"])
+                for c in choices]
+
+    def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """The server's log-prob of each token of `token_ids` given the ones before (the first has none)."""
+        body = dict(model=self.model_name, prompt=[token_ids], max_tokens=1, temperature=1.0, prompt_logprobs=0,
+                    return_token_ids=True)
+        pl = self._post("/v1/completions", body)["choices"][0]["prompt_logprobs"]
+        return [entry[str(tok)]["logprob"] for tok, entry in zip(token_ids[1:], pl[1:])]
+
+    def init_weight_transfer(self, group_host: str = "127.0.0.1", group_port: int = DEFAULT_GROUP_PORT):
+        """Open the gloo group between this process (rank 0) and every vLLM worker (ranks 1..)."""
+        num_workers = self.session.get(self.base + "/get_world_size", timeout=30).json()["world_size"]
+        init_info = dict(master_address=group_host, master_port=group_port, rank_offset=1, world_size=1 + num_workers)
+        # the workers block inside the request until the group forms, so the request runs on a thread
+        thread = _call_in_thread(self._post, "/init_weight_transfer_engine", {"init_info": init_info})
+        self.group = gloo_group(group_host, group_port, 0, 1 + num_workers)
+        thread.join_or_raise()
+
+    def push_weights(self, named_tensors: list[tuple[str, torch.Tensor]], bucket_mb: float = 64):
+        """Send full (unsharded, Hugging Face named) tensors to the server and make them live."""
+        assert self.group is not None, "call init_weight_transfer() first"
+        bucket_bytes = int(bucket_mb * 2**20)
+        names = [n for n, _ in named_tensors]
+        tensors = [t.detach().to("cpu").contiguous() for _, t in named_tensors]
+        update_info = dict(names=names, dtype_names=[str(t.dtype).removeprefix("torch.") for t in tensors],
+                           shapes=[list(t.shape) for t in tensors], bucket_bytes=bucket_bytes)
+        self._post("/start_weight_update")
+        thread = _call_in_thread(self._post, "/update_weights", {"update_info": update_info})
+        for bucket in bucket_plan([t.numel() * t.element_size() for t in tensors], bucket_bytes):
+            packed = torch.cat([tensors[i].view(-1).view(torch.uint8) for i in bucket])
+            self.group.broadcast(packed, 0).wait()
+        thread.join_or_raise()
+        self._post("/finish_weight_update")
+        self._post("/reset_prefix_cache")
+
+
+class _call_in_thread(threading.Thread):
+    def __init__(self, fn, *args):
+        super().__init__(daemon=True)
+        self.fn, self.args, self.error = fn, args, None
+        self.start()
+
+    def run(self):
+        try:
+            self.fn(*self.args)
+        except BaseException as e:  # surfaced by join_or_raise in the caller's thread
+            self.error = e
+
+    def join_or_raise(self):
+        self.join()
+        if self.error is not None:
+            raise self.error
+
+
+# -----------------------------------------------------------------------------
+# server side: the gloo weight-transfer backend, registered in every vLLM process that imports
+# this module (the API server runs main(); the workers import WorkerExtension below)
+
+def register_gloo_backend():
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    if "gloo" in WeightTransferEngineFactory._registry:
+        return
+
+    @dataclass
+    class GlooInitInfo(WeightTransferInitInfo):
+        master_address: str
+        master_port: int
+        rank_offset: int
+        world_size: int
+
+    @dataclass
+    class GlooUpdateInfo(WeightTransferUpdateInfo):
+        names: list[str]
+        dtype_names: list[str]
+        shapes: list[list[int]]
+        bucket_bytes: int
+
+    class GlooWeightTransferEngine(WeightTransferEngine):
+        """Receives packed buckets over gloo and loads them through vLLM's layerwise reload,
+        the path that also re-runs the CPU weight repacking after new weights arrive."""
+        init_info_cls = GlooInitInfo
+        update_info_cls = GlooUpdateInfo
+
+        def init_transfer_engine(self, info: GlooInitInfo):
+            pc = self.parallel_config
+            rank = info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
+            self.group = gloo_group(info.master_address, info.master_port, rank, info.world_size)
+
+        def start_weight_update(self):
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+            initialize_layerwise_reload(self.model)
+
+        def update_weights(self, update_info: dict):
+            self.receive_weights(self.parse_update_info(update_info))  # the base class also syncs CUDA
+
+        def receive_weights(self, info: GlooUpdateInfo):
+            dtypes = [getattr(torch, d) for d in info.dtype_names]
+            nbytes = [tensor_nbytes(s, d) for s, d in zip(info.shapes, dtypes)]
+            for bucket in bucket_plan(nbytes, info.bucket_bytes):
+                packed = torch.empty(sum(nbytes[i] for i in bucket), dtype=torch.uint8)
+                self.group.broadcast(packed, 0).wait()
+                weights, offset = [], 0
+                for i in bucket:
+                    raw = packed[offset:offset + nbytes[i]]
+                    weights.append((info.names[i], raw.view(dtypes[i]).view(info.shapes[i])))
+                    offset += nbytes[i]
+                self.model.load_weights(weights)
+
+        def finish_weight_update(self):
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+            finalize_layerwise_reload(self.model, self.model_config)
+            # With tied embeddings, vLLM on CPU keeps a separately packed copy of lm_head for the
+            # logits that the reload does not refresh: the outputs would silently keep the old
+            # embedding. Repack it from the new weight.
+            lm_head = getattr(self.model, "lm_head", None)
+            if self.device.type == "cpu" and lm_head is not None and hasattr(lm_head, "cpu_linear"):
+                from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+                dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)
+
+        def shutdown(self):
+            self.group = None
+
+    WeightTransferEngineFactory.register_engine("gloo", GlooWeightTransferEngine)
+
+
+class WorkerExtension:
+    """Passed as --worker-extension-cls so that each vLLM worker imports this module (and so
+    registers the gloo backend) before it builds its weight-transfer engine."""
+
+
+if "vllm" in sys.modules:  # imported inside a vLLM process: make the backend available there
+    register_gloo_backend()
+
+
+def main(argv: list[str] | None = None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # enables the weight-transfer and cache routes
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; unset, vLLM on CPU sizes it from all RAM
+    here = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = here + os.pathsep + os.environ.get("PYTHONPATH", "")  # workers import this module
+    sys.path.insert(0, here)
+    import utils
+
+    def has(flag):
+        return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+    if not has("--model") and not (argv and not argv[0].startswith("-")):
+        argv += ["--model", utils.DEFAULT_MODEL]
+    for i, a in enumerate(argv):  # the embedded model's name -> its converted folder
+        if a == "--model" and i + 1 < len(argv):
+            argv[i + 1] = utils.resolve_model(argv[i + 1])
+        elif a.startswith("--model="):
+            argv[i] = "--model=" + utils.resolve_model(a.split("=", 1)[1])
+    defaults = {"--host": "127.0.0.1", "--port": str(DEFAULT_PORT), "--logprobs-mode": "processed_logprobs",
+                "--worker-extension-cls": "vllm_server.WorkerExtension",
+                "--weight-transfer-config": '{"backend": "gloo"}' if not torch.cuda.is_available() else '{"backend": "nccl"}'}
+    for flag, value in defaults.items():
+        if not has(flag):
+            argv += [flag, value]
+
+    import uvloop
+    from vllm.entrypoints.launchers.api_server.entry import run_server
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    register_gloo_backend()
+    cli_env_setup()
+    parser = make_arg_parser(FlexibleArgumentParser(description="vLLM server for nanogrpo (same flags as `vllm serve`)"))
+    args = parser.parse_args(argv)
+    validate_parsed_serve_args(args)
+    uvloop.run(run_server(args))
+
+
+if __name__ == "__main__":
+    main()
