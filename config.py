@@ -25,7 +25,7 @@ class Config:
     # generation (on the vLLM server)
     num_generations: int = 8  # G: completions per prompt; the group for the advantage baseline
     prompts_per_step: int = 8  # prompts per optimizer step, over all ranks (so G * this completions)
-    max_completion_length: int = 64  # tokens per completion; longer ones are cut ("length" finish)
+    max_completion_length: int = 48  # tokens per completion; longer ones are cut ("length" finish)
     temperature: float = 1.0  # sampling temperature; the trainer's log-probs use the same one
     top_p: float = 1.0  # nucleus sampling; 1.0 = off
     # GRPO
@@ -35,8 +35,8 @@ class Config:
     reward_funcs: str = "accuracy,format"  # comma-separated names from rewards.py
     reward_weights: str = ""  # comma-separated floats, one per reward function; "" = all 1.0
     # optimization
-    max_steps: int = 20  # optimizer steps (= generation rounds)
-    learning_rate: float = 2e-5  # peak AdamW learning rate
+    max_steps: int = 15  # optimizer steps (= generation rounds)
+    learning_rate: float = 3e-5  # peak AdamW learning rate (tuned for the embedded task; TRL uses 1e-6)
     lr_scheduler_type: str = "constant"  # constant | linear | cosine (decay to 0 at max_steps)
     warmup_steps: int = 0  # linear warmup from 0
     weight_decay: float = 0.0

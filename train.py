@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from config import Config, parse_config
 from rewards import RewardScorer
 from utils import (MetricsLogger, all_reduce, sum_over_ranks, collate, completion_logprobs, encode_prompt, full_weights, load_model,
-                   load_rows, print0, resolve_model, save_model, setup_distributed, step_prompt_indices,
+                   barrier, load_rows, print0, resolve_model, save_model, setup_distributed, step_prompt_indices,
                    teardown_distributed)
 from vllm_server import VLLMClient
 
@@ -109,6 +109,7 @@ def main(cfg: Config):
         client.init_weight_transfer(cfg.vllm_server_host if cfg.vllm_server_host != "localhost" else "127.0.0.1",
                                     cfg.vllm_group_port)
         client.push_weights(full_weights(model, server_dtype), cfg.weight_sync_bucket_mb)  # server = our step-0 policy
+    barrier()  # no rank samples while weights are being pushed
     if max_model_len < cfg.max_prompt_length + cfg.max_completion_length:
         raise ValueError(f"the server's max model length {max_model_len} < --max_prompt_length {cfg.max_prompt_length} "
                          f"+ --max_completion_length {cfg.max_completion_length}: lower them or start the server "
@@ -184,8 +185,7 @@ def main(cfg: Config):
         # ---------------------------------------------------------------------- sync weights
         if is_main:
             client.push_weights(full_weights(model, server_dtype), cfg.weight_sync_bucket_mb)
-        if world_size > 1:
-            dist.barrier()  # no rank samples again before the server has the new weights
+        barrier()  # no rank samples again before the server has the new weights
         t_sync = time.perf_counter()
 
         # ---------------------------------------------------------------------- log

@@ -58,6 +58,11 @@ def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return x
 
 
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def sum_over_ranks(values: dict) -> dict[str, float]:
     """{name: number or 0-d tensor} -> {name: float}, each summed over all ranks in one collective."""
     total = all_reduce(torch.tensor([float(v) for v in values.values()], dtype=torch.float64))

@@ -33,7 +33,7 @@ def stop(proc: subprocess.Popen):
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    """A random 2-layer Llama (head_dim 64: vLLM's CPU attention rejects 16) with tied embeddings."""
+    """A random 2-layer Llama (head_dim 64: vLLM's CPU attention rejects 16) with tied embeddings; 3 M parameters."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     import utils
@@ -43,7 +43,12 @@ def tiny_model(tmp_path_factory) -> str:
                          num_attention_heads=1, num_key_value_heads=1, head_dim=64, max_position_embeddings=1024,
                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # one constant hidden dimension, and EOS favoured along it: P(EOS) ~ 0.1 per token, so
+        E = model.model.embed_tokens.weight  # completions end at different lengths and brevity is learnable
+        E[:, 0] = 1.0
+        E[config.eos_token_id, 0] = 2.1
+    model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 

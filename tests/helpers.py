@@ -1,0 +1,22 @@
+"""Reward functions for tests, passed as --reward_funcs tests.helpers:NAME."""
+import time
+
+
+def raises(completions, answers):
+    raise RuntimeError("a broken reward function")
+
+
+def raises_on_x(completions, answers):
+    if any("BAD" in c for c in completions):
+        raise ValueError("BAD")
+    return [1.0] * len(completions)
+
+
+def hangs(completions, answers):
+    time.sleep(3600)
+
+
+def brevity(completions, answers):
+    """1 for an empty completion, falling to 0 at 80 characters: learnable by the tiny test model,
+    which ends a completion with probability ~0.1 per token."""
+    return [max(0.0, 1 - len(c) / 80) for c in completions]

@@ -1,0 +1,73 @@
+"""The real vllm_server.py on a tiny random model: generation, weight pushes, restoring weights."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import free_port
+from utils import collate, completion_logprobs
+from vllm_server import VLLMClient
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def setup(server):
+    client = VLLMClient(port=server["port"])
+    client.wait_for_health(30)
+    client.init_weight_transfer(group_port=free_port())
+    tokenizer = AutoTokenizer.from_pretrained(server["model"])
+    model = AutoModelForCausalLM.from_pretrained(server["model"], dtype=torch.float32)
+    prompts = [tokenizer("What is 2 + 3?")["input_ids"], tokenizer("Name a colour.")["input_ids"]]
+    yield client, model, prompts
+    client.push_weights(list(model.named_parameters()))  # leave the server as we found it
+
+
+def trainer_logprobs(model, prompts, samples, n):
+    prompt_of = [prompts[i // n] for i in range(len(samples))]
+    ids, attn, cmask = collate(prompt_of, [s["token_ids"] for s in samples], pad_id=2)
+    with torch.no_grad():
+        return completion_logprobs(model, ids, attn, cmask.shape[1], 1.0), cmask
+
+
+def test_generate_returns_n_completions_with_ids_logprobs_and_finish_reasons(setup):
+    client, model, prompts = setup
+    samples = client.generate(prompts, n=3, max_tokens=12, temperature=1.0)
+    assert len(samples) == 6
+    for s in samples:
+        assert 1 <= len(s["token_ids"]) <= 12 and len(s["logprobs"]) == len(s["token_ids"])
+        assert s["finish_reason"] in ("stop", "length")
+        assert all(lp <= 0 for lp in s["logprobs"])
+    assert len({tuple(s["token_ids"]) for s in samples[:3]}) > 1  # sampled, not copies
+
+
+def test_sampler_logprobs_equal_the_trainers_in_fp32(setup):
+    client, model, prompts = setup
+    samples = client.generate(prompts, n=2, max_tokens=16, temperature=1.0)
+    ours, mask = trainer_logprobs(model, prompts, samples, 2)
+    for i, s in enumerate(samples):
+        diff = (ours[i, :len(s["logprobs"])] - torch.tensor(s["logprobs"])).abs().max().item()
+        assert diff < 1e-3, diff
+
+
+def test_push_changes_outputs_and_restoring_reproduces_them_exactly(setup):
+    client, model, prompts = setup
+    probe = prompts[0] + [100, 200, 300, 400, 500]
+    before = client.prompt_logprobs(probe)
+    greedy_before = client.generate(prompts, n=1, max_tokens=8, temperature=1e-5)
+    # change every weight, the (tied) embedding included: a stale lm_head copy on the server would show
+    changed = [(name, p.detach() + 0.05 * torch.randn_like(p)) for name, p in model.named_parameters()]
+    assert any("embed_tokens" in name for name, _ in changed)
+    client.push_weights(changed, bucket_mb=0.5)  # small buckets: many of them, big tensors alone
+    after = client.prompt_logprobs(probe)
+    assert max(abs(a - b) for a, b in zip(before, after)) > 0.1
+    # the server now computes exactly what a model with the pushed weights computes
+    moved = AutoModelForCausalLM.from_config(model.config)
+    moved.load_state_dict(dict(changed), strict=False)
+    moved.tie_weights()
+    ids = torch.tensor([probe])
+    with torch.no_grad():
+        want = torch.log_softmax(moved(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+    assert (torch.tensor(after) - want).abs().max().item() < 1e-3
+    client.push_weights(list(model.named_parameters()))
+    assert client.prompt_logprobs(probe) == before
+    assert client.generate(prompts, n=1, max_tokens=8, temperature=1e-5) == greedy_before

@@ -1,0 +1,45 @@
+"""train.py under torchrun (2 processes, gloo) against the real server, on the tiny model."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, free_port
+
+pytestmark = pytest.mark.slow
+GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
+
+
+def run_train(server, out, *args, nproc=2):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
+           os.path.join(ROOT, "train.py"), "--model", server["model"], "--vllm_server_port", str(server["port"]),
+           "--vllm_group_port", str(free_port()), "--output_dir", str(out), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc, [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+
+def test_two_process_run_learns_keeps_server_in_sync_and_saves(server, tmp_path):
+    steps = 20
+    proc, metrics = run_train(
+        server, tmp_path / "out", "--dataset", GSM8K, "--reward_funcs", "tests.helpers:brevity",
+        "--num_generations", "4", "--prompts_per_step", "8", "--max_completion_length", "16", "--max_steps", str(steps),
+        "--learning_rate", "5e-3", "--beta", "0.04", "--bf16", "false", "--micro_batch_size", "3", "--temperature", "1.0")
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    assert sum(f"step {s}/{steps}" in proc.stdout for s in range(1, steps + 1)) == steps  # one console line per step
+    # after every sync the server's log-probs of what it sampled equal the trainer's (fp32 on both sides)
+    assert max(m["sampler_logprob_diff_max"] for m in metrics) < 1e-4, [m["sampler_logprob_diff_max"] for m in metrics]
+    # the reward this tiny model can learn goes up
+    first, last = sum(m["reward"] for m in metrics[:5]) / 5, sum(m["reward"] for m in metrics[-5:]) / 5
+    assert last > first + 0.1, [round(m["reward"], 3) for m in metrics]
+    assert metrics[-1]["kl"] > 0  # the reference model is in the loss
+    # weights changed, and the saved folder is a model transformers loads
+    saved = load_file(tmp_path / "out" / "model" / "model.safetensors")
+    initial = load_file(os.path.join(server["model"], "model.safetensors"))
+    assert any(not torch.equal(saved[k], initial[k]) for k in initial)
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model")
