@@ -50,7 +50,8 @@ class Config:
     vllm_server_host: str = "127.0.0.1"
     vllm_server_port: int = 8000
     vllm_server_timeout: float = 300  # seconds to wait for the server to answer /health at start
-    vllm_group_port: int = 51216  # TCP port for the weight-transfer rendezvous (on this host)
+    vllm_group_host: str = "127.0.0.1"  # address of trainer rank 0 as the server sees it (weight-transfer rendezvous)
+    vllm_group_port: int = 51216  # TCP port of that rendezvous, hosted by trainer rank 0
     weight_sync_bucket_mb: float = 64  # weights leave the trainer packed in buckets of this size
     # output
     output_dir: str = "out"  # metrics.jsonl and the final model folder go here

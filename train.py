@@ -106,8 +106,7 @@ def main(cfg: Config):
     client.wait_for_health(cfg.vllm_server_timeout)
     server_dtype, max_model_len = client.server_dtype_and_max_len()
     if is_main:  # rank 0 owns the weight-transfer group and pushes; DDP keeps every rank's copy equal
-        client.init_weight_transfer(cfg.vllm_server_host if cfg.vllm_server_host != "localhost" else "127.0.0.1",
-                                    cfg.vllm_group_port)
+        client.init_weight_transfer(cfg.vllm_group_host, cfg.vllm_group_port)
         client.push_weights(full_weights(model, server_dtype), cfg.weight_sync_bucket_mb)  # server = our step-0 policy
     barrier()  # no rank samples while weights are being pushed
     if max_model_len < cfg.max_prompt_length + cfg.max_completion_length:

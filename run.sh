@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The main job on one machine: set up (once), start the vLLM server, train, stop the server.
+#   bash run.sh                                  # the embedded defaults: SmolLM2-135M on the arithmetic task
+#   bash run.sh --max_steps 50 --beta 0.04       # any train.py flag
+#   SERVER_ARGS="--dtype float32" bash run.sh    # any `vllm serve` flag for the server
+# On a GPU machine, run vllm_server.py and torchrun yourself (README: "On GPUs").
+set -euo pipefail
+cd "$(dirname "$0")"
+./setup.sh
+PY=.venv/bin/python
+OUT=out
+for ((i = 1; i <= $#; i++)); do [ "${!i}" = "--output_dir" ] && { j=$((i + 1)); OUT=${!j}; }; done
+mkdir -p "$OUT"
+read -r PORT GROUP_PORT < <($PY -c "
+import socket
+socks = [socket.socket() for _ in range(2)]
+for s in socks: s.bind(('127.0.0.1', 0))
+print(*[s.getsockname()[1] for s in socks])")
+MODEL=smollm2-135m
+for ((i = 1; i <= $#; i++)); do [ "${!i}" = "--model" ] && { j=$((i + 1)); MODEL=${!j}; }; done
+
+echo "starting the vLLM server on 127.0.0.1:$PORT (log: $OUT/server.log)"
+setsid $PY vllm_server.py --model "$MODEL" --port "$PORT" --dtype bfloat16 --enforce-eager --max-model-len 2048 \
+  ${SERVER_ARGS:-} > "$OUT/server.log" 2>&1 &
+SERVER_PID=$!
+trap 'kill -TERM -- -$SERVER_PID 2>/dev/null || true; wait $SERVER_PID 2>/dev/null || true' EXIT
+until $PY -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; do
+  kill -0 $SERVER_PID 2>/dev/null || { echo "the vLLM server exited; its log:"; tail -30 "$OUT/server.log"; exit 1; }
+  sleep 2
+done
+$PY train.py --vllm_server_port "$PORT" --vllm_group_port "$GROUP_PORT" "$@"
