@@ -88,6 +88,11 @@ def main(cfg: Config):
     model_path = resolve_model(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     rows = load_rows(cfg.dataset, cfg.dataset_split, cfg.prompt_column, cfg.answer_column, cfg.num_arithmetic_problems, cfg.seed)
+    prompt_ids = [encode_prompt(tokenizer, r["question"], cfg.system_prompt) for r in rows]  # chat template applied
+    longest = max(map(len, prompt_ids))
+    if longest > cfg.max_prompt_length:
+        raise ValueError(f"the longest prompt has {longest} tokens > --max_prompt_length {cfg.max_prompt_length}: raise "
+                         "it (and the server's --max-model-len) or drop the long prompts from the dataset")
     scorer = RewardScorer(cfg.reward_names())
     reward_weights = torch.tensor(cfg.reward_weight_list())  # (k,)
 
@@ -122,12 +127,8 @@ def main(cfg: Config):
         t0 = time.perf_counter()
         # ---------------------------------------------------------------------- sample
         indices = step_prompt_indices(step, len(rows), cfg.prompts_per_step, cfg.seed)
-        batch = [rows[i] for i in indices[rank * prompts_per_rank:(rank + 1) * prompts_per_rank]]
-        prompts = [encode_prompt(tokenizer, r["question"], cfg.system_prompt) for r in batch]
-        too_long = max(map(len, prompts))
-        if too_long > cfg.max_prompt_length:
-            raise ValueError(f"a prompt has {too_long} tokens > --max_prompt_length {cfg.max_prompt_length}: raise it "
-                             "(and the server's --max-model-len) or shorten the prompts")
+        mine = indices[rank * prompts_per_rank:(rank + 1) * prompts_per_rank]
+        batch, prompts = [rows[i] for i in mine], [prompt_ids[i] for i in mine]
         samples = client.generate(prompts, n=G, max_tokens=cfg.max_completion_length, temperature=cfg.temperature,
                                   top_p=cfg.top_p)  # prompt-major: completions of prompt i are [i*G, (i+1)*G)
         prompt_of = [prompts[i // G] for i in range(len(samples))]

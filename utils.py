@@ -106,7 +106,12 @@ def default_model_path() -> str:
 
 
 def resolve_model(name: str) -> str:
-    return default_model_path() if name == DEFAULT_MODEL else name
+    """The embedded model's folder, a local folder, or a hub id (org/name) as given."""
+    if name == DEFAULT_MODEL:
+        return default_model_path()
+    if not os.path.exists(name) and (name.startswith((".", "/", "~")) or name.count("/") > 1):
+        raise ValueError(f"--model {name}: no such folder (a hub id looks like org/name)")
+    return name
 
 
 # -----------------------------------------------------------------------------
@@ -208,8 +213,6 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens:
 
 def load_model(path: str, device, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
-    if not os.path.exists(path) and (path.startswith((".", "/", "~")) or os.sep in path.strip("/").split("/", 1)[-1]):
-        raise ValueError(f"--model {path}: no such folder")
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
 
 

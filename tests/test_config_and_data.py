@@ -69,3 +69,9 @@ def test_missing_column_and_missing_file_say_what_to_set(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps({"question": "q", "answer": "1"}) + "\n")
     assert utils.load_rows(str(empty), "train", "question", "answer", 0, 0) == [{"question": "q", "answer": "1"}]
+
+
+def test_model_path_that_does_not_exist_is_named(tmp_path):
+    with pytest.raises(ValueError, match="no such folder"):
+        utils.resolve_model(str(tmp_path / "missing-model"))
+    assert utils.resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
