@@ -28,10 +28,17 @@ class Config:
     max_completion_length: int = 48  # tokens per completion; longer ones are cut ("length" finish)
     temperature: float = 1.0  # sampling temperature; the trainer's log-probs use the same one
     top_p: float = 1.0  # nucleus sampling; 1.0 = off
+    top_k: int = -1  # sample from the k most likely tokens; -1 = off
+    min_p: float = 0.0  # drop tokens less likely than min_p * the most likely one; 0 = off
+    repetition_penalty: float = 1.0  # > 1 discourages repeated tokens; 1.0 = off
     # GRPO
     beta: float = 0.0  # KL penalty coefficient (k3 estimator); 0 = no reference model is loaded
     epsilon: float = 0.2  # clip range of the ratio: [1 - epsilon, 1 + epsilon_high]
     epsilon_high: float = -1.0  # upper clip; -1 = same as epsilon (DAPO's clip-higher uses e.g. 0.28)
+    delta: float = 0.0  # also cap the unclipped ratio at delta (two-sided clip, INTELLECT-2; e.g. 4); 0 = off
+    loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo: how token losses are averaged (README: Loss choices)
+    scale_rewards: str = "group"  # group | batch | none: divide advantages by the group's std, the batch's, or not
+    mask_truncated_completions: bool = False  # completions cut at max_completion_length get no loss (DAPO)
     reward_funcs: str = "accuracy,format"  # comma-separated names from rewards.py
     reward_weights: str = ""  # comma-separated floats, one per reward function; "" = all 1.0
     # optimization
@@ -94,6 +101,14 @@ class Config:
             errors.append("--top_p must be in (0, 1]")
         if self.learning_rate <= 0:
             errors.append("--learning_rate must be > 0")
+        if self.delta < 0 or 0 < self.delta <= 1 + self.eps_high:
+            errors.append(f"--delta {self.delta} must be 0 (off) or above 1 + epsilon_high ({1 + self.eps_high})")
+        if self.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo"):
+            errors.append(f"--loss_type {self.loss_type!r}: use grpo, bnpo, dr_grpo or dapo")
+        if self.scale_rewards not in ("group", "batch", "none"):
+            errors.append(f"--scale_rewards {self.scale_rewards!r}: use group, batch or none")
+        if self.repetition_penalty <= 0 or not 0 <= self.min_p < 1 or self.top_k == 0:
+            errors.append("--repetition_penalty must be > 0, --min_p in [0, 1), --top_k -1 (off) or >= 1")
         if self.lr_scheduler_type not in ("constant", "linear", "cosine"):
             errors.append(f"--lr_scheduler_type {self.lr_scheduler_type!r}: use constant, linear or cosine")
         if self.report_to not in ("none", "wandb"):

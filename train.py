@@ -41,32 +41,93 @@ from utils import (MetricsLogger, all_reduce, sum_over_ranks, collate, completio
 from vllm_server import VLLMClient
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
-    """(N,) rewards of N / G consecutive groups -> (N,) advantages (r - group mean) / (group std + eps)."""
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", batch_std: float = 1.0,
+                     eps: float = 1e-4) -> torch.Tensor:
+    """(N,) rewards of N / G consecutive groups -> (N,) advantages r - group mean, divided by the group's
+    std ("group", GRPO), by the std of the whole batch over all ranks ("batch", `batch_std`), or by
+    nothing ("none", Dr. GRPO: no difficulty bias from low-variance groups)."""
     grouped = rewards.view(-1, group_size)  # (N/G, G)
-    mean, std = grouped.mean(dim=1, keepdim=True), grouped.std(dim=1, keepdim=True)  # unbiased std, as in TRL
-    return ((grouped - mean) / (std + eps)).view(-1)
+    adv = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale == "group":
+        adv = adv / (grouped.std(dim=1, keepdim=True) + eps)  # unbiased std, as in TRL
+    elif scale == "batch":
+        adv = adv / (batch_std + eps)
+    return adv.view(-1)
 
 
-def grpo_loss(logp, old_logp, advantages, mask, token_weight: float, epsilon_low: float, epsilon_high: float,
+def token_weights(mask: torch.Tensor, loss_type: str, num_seqs: float, num_tokens: float, max_completion_length: int,
+                  num_micro_batches: int) -> torch.Tensor:
+    """(B, C) weight of each completion token in the loss of one optimizer step. `num_seqs` and
+    `num_tokens` count the sequences and tokens of the step over all ranks, `num_micro_batches` the
+    micro-batches over all ranks; summing weight * per-token loss over every micro-batch of every
+    rank gives the step's loss:
+      grpo     (1/N) sum_i (1/|o_i|) sum_t     mean over sequences of each sequence's token mean
+      bnpo     mean over micro-batches of each micro-batch's token mean (depends on the split)
+      dr_grpo  1/(N * max_completion_length) sum_i sum_t   (Dr. GRPO: no length bias)
+      dapo     1/(sum_i |o_i|) sum_i sum_t                 (DAPO: every token of the step alike)"""
+    mask = mask.to(torch.float64)
+    if loss_type == "grpo":
+        return mask / mask.sum(dim=1, keepdim=True).clamp(min=1) / num_seqs
+    if loss_type == "bnpo":
+        return mask / mask.sum().clamp(min=1) / num_micro_batches
+    if loss_type == "dr_grpo":
+        return mask / (num_seqs * max_completion_length)
+    if loss_type == "dapo":
+        return mask / max(num_tokens, 1.0)
+    raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+def grpo_loss(logp, old_logp, advantages, mask, weights, epsilon_low: float, epsilon_high: float, delta: float = 0.0,
               beta: float = 0.0, ref_logp=None):
-    """Clipped surrogate with a k3 KL penalty, summed over the masked tokens, times token_weight.
+    """Clipped surrogate with a k3 KL penalty: sum over tokens of weights * per-token loss.
 
-    logp, old_logp, ref_logp, mask: (B, C) per completion token; advantages: (B,).
-    Returns the loss (a scalar to backpropagate) and a dict of summed, unweighted statistics.
+    logp, old_logp, ref_logp, mask, weights: (B, C) per completion token; advantages: (B,).
+    delta > 0 also caps the ratio of the unclipped term at delta (two-sided clipping, INTELLECT-2).
+    Returns the loss (a scalar to backpropagate) and a dict of masked sums for metrics.
     """
     ratio = torch.exp(logp - old_logp)  # (B, C)
     adv = advantages.unsqueeze(1)  # (B, 1)
-    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv)
-    per_token = -surrogate
+    unclipped = torch.clamp(ratio, max=delta) if delta > 0 else ratio
+    per_token = -torch.min(unclipped * adv, torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv)
     kl = torch.zeros_like(logp)
     if beta > 0:
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # k3: unbiased, always >= 0
         per_token = per_token + beta * kl
     mask = mask.to(logp.dtype)
-    clipped = ((ratio < 1 - epsilon_low) & (adv < 0)) | ((ratio > 1 + epsilon_high) & (adv > 0))
-    stats = {"kl": (kl * mask).sum().detach(), "clip": (clipped * mask).sum().detach()}
-    return (per_token * mask).sum() * token_weight, stats
+    low, high = (ratio < 1 - epsilon_low) & (adv < 0), (ratio > 1 + epsilon_high) & (adv > 0)
+    stats = {"kl": (kl * mask).sum(), "clip_low": (low * mask).sum(), "clip_high": (high * mask).sum(),
+             "clip_region": (((ratio < 1 - epsilon_low) | (ratio > 1 + epsilon_high)) * mask).sum()}
+    return (per_token * weights).sum(), {k: v.detach() for k, v in stats.items()}
+
+
+def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autocast) -> dict:
+    """Backpropagate the loss of one optimizer step on this rank's share `data` (tensors over its
+    completions: input_ids, attention_mask, loss_mask, advantages, ref_logp or None), micro-batch by
+    micro-batch. Token weights count the step over all ranks, so the gradient after DDP's averaging
+    is the same however the step is split over micro-batches and ranks (except bnpo, by definition).
+    Returns sums of per-token statistics over this rank's tokens, and the on-policy log-probs."""
+    device = next(model.parameters()).device
+    mask, n = data["loss_mask"], len(data["loss_mask"])
+    micro = [slice(i, i + cfg.micro_batch_size) for i in range(0, n, cfg.micro_batch_size)]
+    counts = sum_over_ranks({"seqs": n, "tokens": mask.sum(), "micro": len(micro)})
+    C = mask.shape[1]
+    sums, logps = {}, []
+    for j, s in enumerate(micro):
+        sync = j == len(micro) - 1 or world_size == 1  # DDP all-reduces gradients on the last micro-batch only
+        with (nullcontext() if sync else model.no_sync()), autocast:
+            logp = completion_logprobs(model, data["input_ids"][s].to(device), data["attention_mask"][s].to(device), C,
+                                       cfg.temperature)  # (b, C)
+            old_logp = logp.detach()  # on-policy: pi_old is the policy that sampled (see docstring)
+            weights = token_weights(mask[s], cfg.loss_type, counts["seqs"], counts["tokens"], cfg.max_completion_length,
+                                    counts["micro"]).to(device) * world_size  # DDP averages gradients over ranks
+            ref = None if data["ref_logp"] is None else data["ref_logp"][s].to(device)
+            loss, stats = grpo_loss(logp, old_logp, data["advantages"][s].to(device), mask[s].to(device), weights,
+                                    cfg.epsilon, cfg.eps_high, cfg.delta, cfg.beta, ref)
+            loss.backward()
+        for k, v in {**stats, "loss": loss.detach() / world_size}.items():
+            sums[k] = sums.get(k, 0.0) + v.item()
+        logps.append(old_logp.float().cpu())
+    return sums, torch.cat(logps)
 
 
 def lr_factor(step: int, cfg: Config) -> float:
@@ -130,7 +191,8 @@ def main(cfg: Config):
         mine = indices[rank * prompts_per_rank:(rank + 1) * prompts_per_rank]
         batch, prompts = [rows[i] for i in mine], [prompt_ids[i] for i in mine]
         samples = client.generate(prompts, n=G, max_tokens=cfg.max_completion_length, temperature=cfg.temperature,
-                                  top_p=cfg.top_p)  # prompt-major: completions of prompt i are [i*G, (i+1)*G)
+                                  top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
+                                  repetition_penalty=cfg.repetition_penalty)  # prompt-major: prompt i has [i*G, (i+1)*G)
         prompt_of = [prompts[i // G] for i in range(len(samples))]
         completions = [s["token_ids"] for s in samples]
         t_gen = time.perf_counter()
@@ -143,39 +205,31 @@ def main(cfg: Config):
         t_score = time.perf_counter()
 
         # ---------------------------------------------------------------------- advantages
-        advantages = group_advantages(rewards, G)  # (N,)
+        r = sum_over_ranks({"n": len(rewards), "sum": rewards.sum(), "sq": (rewards ** 2).sum()})
+        batch_std = math.sqrt(max(r["sq"] - r["sum"] ** 2 / r["n"], 0.0) / max(r["n"] - 1, 1))  # over all ranks
+        advantages = group_advantages(rewards, G, cfg.scale_rewards, batch_std)  # (N,)
 
         # ---------------------------------------------------------------------- ref log-probs
         input_ids, attention_mask, completion_mask = collate(prompt_of, completions, tokenizer.pad_token_id)
+        truncated = torch.tensor([s["finish_reason"] == "length" for s in samples])  # (N,)
+        loss_mask = completion_mask * ~truncated.unsqueeze(1) if cfg.mask_truncated_completions else completion_mask
         C = completion_mask.shape[1]
-        micro = [slice(i, i + cfg.micro_batch_size) for i in range(0, len(samples), cfg.micro_batch_size)]
         ref_logp = None
         if ref_model is not None:
             with torch.no_grad(), autocast:
-                ref_logp = torch.cat([completion_logprobs(ref_model, input_ids[s].to(device), attention_mask[s].to(device),
-                                                          C, cfg.temperature) for s in micro])  # (N, C)
+                ref_logp = torch.cat([completion_logprobs(ref_model, input_ids[i:i + cfg.micro_batch_size].to(device),
+                                                          attention_mask[i:i + cfg.micro_batch_size].to(device), C,
+                                                          cfg.temperature).cpu()
+                                      for i in range(0, len(samples), cfg.micro_batch_size)])  # (N, C)
         t_ref = time.perf_counter()
 
         # ---------------------------------------------------------------------- loss and step
-        # every token of the step weighs the same, over all ranks; DDP averages gradients over ranks
-        num_tokens = all_reduce(completion_mask.sum().float()).item()
-        token_weight = world_size / max(num_tokens, 1.0)
-        sums = torch.zeros(4)  # kl, clip, sampler |diff|, loss, summed over this rank's tokens
-        max_diff = torch.zeros(1)
         model.train()
-        for j, s in enumerate(micro):
-            sync = j == len(micro) - 1 or world_size == 1  # DDP all-reduces gradients on the last micro-batch only
-            with (nullcontext() if sync else model.no_sync()), autocast:
-                mask = completion_mask[s].to(device)
-                logp = completion_logprobs(model, input_ids[s].to(device), attention_mask[s].to(device), C, cfg.temperature)
-                old_logp = logp.detach()  # on-policy: pi_old is the policy that sampled (see docstring)
-                loss, stats = grpo_loss(logp, old_logp, advantages[s].to(device), mask, token_weight, cfg.epsilon,
-                                        cfg.eps_high, cfg.beta, None if ref_logp is None else ref_logp[s].to(device))
-                loss.backward()
-            sampler_logp = torch.tensor([x["logprobs"] + [0.0] * (C - len(x["logprobs"])) for x in samples[s]])
-            diff = (old_logp.float().cpu() - sampler_logp).abs() * mask.cpu()
-            sums += torch.stack([stats["kl"].cpu(), stats["clip"].cpu(), diff.sum(), loss.detach().cpu() / token_weight])
-            max_diff = torch.maximum(max_diff, diff.max().view(1))
+        sums, logp = accumulate_gradients(model, dict(input_ids=input_ids, attention_mask=attention_mask,
+                                                      loss_mask=loss_mask, advantages=advantages, ref_logp=ref_logp),
+                                          cfg, world_size, autocast)
+        sampler_logp = torch.tensor([x["logprobs"] + [0.0] * (C - len(x["logprobs"])) for x in samples])  # (N, C)
+        diff = (logp - sampler_logp).abs() * completion_mask  # the server's log-probs vs ours, same weights
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm or float("inf"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -189,22 +243,26 @@ def main(cfg: Config):
         t_sync = time.perf_counter()
 
         # ---------------------------------------------------------------------- log
+        lengths = completion_mask.sum(dim=1).float()
         t = sum_over_ranks({"n": len(samples), "reward": rewards.sum(), "reward_sq": (rewards ** 2).sum(),
                             **{f"rewards/{name}": reward_matrix[:, i].nansum() for i, name in enumerate(cfg.reward_names())},
                             "reward_nan": reward_matrix.isnan().sum(), "groups": len(batch),
                             "zero_std_groups": (rewards.view(-1, G).std(dim=1) < 1e-6).sum(),
-                            "length": completion_mask.sum(), "truncated": sum(s["finish_reason"] == "length" for s in samples),
-                            "kl": sums[0], "clip": sums[1], "diff": sums[2], "loss": sums[3]})
-        N, T = t["n"], num_tokens
+                            "length": completion_mask.sum(), "truncated": truncated.sum(), "tokens": completion_mask.sum(),
+                            "loss_tokens": loss_mask.sum(), "diff": diff.sum(), **sums})
+        N, T, L = t["n"], t["tokens"], t["loss_tokens"]
         metrics = {"step": step + 1, "reward": t["reward"] / N,
                    "reward_std": math.sqrt(max(t["reward_sq"] / N - (t["reward"] / N) ** 2, 0.0)),
                    **{f"rewards/{name}": t[f"rewards/{name}"] / N for name in cfg.reward_names()},
                    "reward_nan_frac": t["reward_nan"] / (N * len(reward_weights)), "scorer_failures": scorer.failures,
                    "frac_zero_std_groups": t["zero_std_groups"] / t["groups"],
                    "completion_length": t["length"] / N, "truncated_frac": t["truncated"] / N,
-                   "kl": t["kl"] / T, "clip_ratio": t["clip"] / T, "loss": t["loss"] / T, "grad_norm": grad_norm.item(),
-                   "sampler_logprob_diff_mean": t["diff"] / T,
-                   "sampler_logprob_diff_max": all_reduce(max_diff, dist.ReduceOp.MAX).item(),
+                   "completion_length_min": -all_reduce(-lengths.min(), dist.ReduceOp.MAX).item(),
+                   "completion_length_max": all_reduce(lengths.max(), dist.ReduceOp.MAX).item(),
+                   "kl": t["kl"] / max(L, 1), "clip_ratio/low": t["clip_low"] / max(L, 1),
+                   "clip_ratio/high": t["clip_high"] / max(L, 1), "clip_ratio/region": t["clip_region"] / max(L, 1),
+                   "loss": t["loss"], "grad_norm": grad_norm.item(), "sampler_logprob_diff_mean": t["diff"] / T,
+                   "sampler_logprob_diff_max": all_reduce(diff.max(), dist.ReduceOp.MAX).item(),
                    "lr": scheduler.get_last_lr()[0],
                    "time/generate": t_gen - t0, "time/score": t_score - t_gen, "time/ref": t_ref - t_score,
                    "time/train": t_train - t_ref, "time/sync": t_sync - t_train, "time/step": t_sync - t0}

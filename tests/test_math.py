@@ -3,25 +3,27 @@ import math
 
 import torch
 
-from train import group_advantages, grpo_loss, lr_factor
+from train import group_advantages, grpo_loss, lr_factor, token_weights
 from config import Config
 from utils import collate, token_logprobs, step_prompt_indices
 from vllm_server import bucket_plan
 
 
-def test_group_advantages_match_naive_loop():
+def test_group_advantages_match_naive_loop_in_each_scaling_mode():
     torch.manual_seed(0)
     G = 4
     rewards = torch.rand(12, dtype=torch.float64)
     rewards[4:8] = 0.5  # a group with equal rewards: advantage 0, not NaN
-    got = group_advantages(rewards, G)
-    for g in range(3):
-        r = rewards[g * G:(g + 1) * G].tolist()
-        mean = sum(r) / G
-        std = math.sqrt(sum((x - mean) ** 2 for x in r) / (G - 1))
-        for i in range(G):
-            assert abs(got[g * G + i].item() - (r[i] - mean) / (std + 1e-4)) < 1e-12
-    assert torch.all(got[4:8] == 0)
+    for scale in ("group", "batch", "none"):
+        got = group_advantages(rewards, G, scale, batch_std=0.3)
+        for g in range(3):
+            r = rewards[g * G:(g + 1) * G].tolist()
+            mean = sum(r) / G
+            std = math.sqrt(sum((x - mean) ** 2 for x in r) / (G - 1))
+            divisor = {"group": std + 1e-4, "batch": 0.3 + 1e-4, "none": 1.0}[scale]
+            for i in range(G):
+                assert abs(got[g * G + i].item() - (r[i] - mean) / divisor) < 1e-12
+        assert torch.all(got[4:8] == 0)
 
 
 def test_token_logprobs_match_naive_loop():
@@ -37,38 +39,78 @@ def test_token_logprobs_match_naive_loop():
                 assert abs(got[b, t].item() - (z[targets[b, t]] - lse)) < 1e-6
 
 
-def naive_loss(logp, old, ref, adv, mask, weight, eps_low, eps_high, beta):
-    total, clipped, kl_sum = 0.0, 0, 0.0
+def naive_loss(logp, old, ref, adv, mask, weights, eps_low, eps_high, delta, beta):
+    total, kl_sum, low, high, region = 0.0, 0.0, 0, 0, 0
     for b in range(len(logp)):
         for t in range(len(logp[0])):
             if not mask[b][t]:
                 continue
             ratio = math.exp(logp[b][t] - old[b][t])
             a = adv[b]
+            unclipped = min(ratio, delta) if delta > 0 else ratio
             clipped_ratio = min(max(ratio, 1 - eps_low), 1 + eps_high)
-            objective = min(ratio * a, clipped_ratio * a)
+            objective = min(unclipped * a, clipped_ratio * a)
             kl = math.exp(ref[b][t] - logp[b][t]) - (ref[b][t] - logp[b][t]) - 1 if beta > 0 else 0.0
-            total += -(objective - beta * kl)
+            total += weights[b][t] * -(objective - beta * kl)
             kl_sum += kl
-            clipped += (ratio < 1 - eps_low and a < 0) or (ratio > 1 + eps_high and a > 0)
-    return total * weight, clipped, kl_sum
+            low += ratio < 1 - eps_low and a < 0
+            high += ratio > 1 + eps_high and a > 0
+            region += ratio < 1 - eps_low or ratio > 1 + eps_high
+    return total, kl_sum, low, high, region
 
 
-def test_grpo_loss_matches_naive_loop_with_clipping_and_kl():
+def test_grpo_loss_matches_naive_loop_with_clipping_delta_and_kl():
     torch.manual_seed(0)
     B, C = 4, 5
     logp = (torch.randn(B, C, dtype=torch.float64) * 0.5 - 2).requires_grad_()
-    old = logp.detach() + torch.randn(B, C, dtype=torch.float64) * 0.4  # ratios far from 1: the clip is active
+    old = logp.detach() + torch.randn(B, C, dtype=torch.float64) * 0.8  # ratios far from 1: clip and delta act
     ref = logp.detach() + torch.randn(B, C, dtype=torch.float64) * 0.3
     adv = torch.tensor([1.0, -1.0, 0.5, -2.0], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0]])
+    weights = torch.rand(B, C, dtype=torch.float64) * mask
     for beta in (0.0, 0.04):
-        loss, stats = grpo_loss(logp, old, adv, mask, 1 / 13, 0.2, 0.28, beta, ref)
-        want, clipped, kl = naive_loss(logp.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(),
-                                       1 / 13, 0.2, 0.28, beta)
-        assert abs(loss.item() - want) < 1e-6
-        assert stats["clip"].item() == clipped and clipped > 0
-        assert abs(stats["kl"].item() - kl) < 1e-6
+        for delta in (0.0, 1.5):
+            loss, stats = grpo_loss(logp, old, adv, mask, weights, 0.2, 0.28, delta, beta, ref)
+            want, kl, low, high, region = naive_loss(logp.tolist(), old.tolist(), ref.tolist(), adv.tolist(),
+                                                     mask.tolist(), weights.tolist(), 0.2, 0.28, delta, beta)
+            assert abs(loss.item() - want) < 1e-6
+            assert abs(stats["kl"].item() - kl) < 1e-6
+            assert (stats["clip_low"].item(), stats["clip_high"].item(), stats["clip_region"].item()) == (low, high, region)
+            assert low > 0 and high > 0
+    # delta bites: with a positive advantage and a ratio above delta, the loss differs
+    assert grpo_loss(logp, old, adv, mask, weights, 0.2, 0.28, 1.5)[0].item() != grpo_loss(logp, old, adv, mask, weights, 0.2, 0.28)[0].item()
+
+
+def naive_weights(mask, loss_type, micro_batches, max_len):
+    """Each token's weight in the step's loss, from the definitions, with the step's sequences split
+    into `micro_batches` (lists of row indices)."""
+    rows = [i for mb in micro_batches for i in mb]
+    n = len(rows)
+    tokens = sum(sum(mask[i]) for i in rows)
+    w = {}
+    for mb in micro_batches:
+        mb_tokens = sum(sum(mask[i]) for i in mb)
+        for i in mb:
+            for t in range(len(mask[i])):
+                if mask[i][t]:
+                    w[i, t] = {"grpo": 1 / (sum(mask[i]) * n), "bnpo": 1 / (mb_tokens * len(micro_batches)),
+                               "dr_grpo": 1 / (n * max_len), "dapo": 1 / tokens}[loss_type]
+    return w
+
+
+def test_token_weights_match_the_definitions_for_each_loss_type():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]])
+    splits = [[0, 1], [2, 3]]
+    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
+        want = naive_weights(mask.tolist(), loss_type, splits, 6)
+        for mb in splits:
+            got = token_weights(mask[mb], loss_type, num_seqs=4, num_tokens=float(mask.sum()), max_completion_length=6,
+                                num_micro_batches=2)
+            for r, i in enumerate(mb):
+                for t in range(4):
+                    assert abs(got[r, t].item() - want.get((i, t), 0.0)) < 1e-12, (loss_type, i, t)
+        if loss_type != "bnpo":  # the weights of a whole step sum to 1 per sequence-or-token average
+            assert abs(sum(want.values()) - {"grpo": 1, "dr_grpo": 10 / 24, "dapo": 1}[loss_type]) < 1e-12
 
 
 def test_on_policy_loss_gradient_is_advantage_weighted_logprob_gradient():
@@ -76,7 +118,7 @@ def test_on_policy_loss_gradient_is_advantage_weighted_logprob_gradient():
     logp = torch.tensor([[-1.0, -2.0], [-0.5, -0.1]], dtype=torch.float64, requires_grad=True)
     adv = torch.tensor([2.0, -1.0], dtype=torch.float64)
     mask = torch.tensor([[1, 1], [1, 0]])
-    loss, _ = grpo_loss(logp, logp.detach(), adv, mask, 1 / 3, 0.2, 0.2)
+    loss, _ = grpo_loss(logp, logp.detach(), adv, mask, mask / 3, 0.2, 0.2)
     loss.backward()
     assert torch.allclose(logp.grad, torch.tensor([[-2 / 3, -2 / 3], [1 / 3, 0.0]], dtype=torch.float64))
 

@@ -1,5 +1,6 @@
 """train.py under torchrun (2 processes, gloo) against the real server, on the tiny model."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -15,8 +16,9 @@ GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
 
 
 def run_train(server, out, *args, nproc=2):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
-           os.path.join(ROOT, "train.py"), "--model", server["model"], "--vllm_server_port", str(server["port"]),
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+                 str(free_port())] if nproc > 1 else [sys.executable])  # one process: plain python, no torchrun
+    cmd = [*launcher, os.path.join(ROOT, "train.py"), "--model", server["model"], "--vllm_server_port", str(server["port"]),
            "--vllm_group_port", str(free_port()), "--output_dir", str(out), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -43,3 +45,23 @@ def test_two_process_run_learns_keeps_server_in_sync_and_saves(server, tmp_path)
     assert any(not torch.equal(saved[k], initial[k]) for k in initial)
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model")
+
+
+@pytest.mark.parametrize("loss_type, extra", [
+    ("grpo", ["--scale_rewards", "batch"]),
+    ("bnpo", ["--mask_truncated_completions"]),
+    ("dr_grpo", ["--scale_rewards", "none", "--delta", "4", "--top_k", "5000", "--min_p", "0.0001"]),
+    ("dapo", ["--epsilon_high", "0.28", "--repetition_penalty", "1.1"]),
+])
+def test_each_loss_type_trains_through_the_server(server, tmp_path, loss_type, extra):
+    proc, metrics = run_train(server, tmp_path / "out", "--loss_type", loss_type, *extra, "--reward_funcs",
+                              "tests.helpers:brevity", "--num_generations", "4", "--prompts_per_step", "2",
+                              "--max_completion_length", "8", "--max_steps", "2", "--learning_rate", "1e-3",
+                              "--bf16", "false", "--no_save_model", nproc=1)
+    assert len(metrics) == 2 and all(math.isfinite(m["loss"]) for m in metrics)
+    assert any(m["grad_norm"] > 0 for m in metrics)
+    diff = max(m["sampler_logprob_diff_max"] for m in metrics)
+    if any(flag in extra for flag in ("--top_k", "--min_p", "--repetition_penalty")):
+        assert diff > 1e-3  # the sampler's distribution is no longer the policy's, and the metric shows it
+    else:
+        assert diff < 1e-4

@@ -1,0 +1,37 @@
+"""Run by tests/test_invariance.py (under torchrun or plain python): the gradient of one optimizer
+step on a fixed global batch, computed by train.accumulate_gradients with this process's share,
+written to a file by rank 0. Usage: grad_invariance.py LOSS_TYPE MICRO_BATCH_SIZE OUT_FILE"""
+import os
+import sys
+from contextlib import nullcontext
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+from transformers import LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from config import Config  # noqa: E402
+from train import accumulate_gradients  # noqa: E402
+from utils import collate, setup_distributed, teardown_distributed  # noqa: E402
+
+loss_type, micro_batch_size, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+rank, _, world_size, device, is_main = setup_distributed()
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=2, head_dim=16)).double()
+# a fixed global batch of 8 completions: prompts of 2-4 tokens, completions of 1-6 tokens
+g = torch.Generator().manual_seed(1)
+N, C = 8, 6
+prompts = [torch.randint(3, 64, (int(torch.randint(2, 5, (1,), generator=g)),), generator=g).tolist() for _ in range(N)]
+completions = [torch.randint(3, 64, (int(torch.randint(1, C + 1, (1,), generator=g)),), generator=g).tolist() for _ in range(N)]
+input_ids, attention_mask, completion_mask = collate(prompts, completions, pad_id=0)
+advantages = torch.randn(N, generator=g, dtype=torch.float64)
+ref_logp = -torch.rand(N, completion_mask.shape[1], generator=g, dtype=torch.float64) * 3
+share = slice(rank * N // world_size, (rank + 1) * N // world_size)
+data = dict(input_ids=input_ids[share], attention_mask=attention_mask[share], loss_mask=completion_mask[share],
+            advantages=advantages[share], ref_logp=ref_logp[share])
+cfg = Config(loss_type=loss_type, micro_batch_size=micro_batch_size, beta=0.04, max_completion_length=C, bf16=False)
+accumulate_gradients(DDP(model) if world_size > 1 else model, data, cfg, world_size, nullcontext())
+if is_main:
+    torch.save(torch.cat([p.grad.flatten() for p in model.parameters()]), out)
+teardown_distributed()

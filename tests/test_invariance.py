@@ -1,0 +1,39 @@
+"""The gradient of one optimizer step does not depend on how the step is split: one process with 4
+accumulation steps, two processes (torchrun, gloo) with 2 each, and one process with one big batch
+give the same gradient in float64 (dapo, dr_grpo, grpo; bnpo is split-dependent by definition)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, free_port
+
+pytestmark = pytest.mark.slow
+SCRIPT = os.path.join(ROOT, "tests", "grad_invariance.py")
+
+
+def gradient(tmp_path, loss_type, nproc, micro_batch_size):
+    out = tmp_path / f"{loss_type}-{nproc}-{micro_batch_size}.pt"
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+                 str(free_port())] if nproc > 1 else [sys.executable])
+    proc = subprocess.run(launcher + [SCRIPT, loss_type, str(micro_batch_size), str(out)], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "dr_grpo", "grpo"])
+def test_gradient_is_the_same_however_the_step_is_split(tmp_path, loss_type):
+    accumulated = gradient(tmp_path, loss_type, nproc=1, micro_batch_size=2)  # 4 accumulation steps
+    two_ranks = gradient(tmp_path, loss_type, nproc=2, micro_batch_size=2)  # 2 each
+    one_batch = gradient(tmp_path, loss_type, nproc=1, micro_batch_size=8)
+    assert accumulated.abs().max() > 1e-3  # a real gradient, not zeros
+    assert (accumulated - one_batch).abs().max() < 1e-6
+    assert (two_ranks - one_batch).abs().max() < 1e-6
+
+
+def test_bnpo_depends_on_the_split(tmp_path):
+    # bnpo averages per micro-batch token means: documented as split-dependent, and it is
+    assert (gradient(tmp_path, "bnpo", 1, 2) - gradient(tmp_path, "bnpo", 1, 8)).abs().max() > 1e-6
