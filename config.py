@@ -38,6 +38,12 @@ class Config:
     delta: float = 0.0  # also cap the unclipped ratio at delta (two-sided clip, INTELLECT-2; e.g. 4); 0 = off
     loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo: how token losses are averaged (README: Loss choices)
     scale_rewards: str = "group"  # group | batch | none: divide advantages by the group's std, the batch's, or not
+    num_iterations: int = 1  # mu: passes over each generation batch (> 1 makes updates off-policy)
+    steps_per_generation: int = 1  # optimizer steps per generation batch, each on a slice of it (> 1: off-policy)
+    vllm_importance_sampling_correction: bool = True  # weight tokens by pi_old / pi_sampler (vLLM's log-probs)
+    vllm_importance_sampling_mode: str = "token_truncate"  # token_truncate | token_mask | sequence_truncate | sequence_mask
+    vllm_importance_sampling_cap: float = 2.0  # truncate weights above this; mask modes drop outside [1/cap, cap]
+    drop_zero_std_groups: bool = False  # skip the forward/backward of groups with equal rewards (exact when beta = 0)
     mask_truncated_completions: bool = False  # completions cut at max_completion_length get no loss (DAPO)
     reward_funcs: str = "accuracy,format"  # comma-separated names from rewards.py
     reward_weights: str = ""  # comma-separated floats, one per reward function; "" = all 1.0
@@ -109,6 +115,18 @@ class Config:
             errors.append(f"--scale_rewards {self.scale_rewards!r}: use group, batch or none")
         if self.repetition_penalty <= 0 or not 0 <= self.min_p < 1 or self.top_k == 0:
             errors.append("--repetition_penalty must be > 0, --min_p in [0, 1), --top_k -1 (off) or >= 1")
+        if self.num_iterations < 1 or self.steps_per_generation < 1:
+            errors.append("--num_iterations and --steps_per_generation must be at least 1")
+        elif self.prompts_per_step % world_size == 0 and (self.prompts_per_step // world_size * self.num_generations) \
+                % self.steps_per_generation:
+            errors.append(f"--steps_per_generation {self.steps_per_generation} must divide the completions per rank "
+                          f"({self.prompts_per_step // world_size * self.num_generations} = prompts_per_step / processes "
+                          "* num_generations)")
+        if self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
+            errors.append(f"--vllm_importance_sampling_mode {self.vllm_importance_sampling_mode!r}: use token_truncate, "
+                          "token_mask, sequence_truncate or sequence_mask")
+        if self.vllm_importance_sampling_cap <= 1:
+            errors.append("--vllm_importance_sampling_cap must be > 1")
         if self.lr_scheduler_type not in ("constant", "linear", "cosine"):
             errors.append(f"--lr_scheduler_type {self.lr_scheduler_type!r}: use constant, linear or cosine")
         if self.report_to not in ("none", "wandb"):

@@ -8,20 +8,24 @@ Launch (start the server first, see README):
     torchrun --nproc_per_node 2 train.py --bf16 false      # N processes on one machine
     torchrun --nnodes 2 --node_rank 0 --master_addr HOST --nproc_per_node 8 train.py ...   # N nodes
 
-What this implements, and the defaults we chose:
-  - advantages: A_i = (r_i - mean(r_group)) / (std(r_group) + 1e-4), the same for every token
-    of completion i. A group is the G completions of one prompt and lives on one rank.
-  - loss: the clipped surrogate of PPO per token,
-        min(rho * A, clip(rho, 1 - epsilon, 1 + epsilon_high) * A),   rho = pi / pi_old,
-    minus beta * KL(pi || pi_ref) with Schulman's k3 estimator exp(ref - logp) - (ref - logp) - 1.
-  - aggregation: the sum over every completion token of the step, divided by the number of those
-    tokens over all ranks (DAPO's token-level mean, TRL's default). Long and short completions
-    weigh per token, and the gradient does not depend on how the batch is split into micro-batches
-    or ranks.
-  - one optimizer step per generation round, so the update is on-policy: pi_old is the policy
-    that sampled, and its log-probs are the detached log-probs of the training forward itself
-    (rho = 1 in value, the clip inactive; no extra forward pass). The server's own log-probs of the
-    sampled tokens are compared with them every step (`sampler_logprob_diff`): a sync check.
+What this implements, and the defaults we chose (README: "Loss choices" has the formulas):
+  - advantages: A_i = (r_i - mean(r_group)) / (std(r_group) + 1e-4), the same for every token of
+    completion i (--scale_rewards group; batch and none are options). A group is the G completions
+    of one prompt and lives on one rank, so group statistics need no collective.
+  - loss: PPO's clipped surrogate per token, min(rho * A, clip(rho, 1 - epsilon, 1 + epsilon_high) * A),
+    rho = pi / pi_old, minus beta * KL(pi || pi_ref) with Schulman's k3 estimator
+    exp(ref - logp) - (ref - logp) - 1 (unbiased, never negative).
+  - aggregation: --loss_type dapo, the sum over every completion token of the optimizer step divided
+    by the number of those tokens over all ranks (TRL's default). Every token weighs the same, and
+    the gradient does not depend on how the step is split into micro-batches or ranks.
+  - on-policy by default: one pass, one optimizer step per generation round. pi_old is then the
+    policy that sampled, and its log-probs are the detached log-probs of the training forward: no
+    extra pass, rho = 1 in value, so the clip metrics are 0 by construction. With --num_iterations
+    > 1 or --steps_per_generation > 1 the updates are off-policy and pi_old gets its own no-grad pass
+    before the first update.
+  - importance sampling against the sampler, on by default: every token is weighted by
+    pi_old / pi_vLLM, truncated at 2 (TIS), since vLLM never computes exactly our distribution
+    (other kernels, bf16). The same log-prob difference is logged as a sync check.
   - beta = 0 by default (as in TRL, DAPO and Dr. GRPO): no reference model is loaded.
 """
 import math
@@ -34,9 +38,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from config import Config, parse_config
-from rewards import RewardScorer
-from utils import (MetricsLogger, all_reduce, sum_over_ranks, collate, completion_logprobs, encode_prompt, full_weights, load_model,
-                   barrier, load_rows, print0, resolve_model, save_model, setup_distributed, step_prompt_indices,
+from rewards import RewardScorer, postprocess_rewards
+from utils import (MetricsLogger, extremes_over_ranks, sum_over_ranks, collate, completion_logprobs, encode_prompt, full_weights, load_model,
+                   barrier, load_rows, merge_stats, no_grad_logprobs, print0, resolve_model, save_model, setup_distributed, step_prompt_indices,
                    teardown_distributed)
 from vllm_server import VLLMClient
 
@@ -100,40 +104,73 @@ def grpo_loss(logp, old_logp, advantages, mask, weights, epsilon_low: float, eps
     return (per_token * weights).sum(), {k: v.detach() for k, v in stats.items()}
 
 
-def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autocast) -> dict:
-    """Backpropagate the loss of one optimizer step on this rank's share `data` (tensors over its
-    completions: input_ids, attention_mask, loss_mask, advantages, ref_logp or None), micro-batch by
-    micro-batch. Token weights count the step over all ranks, so the gradient after DDP's averaging
-    is the same however the step is split over micro-batches and ranks (except bnpo, by definition).
-    Returns sums of per-token statistics over this rank's tokens, and the on-policy log-probs."""
+def sampler_is_weights(old_logp, sampler_logp, mask, mode: str, cap: float):
+    """Importance weights pi_old / pi_sampler that correct for the sampler (vLLM) not computing
+    exactly the trainer's distribution (other kernels, bf16, a stale weight). Per token, or per
+    sequence (the product over its tokens); "truncate" caps the weight at `cap` (TIS), "mask" drops
+    tokens or sequences whose ratio is above `cap` or below 1/cap. (B, C) inputs -> (B, C) weights
+    and the raw ratios ((B, C) or (B, 1)) before truncation, for metrics."""
+    log_ratio = (old_logp - sampler_logp) * mask
+    if mode.startswith("sequence"):
+        log_ratio = log_ratio.sum(dim=1, keepdim=True)
+    ratio = torch.exp(log_ratio)
+    if mode.endswith("truncate"):
+        weight = ratio.clamp(max=cap)
+    else:
+        weight = ratio * ((ratio <= cap) & (ratio >= 1 / cap))
+    return weight.expand_as(old_logp) * mask, ratio
+
+
+def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autocast) -> tuple[dict, torch.Tensor]:
+    """Backpropagate the loss of one optimizer step on this rank's share `data`, micro-batch by
+    micro-batch. `data` holds tensors over this rank's completions: input_ids, attention_mask,
+    loss_mask, advantages, and old_logp, ref_logp, sampler_logp (each or None), and optionally
+    `keep` (rows to run; the others still count in the normalisation). Token weights count the step
+    over all ranks, so the gradient after DDP's averaging is the same however the step is split
+    over micro-batches and ranks (except bnpo, by definition).
+    Returns sums of per-token statistics over this rank's tokens, and the policy's log-probs (N, C)."""
     device = next(model.parameters()).device
-    mask, n = data["loss_mask"], len(data["loss_mask"])
-    micro = [slice(i, i + cfg.micro_batch_size) for i in range(0, n, cfg.micro_batch_size)]
-    counts = sum_over_ranks({"seqs": n, "tokens": mask.sum(), "micro": len(micro)})
+    mask = data["loss_mask"]
     C = mask.shape[1]
-    sums, logps = {}, []
+    rows = torch.arange(len(mask))[data["keep"]] if data.get("keep") is not None else torch.arange(len(mask))
+    micro = [rows[i:i + cfg.micro_batch_size] for i in range(0, len(rows), cfg.micro_batch_size)]
+    counts = sum_over_ranks({"seqs": len(mask), "tokens": mask.sum(), "micro": len(micro)})
+    sums, logps = {}, torch.zeros(mask.shape)
     for j, s in enumerate(micro):
         sync = j == len(micro) - 1 or world_size == 1  # DDP all-reduces gradients on the last micro-batch only
         with (nullcontext() if sync else model.no_sync()), autocast:
-            logp = completion_logprobs(model, data["input_ids"][s].to(device), data["attention_mask"][s].to(device), C,
-                                       cfg.temperature)  # (b, C)
-            old_logp = logp.detach()  # on-policy: pi_old is the policy that sampled (see docstring)
+            logp, entropy = completion_logprobs(model, data["input_ids"][s].to(device), data["attention_mask"][s].to(device),
+                                                C, cfg.temperature, with_entropy=True)  # (b, C)
+            # pi_old: the policy before this round's first update. On-policy it is the current policy,
+            # whose detached log-probs are these; off-policy the loop computed them before updating.
+            old_logp = logp.detach() if data["old_logp"] is None else data["old_logp"][s].to(device)
+            m = mask[s].to(device)
             weights = token_weights(mask[s], cfg.loss_type, counts["seqs"], counts["tokens"], cfg.max_completion_length,
                                     counts["micro"]).to(device) * world_size  # DDP averages gradients over ranks
+            extra = {}
+            if data["sampler_logp"] is not None:  # importance sampling against the sampler
+                is_weight, ratio = sampler_is_weights(old_logp.float(), data["sampler_logp"][s].to(device), m,
+                                                      cfg.vllm_importance_sampling_mode, cfg.vllm_importance_sampling_cap)
+                weights = weights * is_weight
+                r = ratio.expand_as(m) * m
+                extra = {"is_ratio": r.sum(), "is_ratio_max": r.max(), "is_ratio_min": torch.where(m > 0, r, torch.inf).min(),
+                         "is_dropped": ((is_weight == 0) & (m > 0)).sum()}
             ref = None if data["ref_logp"] is None else data["ref_logp"][s].to(device)
-            loss, stats = grpo_loss(logp, old_logp, data["advantages"][s].to(device), mask[s].to(device), weights,
+            loss, stats = grpo_loss(logp, old_logp, data["advantages"][s].to(device), m, weights,
                                     cfg.epsilon, cfg.eps_high, cfg.delta, cfg.beta, ref)
             loss.backward()
-        for k, v in {**stats, "loss": loss.detach() / world_size}.items():
-            sums[k] = sums.get(k, 0.0) + v.item()
-        logps.append(old_logp.float().cpu())
-    return sums, torch.cat(logps)
+        stats = {**stats, **extra, "entropy": (entropy * m).sum(), "tokens": m.sum(), "loss": loss.detach() / world_size}
+        merge_stats(sums, {k: v.item() for k, v in stats.items()})
+        logps[s] = logp.detach().float().cpu()
+    return sums, logps
 
 
 def lr_factor(step: int, cfg: Config) -> float:
+    """LR multiplier at optimizer step `step` (0-based; a round makes num_iterations * steps_per_generation)."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    total = cfg.max_steps * cfg.num_iterations * cfg.steps_per_generation
+    progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
     return {"constant": 1.0, "linear": 1.0 - progress, "cosine": 0.5 * (1 + math.cos(math.pi * progress))}[cfg.lr_scheduler_type]
 
 
@@ -155,7 +192,7 @@ def main(cfg: Config):
         raise ValueError(f"the longest prompt has {longest} tokens > --max_prompt_length {cfg.max_prompt_length}: raise "
                          "it (and the server's --max-model-len) or drop the long prompts from the dataset")
     scorer = RewardScorer(cfg.reward_names())
-    reward_weights = torch.tensor(cfg.reward_weight_list())  # (k,)
+    names, reward_weights = cfg.reward_names(), torch.tensor(cfg.reward_weight_list())  # k functions, (k,) weights
 
     policy = load_model(model_path, device)
     policy.config.use_cache = False
@@ -163,6 +200,7 @@ def main(cfg: Config):
     ref_model = None
     if cfg.beta > 0:  # frozen reference for the KL penalty
         ref_model = load_model(model_path, device).eval().requires_grad_(False)
+    off_policy = cfg.num_iterations > 1 or cfg.steps_per_generation > 1  # then pi_old needs its own pass
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay)
@@ -200,40 +238,52 @@ def main(cfg: Config):
         # ---------------------------------------------------------------------- score
         texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
         answers = [batch[i // G]["answer"] for i in range(len(samples))]
-        reward_matrix = torch.tensor(scorer(texts, answers)).T  # (N, k), NaN = not scored
-        rewards = (reward_matrix.nan_to_num(0.0) * reward_weights).sum(dim=1)  # (N,)
+        reward_matrix = postprocess_rewards(torch.tensor(scorer(texts, answers)).T, names)  # (N, k), NaN = skipped
+        rewards = (reward_matrix * reward_weights).nansum(dim=1)  # (N,) a skipped function adds nothing
         t_score = time.perf_counter()
 
         # ---------------------------------------------------------------------- advantages
         r = sum_over_ranks({"n": len(rewards), "sum": rewards.sum(), "sq": (rewards ** 2).sum()})
         batch_std = math.sqrt(max(r["sq"] - r["sum"] ** 2 / r["n"], 0.0) / max(r["n"] - 1, 1))  # over all ranks
         advantages = group_advantages(rewards, G, cfg.scale_rewards, batch_std)  # (N,)
+        zero_std = (rewards.view(-1, G).std(dim=1) < 1e-6).repeat_interleave(G)  # (N,) groups with no signal
 
-        # ---------------------------------------------------------------------- ref log-probs
+        # ---------------------------------------------------------------------- old / ref log-probs
         input_ids, attention_mask, completion_mask = collate(prompt_of, completions, tokenizer.pad_token_id)
+        C = completion_mask.shape[1]
         truncated = torch.tensor([s["finish_reason"] == "length" for s in samples])  # (N,)
         loss_mask = completion_mask * ~truncated.unsqueeze(1) if cfg.mask_truncated_completions else completion_mask
-        C = completion_mask.shape[1]
-        ref_logp = None
+        sampler_logp = torch.tensor([s["logprobs"] + [0.0] * (C - len(s["logprobs"])) for s in samples])  # (N, C)
+        # Off-policy (several updates per generation batch), pi_old must be frozen before the first
+        # update. On-policy the training forward's detached log-probs are pi_old: no extra pass, and
+        # ratio = 1, so the clip metrics are 0 by construction.
+        old_logp = ref_logp = None
+        if off_policy:
+            old_logp = no_grad_logprobs(model, input_ids, attention_mask, C, cfg.temperature, cfg.micro_batch_size, autocast)
         if ref_model is not None:
-            with torch.no_grad(), autocast:
-                ref_logp = torch.cat([completion_logprobs(ref_model, input_ids[i:i + cfg.micro_batch_size].to(device),
-                                                          attention_mask[i:i + cfg.micro_batch_size].to(device), C,
-                                                          cfg.temperature).cpu()
-                                      for i in range(0, len(samples), cfg.micro_batch_size)])  # (N, C)
+            ref_logp = no_grad_logprobs(ref_model, input_ids, attention_mask, C, cfg.temperature, cfg.micro_batch_size, autocast)
         t_ref = time.perf_counter()
 
         # ---------------------------------------------------------------------- loss and step
         model.train()
-        sums, logp = accumulate_gradients(model, dict(input_ids=input_ids, attention_mask=attention_mask,
-                                                      loss_mask=loss_mask, advantages=advantages, ref_logp=ref_logp),
-                                          cfg, world_size, autocast)
-        sampler_logp = torch.tensor([x["logprobs"] + [0.0] * (C - len(x["logprobs"])) for x in samples])  # (N, C)
-        diff = (logp - sampler_logp).abs() * completion_mask  # the server's log-probs vs ours, same weights
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm or float("inf"))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
+        data = dict(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask, advantages=advantages,
+                    old_logp=old_logp, ref_logp=ref_logp, keep=~zero_std if cfg.drop_zero_std_groups else None,
+                    sampler_logp=sampler_logp if cfg.vllm_importance_sampling_correction else None)
+        sums, grad_norms, first_pass_logp = {}, [], torch.zeros(completion_mask.shape)
+        for iteration in range(cfg.num_iterations):
+            order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(cfg.seed + step * 1000 + iteration))
+            for part in order.chunk(cfg.steps_per_generation):  # one optimizer step on each part
+                part_sums, logp = accumulate_gradients(model, {k: None if v is None else v[part] for k, v in data.items()},
+                                                       cfg, world_size, autocast)
+                merge_stats(sums, part_sums)
+                grad_norms.append(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm or float("inf")))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+                if iteration == 0:
+                    first_pass_logp[part] = logp
+        # the server's log-probs of what it sampled vs ours for the same weights: a sync check
+        diff = ((first_pass_logp if old_logp is None else old_logp) - sampler_logp).abs() * completion_mask
         t_train = time.perf_counter()
 
         # ---------------------------------------------------------------------- sync weights
@@ -244,31 +294,39 @@ def main(cfg: Config):
 
         # ---------------------------------------------------------------------- log
         lengths = completion_mask.sum(dim=1).float()
+        ext = extremes_over_ranks({"length_min": lengths.min(), "length_max": lengths.max(), "diff_max": diff.max(),
+                                   **{k: sums.pop(k) for k in ("is_ratio_min", "is_ratio_max") if k in sums}})
         t = sum_over_ranks({"n": len(samples), "reward": rewards.sum(), "reward_sq": (rewards ** 2).sum(),
-                            **{f"rewards/{name}": reward_matrix[:, i].nansum() for i, name in enumerate(cfg.reward_names())},
-                            "reward_nan": reward_matrix.isnan().sum(), "groups": len(batch),
-                            "zero_std_groups": (rewards.view(-1, G).std(dim=1) < 1e-6).sum(),
-                            "length": completion_mask.sum(), "truncated": truncated.sum(), "tokens": completion_mask.sum(),
-                            "loss_tokens": loss_mask.sum(), "diff": diff.sum(), **sums})
-        N, T, L = t["n"], t["tokens"], t["loss_tokens"]
+                            **{f"r/{name}": reward_matrix[:, i].nan_to_num(0.0).sum() for i, name in enumerate(names)},
+                            **{f"sq/{name}": reward_matrix[:, i].nan_to_num(0.0).pow(2).sum() for i, name in enumerate(names)},
+                            **{f"n/{name}": (~reward_matrix[:, i].isnan()).sum() for i, name in enumerate(names)},
+                            "groups": len(batch), "zero_std": zero_std.sum() / G, "length": lengths.sum(),
+                            "truncated": truncated.sum(), "diff": diff.sum(), **sums})
+        N, T = t["n"], max(t["tokens"], 1.0)  # T: completion tokens of all training forwards of the round
+        per_fn = {}
+        for name in names:
+            n_scored = max(t[f"n/{name}"], 1.0)
+            mean = t[f"r/{name}"] / n_scored
+            per_fn |= {f"rewards/{name}": mean, f"rewards/{name}_std": math.sqrt(max(t[f"sq/{name}"] / n_scored - mean ** 2, 0.0)),
+                       f"rewards/{name}_nan_frac": 1 - t[f"n/{name}"] / N}
         metrics = {"step": step + 1, "reward": t["reward"] / N,
-                   "reward_std": math.sqrt(max(t["reward_sq"] / N - (t["reward"] / N) ** 2, 0.0)),
-                   **{f"rewards/{name}": t[f"rewards/{name}"] / N for name in cfg.reward_names()},
-                   "reward_nan_frac": t["reward_nan"] / (N * len(reward_weights)), "scorer_failures": scorer.failures,
-                   "frac_zero_std_groups": t["zero_std_groups"] / t["groups"],
-                   "completion_length": t["length"] / N, "truncated_frac": t["truncated"] / N,
-                   "completion_length_min": -all_reduce(-lengths.min(), dist.ReduceOp.MAX).item(),
-                   "completion_length_max": all_reduce(lengths.max(), dist.ReduceOp.MAX).item(),
-                   "kl": t["kl"] / max(L, 1), "clip_ratio/low": t["clip_low"] / max(L, 1),
-                   "clip_ratio/high": t["clip_high"] / max(L, 1), "clip_ratio/region": t["clip_region"] / max(L, 1),
-                   "loss": t["loss"], "grad_norm": grad_norm.item(), "sampler_logprob_diff_mean": t["diff"] / T,
-                   "sampler_logprob_diff_max": all_reduce(diff.max(), dist.ReduceOp.MAX).item(),
-                   "lr": scheduler.get_last_lr()[0],
-                   "time/generate": t_gen - t0, "time/score": t_score - t_gen, "time/ref": t_ref - t_score,
+                   "reward_std": math.sqrt(max(t["reward_sq"] / N - (t["reward"] / N) ** 2, 0.0)), **per_fn,
+                   "scorer_failures": scorer.failures, "frac_zero_std_groups": t["zero_std"] / t["groups"],
+                   "completion_length": t["length"] / N, "completion_length_min": ext["length_min"],
+                   "completion_length_max": ext["length_max"], "truncated_frac": t["truncated"] / N,
+                   "kl": t["kl"] / T, "entropy": t["entropy"] / T, "clip_ratio/low": t["clip_low"] / T,
+                   "clip_ratio/high": t["clip_high"] / T, "clip_ratio/region": t["clip_region"] / T,
+                   "loss": t["loss"] / len(grad_norms), "grad_norm": sum(g.item() for g in grad_norms) / len(grad_norms),
+                   "sampler_logprob_diff_mean": t["diff"] / max(t["length"], 1.0), "sampler_logprob_diff_max": ext["diff_max"],
+                   "lr": scheduler.get_last_lr()[0], "optimizer_steps": scheduler.last_epoch, "old_logprob_pass": int(off_policy),
+                   "time/generate": t_gen - t0, "time/score": t_score - t_gen, "time/old_ref": t_ref - t_score,
                    "time/train": t_train - t_ref, "time/sync": t_sync - t_train, "time/step": t_sync - t0}
+        if "is_ratio" in t:  # the raw pi_old / pi_sampler ratios, before truncation or masking
+            metrics |= {"is_ratio/mean": t["is_ratio"] / T, "is_ratio/min": ext["is_ratio_min"],
+                        "is_ratio/max": ext["is_ratio_max"], "is_ratio/dropped_frac": t["is_dropped"] / T}
         logger.log(metrics)
         print0(f"step {step + 1}/{cfg.max_steps} | reward {metrics['reward']:.3f} ±{metrics['reward_std']:.3f} | "
-               + " ".join(f"{name} {metrics[f'rewards/{name}']:.2f}" for name in cfg.reward_names())
+               + " ".join(f"{name} {metrics[f'rewards/{name}']:.2f}" for name in names)
                + f" | kl {metrics['kl']:.4f} | len {metrics['completion_length']:.0f} | "
                f"gen {t_gen - t0:.1f}s train {t_train - t_ref:.1f}s sync {t_sync - t_train:.1f}s")
 

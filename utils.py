@@ -58,6 +58,22 @@ def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return x
 
 
+def extremes_over_ranks(values: dict) -> dict[str, float]:
+    """{name: number}: names ending in _min get the minimum over all ranks, the others the maximum."""
+    sign = torch.tensor([-1.0 if k.endswith("_min") else 1.0 for k in values], dtype=torch.float64)
+    total = all_reduce(torch.tensor([float(v) for v in values.values()], dtype=torch.float64) * sign, dist.ReduceOp.MAX)
+    return dict(zip(values, (total * sign).tolist()))
+
+
+def merge_stats(total: dict, new: dict):
+    """Add `new` into `total` in place: names ending in _max keep the maximum, _min the minimum, others add up."""
+    for k, v in new.items():
+        if k not in total:
+            total[k] = v
+        else:
+            total[k] = max(total[k], v) if k.endswith("_max") else min(total[k], v) if k.endswith("_min") else total[k] + v
+
+
 def barrier():
     if dist.is_initialized():
         dist.barrier()
@@ -199,13 +215,32 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     return torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float) -> torch.Tensor:
-    """Per-token log-probs of the completion part (the last C columns) under `model`: (B, C)."""
+def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float,
+                        with_entropy: bool = False):
+    """Per-token log-probs of the completion part (the last C columns) under `model`: (B, C); with
+    `with_entropy` also the entropy of each of those next-token distributions (B, C), without grad."""
     C = num_completion_tokens
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # positions count from each sequence's first token, as in vLLM
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=C + 1, use_cache=False).logits  # (B, C+1, V)
-    return token_logprobs(logits[:, :-1], input_ids[:, -C:], temperature)
+                   logits_to_keep=C + 1, use_cache=False).logits[:, :-1]  # (B, C, V)
+    logp = token_logprobs(logits, input_ids[:, -C:], temperature)
+    if not with_entropy:
+        return logp
+    with torch.no_grad():
+        logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+        entropy = -(logprobs.exp() * logprobs).sum(dim=-1)
+    return logp, entropy
+
+
+def no_grad_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float,
+                     micro_batch_size: int, autocast) -> torch.Tensor:
+    """completion_logprobs of a whole batch in micro-batches, without grad, on the CPU: (N, C)."""
+    device = next(model.parameters()).device
+    with torch.no_grad(), autocast:
+        return torch.cat([completion_logprobs(model, input_ids[i:i + micro_batch_size].to(device),
+                                              attention_mask[i:i + micro_batch_size].to(device), num_completion_tokens,
+                                              temperature).float().cpu()
+                          for i in range(0, len(input_ids), micro_batch_size)])
 
 
 # -----------------------------------------------------------------------------

@@ -27,9 +27,10 @@ completions = [torch.randint(3, 64, (int(torch.randint(1, C + 1, (1,), generator
 input_ids, attention_mask, completion_mask = collate(prompts, completions, pad_id=0)
 advantages = torch.randn(N, generator=g, dtype=torch.float64)
 ref_logp = -torch.rand(N, completion_mask.shape[1], generator=g, dtype=torch.float64) * 3
+sampler_logp = -torch.rand(N, completion_mask.shape[1], generator=g, dtype=torch.float64) * 6  # IS weights in play
 share = slice(rank * N // world_size, (rank + 1) * N // world_size)
 data = dict(input_ids=input_ids[share], attention_mask=attention_mask[share], loss_mask=completion_mask[share],
-            advantages=advantages[share], ref_logp=ref_logp[share])
+            advantages=advantages[share], ref_logp=ref_logp[share], old_logp=None, sampler_logp=sampler_logp[share])
 cfg = Config(loss_type=loss_type, micro_batch_size=micro_batch_size, beta=0.04, max_completion_length=C, bf16=False)
 accumulate_gradients(DDP(model) if world_size > 1 else model, data, cfg, world_size, nullcontext())
 if is_main:

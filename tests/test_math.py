@@ -149,3 +149,56 @@ def test_lr_schedules():
     assert abs(lr_factor(6, cfg) - 0.5) < 1e-12
     cfg.lr_scheduler_type = "cosine"
     assert abs(lr_factor(6, cfg) - 0.5) < 1e-12 and lr_factor(2, cfg) == 1.0
+
+
+def naive_is_weights(old, sampler, mask, mode, cap):
+    B, C = len(old), len(old[0])
+    w = [[0.0] * C for _ in range(B)]
+    for b in range(B):
+        seq_ratio = math.exp(sum(old[b][t] - sampler[b][t] for t in range(C) if mask[b][t]))
+        for t in range(C):
+            if not mask[b][t]:
+                continue
+            ratio = seq_ratio if mode.startswith("sequence") else math.exp(old[b][t] - sampler[b][t])
+            if mode.endswith("truncate"):
+                w[b][t] = min(ratio, cap)
+            else:
+                w[b][t] = ratio if 1 / cap <= ratio <= cap else 0.0
+    return w
+
+
+def test_sampler_is_weights_match_naive_loop_in_each_mode():
+    from train import sampler_is_weights
+    torch.manual_seed(0)
+    old = -torch.rand(3, 4, dtype=torch.float64) * 2
+    sampler = old + torch.randn(3, 4, dtype=torch.float64) * 0.6
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.float64)
+    for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
+        got, ratio = sampler_is_weights(old, sampler, mask, mode, 1.5)
+        want = naive_is_weights(old.tolist(), sampler.tolist(), mask.tolist(), mode, 1.5)
+        assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), atol=1e-12), mode
+        assert ratio.shape == ((3, 1) if mode.startswith("sequence") else (3, 4))
+    # the modes really differ on this data: something is truncated and something is dropped
+    assert (sampler_is_weights(old, sampler, mask, "token_mask", 1.5)[0] == 0)[mask > 0].any()
+    assert (sampler_is_weights(old, sampler, mask, "token_truncate", 1.5)[0] == 1.5).any()
+
+
+def test_dropping_zero_std_groups_keeps_the_gradient_exact_without_kl():
+    from contextlib import nullcontext
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from config import Config
+    from train import accumulate_gradients
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, head_dim=16)).double()
+    ids, attn, cmask = collate([[5, 6], [7], [8, 9], [10]], [[1, 2, 3], [4], [11, 12], [13, 14, 15]], pad_id=0)
+    adv = torch.tensor([0.0, 0.0, 1.0, -1.0], dtype=torch.float64)  # the first group has no signal
+    grads = []
+    for keep in (None, torch.tensor([False, False, True, True])):
+        model.zero_grad()
+        data = dict(input_ids=ids, attention_mask=attn, loss_mask=cmask, advantages=adv, old_logp=None, ref_logp=None,
+                    sampler_logp=None, keep=keep)
+        sums, _ = accumulate_gradients(model, data, Config(micro_batch_size=1, bf16=False), 1, nullcontext())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+        assert sums["tokens"] == (9 if keep is None else 5)  # the dropped rows were not run
+    assert grads[0].abs().max() > 1e-4 and (grads[0] - grads[1]).abs().max() < 1e-12

@@ -65,3 +65,22 @@ def test_each_loss_type_trains_through_the_server(server, tmp_path, loss_type, e
         assert diff > 1e-3  # the sampler's distribution is no longer the policy's, and the metric shows it
     else:
         assert diff < 1e-4
+
+
+def test_off_policy_updates_freeze_old_logprobs_and_clip(server, tmp_path):
+    # two passes over each batch at a large learning rate: the second pass sees ratios away from 1
+    _, metrics = run_train(server, tmp_path / "mu2", "--num_iterations", "2", "--steps_per_generation", "2",
+                           "--reward_funcs", "tests.helpers:brevity", "--num_generations", "4", "--prompts_per_step", "2",
+                           "--max_completion_length", "8", "--max_steps", "2", "--learning_rate", "3e-2",
+                           "--bf16", "false", "--no_save_model", "--micro_batch_size", "2", nproc=1)
+    assert all(m["old_logprob_pass"] == 1 for m in metrics)
+    assert metrics[-1]["optimizer_steps"] == 2 * 2 * 2
+    assert max(m["clip_ratio/region"] for m in metrics) > 0
+    assert max(m["sampler_logprob_diff_max"] for m in metrics) < 1e-4  # the old pass equals the sampler: still in sync
+    # on-policy (the default): no old pass, and the clip cannot act
+    _, metrics = run_train(server, tmp_path / "mu1", "--reward_funcs", "tests.helpers:brevity", "--num_generations", "4",
+                           "--prompts_per_step", "2", "--max_completion_length", "8", "--max_steps", "2",
+                           "--learning_rate", "3e-2", "--bf16", "false", "--no_save_model", nproc=1)
+    assert all(m["old_logprob_pass"] == 0 and m["clip_ratio/region"] == 0 for m in metrics)
+    assert all(0.5 < m["is_ratio/mean"] < 2 and m["is_ratio/dropped_frac"] == 0 for m in metrics)
+    assert max(m["sampler_logprob_diff_max"] for m in metrics) < 1e-4
