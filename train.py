@@ -209,18 +209,18 @@ def main(cfg: Config):
     client = VLLMClient(cfg.vllm_server_host, cfg.vllm_server_port)
     client.wait_for_health(cfg.vllm_server_timeout)
     server_dtype, max_model_len = client.server_dtype_and_max_len()
+    if longest + cfg.max_completion_length > max_model_len:
+        raise ValueError(f"the longest prompt ({longest} tokens) + --max_completion_length {cfg.max_completion_length} "
+                         f"exceeds the server's max model length {max_model_len}: lower them or restart the server "
+                         "with a larger --max-model-len")
     if is_main:  # rank 0 owns the weight-transfer group and pushes; DDP keeps every rank's copy equal
         client.init_weight_transfer(cfg.vllm_group_host, cfg.vllm_group_port)
         client.push_weights(full_weights(model, server_dtype), cfg.weight_sync_bucket_mb)  # server = our step-0 policy
     barrier()  # no rank samples while weights are being pushed
-    if max_model_len < cfg.max_prompt_length + cfg.max_completion_length:
-        raise ValueError(f"the server's max model length {max_model_len} < --max_prompt_length {cfg.max_prompt_length} "
-                         f"+ --max_completion_length {cfg.max_completion_length}: lower them or start the server "
-                         "with a larger --max-model-len")
     logger = MetricsLogger(cfg.output_dir, is_main, cfg.report_to, vars(cfg), cfg.wandb_project, cfg.run_name)
     print0(f"nanogrpo | model {cfg.model} | {world_size} process(es) on {device.type} | {cfg.prompts_per_step} prompts x "
            f"G={G} = {cfg.prompts_per_step * G} completions per step ({prompts_per_rank * G} per rank) | "
-           f"rewards {cfg.reward_names()} x {reward_weights.tolist()} | beta {cfg.beta} | bf16 {cfg.bf16}")
+           f"rewards {names} x {reward_weights.tolist()} | loss {cfg.loss_type} | beta {cfg.beta} | bf16 {cfg.bf16}")
 
     for step in range(cfg.max_steps):
         t0 = time.perf_counter()

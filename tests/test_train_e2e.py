@@ -15,12 +15,14 @@ pytestmark = pytest.mark.slow
 GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
 
 
-def run_train(server, out, *args, nproc=2):
+def run_train(server, out, *args, nproc=2, check=True):
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
                  str(free_port())] if nproc > 1 else [sys.executable])  # one process: plain python, no torchrun
     cmd = [*launcher, os.path.join(ROOT, "train.py"), "--model", server["model"], "--vllm_server_port", str(server["port"]),
            "--vllm_group_port", str(free_port()), "--output_dir", str(out), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if not check:
+        return proc
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc, [json.loads(line) for line in open(out / "metrics.jsonl")]
 
@@ -84,3 +86,8 @@ def test_off_policy_updates_freeze_old_logprobs_and_clip(server, tmp_path):
     assert all(m["old_logprob_pass"] == 0 and m["clip_ratio/region"] == 0 for m in metrics)
     assert all(0.5 < m["is_ratio/mean"] < 2 and m["is_ratio/dropped_frac"] == 0 for m in metrics)
     assert max(m["sampler_logprob_diff_max"] for m in metrics) < 1e-4
+
+
+def test_completions_too_long_for_the_server_fail_at_start_saying_what_to_change(server, tmp_path):
+    proc = run_train(server, tmp_path / "out", "--max_completion_length", "2000", "--max_steps", "1", nproc=1, check=False)
+    assert proc.returncode != 0 and "--max-model-len" in proc.stderr and "step 1/" not in proc.stdout
