@@ -40,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from config import Config, parse_config
 from rewards import RewardScorer, postprocess_rewards
 from utils import (MetricsLogger, extremes_over_ranks, sum_over_ranks, collate, completion_logprobs, encode_prompt, full_weights, load_model,
-                   barrier, load_rows, merge_stats, no_grad_logprobs, print0, resolve_model, save_model, setup_distributed, step_prompt_indices,
+                   barrier, load_rows, merge_stats, no_grad_logprobs, print0, probe_logprob_diff, resolve_model, save_model, setup_distributed, step_prompt_indices,
                    teardown_distributed)
 from vllm_server import VLLMClient
 
@@ -213,6 +213,10 @@ def main(cfg: Config):
         raise ValueError(f"the longest prompt ({longest} tokens) + --max_completion_length {cfg.max_completion_length} "
                          f"exceeds the server's max model length {max_model_len}: lower them or restart the server "
                          "with a larger --max-model-len")
+    # a fixed probe the server scores after pushes, to catch a sync that silently went wrong
+    probe_ids = prompt_ids[0] + tokenizer(" Let me think. 12 + 7 = 19, so the answer is \\boxed{19}.")["input_ids"]
+    exact = server_dtype == torch.float32 and not cfg.bf16
+    sync_tolerance = cfg.sync_check_tolerance if cfg.sync_check_tolerance >= 0 else (1e-3 if exact else 0.25)
     if is_main:  # rank 0 owns the weight-transfer group and pushes; DDP keeps every rank's copy equal
         client.init_weight_transfer(cfg.vllm_group_host, cfg.vllm_group_port)
         client.push_weights(full_weights(model, server_dtype), cfg.weight_sync_bucket_mb)  # server = our step-0 policy
@@ -290,6 +294,17 @@ def main(cfg: Config):
         if is_main:
             client.push_weights(full_weights(model, server_dtype), cfg.weight_sync_bucket_mb)
         barrier()  # no rank samples again before the server has the new weights
+        probe = {}
+        if cfg.sync_check_steps and (step + 1) % cfg.sync_check_steps == 0:
+            mean, top = probe_logprob_diff(client, policy, probe_ids, autocast) if is_main else (0.0, 0.0)
+            probe = sum_over_ranks({"sync_probe_diff_mean": mean, "sync_probe_diff_max": top})  # rank 0's, on every rank
+            if probe["sync_probe_diff_mean"] > sync_tolerance:
+                raise RuntimeError(
+                    f"weight sync check failed after step {step + 1}: the server's log-probs of a fixed probe differ from "
+                    f"the trainer's by {probe['sync_probe_diff_mean']:.4g} on average > {sync_tolerance:g}. The server is not computing with the weights "
+                    "we trained. Likely causes: a weight not pushed or pushed under a name the server does not map "
+                    "(LoRA or FSDP prefixes), a tied lm_head the server did not refresh, a stale prefix cache, or a server "
+                    "started with another model or dtype. If the dtypes differ on purpose, raise --sync_check_tolerance.")
         t_sync = time.perf_counter()
 
         # ---------------------------------------------------------------------- log
@@ -318,7 +333,7 @@ def main(cfg: Config):
                    "clip_ratio/high": t["clip_high"] / T, "clip_ratio/region": t["clip_region"] / T,
                    "loss": t["loss"] / len(grad_norms), "grad_norm": sum(g.item() for g in grad_norms) / len(grad_norms),
                    "sampler_logprob_diff_mean": t["diff"] / max(t["length"], 1.0), "sampler_logprob_diff_max": ext["diff_max"],
-                   "lr": scheduler.get_last_lr()[0], "optimizer_steps": scheduler.last_epoch, "old_logprob_pass": int(off_policy),
+                   **probe, "lr": scheduler.get_last_lr()[0], "optimizer_steps": scheduler.last_epoch, "old_logprob_pass": int(off_policy),
                    "time/generate": t_gen - t0, "time/score": t_score - t_gen, "time/old_ref": t_ref - t_score,
                    "time/train": t_train - t_ref, "time/sync": t_sync - t_train, "time/step": t_sync - t0}
         if "is_ratio" in t:  # the raw pi_old / pi_sampler ratios, before truncation or masking

@@ -255,7 +255,19 @@ def full_weights(model, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
     """The full weights under their Hugging Face names, cast to the server's dtype, for the sync.
     (DDP keeps a full copy on every rank; FSDP would gather here.)"""
     model = getattr(model, "module", model)
-    return [(name, p.detach().to(dtype)) for name, p in model.named_parameters()]
+    skip = os.environ.get("NANOGRPO_FAULT_SKIP_WEIGHT")  # fault injection for the sync-check test: push without it
+    return [(name, p.detach().to(dtype)) for name, p in model.named_parameters() if name != skip]
+
+
+def probe_logprob_diff(client, policy, probe_ids: list[int], autocast) -> tuple[float, float]:
+    """Mean and max |log-prob difference| between the server and `policy` on a fixed token sequence:
+    a deterministic check that the server computes with the weights we pushed."""
+    server = torch.tensor(client.prompt_logprobs(probe_ids))
+    ids = torch.tensor([probe_ids], device=next(policy.parameters()).device)
+    with torch.no_grad(), autocast:
+        ours = completion_logprobs(policy, ids, torch.ones_like(ids), len(probe_ids) - 1, 1.0)[0].float().cpu()
+    diff = (ours - server).abs()
+    return diff.mean().item(), diff.max().item()
 
 
 def save_model(model, tokenizer, out: str):

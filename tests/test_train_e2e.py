@@ -15,12 +15,12 @@ pytestmark = pytest.mark.slow
 GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
 
 
-def run_train(server, out, *args, nproc=2, check=True):
+def run_train(server, out, *args, nproc=2, check=True, env=None):
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
                  str(free_port())] if nproc > 1 else [sys.executable])  # one process: plain python, no torchrun
     cmd = [*launcher, os.path.join(ROOT, "train.py"), "--model", server["model"], "--vllm_server_port", str(server["port"]),
            "--vllm_group_port", str(free_port()), "--output_dir", str(out), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
     if not check:
         return proc
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -37,6 +37,7 @@ def test_two_process_run_learns_keeps_server_in_sync_and_saves(server, tmp_path)
     assert sum(f"step {s}/{steps}" in proc.stdout for s in range(1, steps + 1)) == steps  # one console line per step
     # after every sync the server's log-probs of what it sampled equal the trainer's (fp32 on both sides)
     assert max(m["sampler_logprob_diff_max"] for m in metrics) < 1e-4, [m["sampler_logprob_diff_max"] for m in metrics]
+    assert max(m["sync_probe_diff_max"] for m in metrics) < 1e-4  # and so does the fixed probe, after every push
     # the reward this tiny model can learn goes up
     first, last = sum(m["reward"] for m in metrics[:5]) / 5, sum(m["reward"] for m in metrics[-5:]) / 5
     assert last > first + 0.1, [round(m["reward"], 3) for m in metrics]
@@ -91,3 +92,13 @@ def test_off_policy_updates_freeze_old_logprobs_and_clip(server, tmp_path):
 def test_completions_too_long_for_the_server_fail_at_start_saying_what_to_change(server, tmp_path):
     proc = run_train(server, tmp_path / "out", "--max_completion_length", "2000", "--max_steps", "1", nproc=1, check=False)
     assert proc.returncode != 0 and "--max-model-len" in proc.stderr and "step 1/" not in proc.stdout
+
+
+def test_sync_check_stops_a_run_whose_push_skipped_a_weight(server, tmp_path):
+    proc = run_train(server, tmp_path / "out", "--reward_funcs", "tests.helpers:brevity", "--num_generations", "4",
+                     "--prompts_per_step", "2", "--max_completion_length", "8", "--max_steps", "3", "--learning_rate", "1e-2",
+                     "--bf16", "false", nproc=2, check=False,
+                     env={"NANOGRPO_FAULT_SKIP_WEIGHT": "model.layers.1.mlp.down_proj.weight"})
+    assert proc.returncode != 0
+    assert "weight sync check failed after step 1" in proc.stderr and "a weight not pushed" in proc.stderr
+    assert "step 1/3" not in proc.stdout  # it stopped before training on a server it cannot trust
