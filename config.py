@@ -57,6 +57,7 @@ class Config:
     adam_beta2: float = 0.99
     max_grad_norm: float = 1.0  # gradient clipping; 0 = off
     micro_batch_size: int = 16  # completions per forward/backward pass (memory knob; never changes the math)
+    gradient_checkpointing: bool = False  # recompute activations in the backward: ~40% less memory, slower
     bf16: bool = True  # bf16 autocast for forward/backward (fp32 master weights); CPU needs avx512_bf16
     seed: int = 42
     # server

@@ -196,6 +196,8 @@ def main(cfg: Config):
 
     policy = load_model(model_path, device)
     policy.config.use_cache = False
+    if cfg.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = DDP(policy) if world_size > 1 else policy
     ref_model = None
     if cfg.beta > 0:  # frozen reference for the KL penalty

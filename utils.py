@@ -232,14 +232,35 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens:
     return logp, entropy
 
 
+def chunked_completion_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float,
+                                chunk_size: int = 32) -> torch.Tensor:
+    """completion_logprobs without ever holding the (B, C, vocab) logits: the decoder's hidden states,
+    then lm_head and log-softmax on `chunk_size` positions at a time. For models whose logits are
+    lm_head(hidden) (Llama, Qwen, Mistral, SmolLM, ...: see `has_plain_lm_head`)."""
+    model = getattr(model, "module", model)
+    C = num_completion_tokens
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                 use_cache=False).last_hidden_state[:, -C - 1:-1]  # (B, C, H)
+    head, targets = model.get_output_embeddings(), input_ids[:, -C:]
+    return torch.cat([token_logprobs(head(hidden[:, i:i + chunk_size]), targets[:, i:i + chunk_size], temperature)
+                      for i in range(0, C, chunk_size)], dim=1)
+
+
+def has_plain_lm_head(model) -> bool:
+    config = getattr(model, "module", model).config
+    return not any(getattr(config, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+
+
 def no_grad_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float,
                      micro_batch_size: int, autocast) -> torch.Tensor:
-    """completion_logprobs of a whole batch in micro-batches, without grad, on the CPU: (N, C)."""
+    """completion_logprobs of a whole batch in micro-batches, without grad, on the CPU: (N, C).
+    The lm_head runs in chunks of positions where that is exact, which keeps peak memory down."""
     device = next(model.parameters()).device
+    fn = chunked_completion_logprobs if has_plain_lm_head(model) else completion_logprobs
     with torch.no_grad(), autocast:
-        return torch.cat([completion_logprobs(model, input_ids[i:i + micro_batch_size].to(device),
-                                              attention_mask[i:i + micro_batch_size].to(device), num_completion_tokens,
-                                              temperature).float().cpu()
+        return torch.cat([fn(model, input_ids[i:i + micro_batch_size].to(device), attention_mask[i:i + micro_batch_size].to(device),
+                             num_completion_tokens, temperature).float().cpu()
                           for i in range(0, len(input_ids), micro_batch_size)])
 
 
@@ -263,9 +284,8 @@ def probe_logprob_diff(client, policy, probe_ids: list[int], autocast) -> tuple[
     """Mean and max |log-prob difference| between the server and `policy` on a fixed token sequence:
     a deterministic check that the server computes with the weights we pushed."""
     server = torch.tensor(client.prompt_logprobs(probe_ids))
-    ids = torch.tensor([probe_ids], device=next(policy.parameters()).device)
-    with torch.no_grad(), autocast:
-        ours = completion_logprobs(policy, ids, torch.ones_like(ids), len(probe_ids) - 1, 1.0)[0].float().cpu()
+    ids = torch.tensor([probe_ids])
+    ours = no_grad_logprobs(policy, ids, torch.ones_like(ids), len(probe_ids) - 1, 1.0, 1, autocast)[0]
     diff = (ours - server).abs()
     return diff.mean().item(), diff.max().item()
 

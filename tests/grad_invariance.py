@@ -1,6 +1,6 @@
 """Run by tests/test_invariance.py (under torchrun or plain python): the gradient of one optimizer
 step on a fixed global batch, computed by train.accumulate_gradients with this process's share,
-written to a file by rank 0. Usage: grad_invariance.py LOSS_TYPE MICRO_BATCH_SIZE OUT_FILE"""
+written to a file by rank 0. Usage: grad_invariance.py LOSS_TYPE MICRO_BATCH_SIZE OUT_FILE [checkpointing]"""
 import os
 import sys
 from contextlib import nullcontext
@@ -15,10 +15,13 @@ from train import accumulate_gradients  # noqa: E402
 from utils import collate, setup_distributed, teardown_distributed  # noqa: E402
 
 loss_type, micro_batch_size, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+checkpointing = len(sys.argv) > 4 and sys.argv[4] == "checkpointing"
 rank, _, world_size, device, is_main = setup_distributed()
 torch.manual_seed(0)
 model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                      num_attention_heads=2, num_key_value_heads=2, head_dim=16)).double()
+if checkpointing:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 # a fixed global batch of 8 completions: prompts of 2-4 tokens, completions of 1-6 tokens
 g = torch.Generator().manual_seed(1)
 N, C = 8, 6

@@ -14,11 +14,11 @@ pytestmark = pytest.mark.slow
 SCRIPT = os.path.join(ROOT, "tests", "grad_invariance.py")
 
 
-def gradient(tmp_path, loss_type, nproc, micro_batch_size):
-    out = tmp_path / f"{loss_type}-{nproc}-{micro_batch_size}.pt"
+def gradient(tmp_path, loss_type, nproc, micro_batch_size, *extra):
+    out = tmp_path / f"{loss_type}-{nproc}-{micro_batch_size}-{'-'.join(extra)}.pt"
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
                  str(free_port())] if nproc > 1 else [sys.executable])
-    proc = subprocess.run(launcher + [SCRIPT, loss_type, str(micro_batch_size), str(out)], capture_output=True, text=True,
+    proc = subprocess.run(launcher + [SCRIPT, loss_type, str(micro_batch_size), str(out), *extra], capture_output=True, text=True,
                           timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out)
@@ -37,3 +37,8 @@ def test_gradient_is_the_same_however_the_step_is_split(tmp_path, loss_type):
 def test_bnpo_depends_on_the_split(tmp_path):
     # bnpo averages per micro-batch token means: documented as split-dependent, and it is
     assert (gradient(tmp_path, "bnpo", 1, 2) - gradient(tmp_path, "bnpo", 1, 8)).abs().max() > 1e-6
+
+
+def test_gradient_checkpointing_changes_memory_not_the_gradient(tmp_path):
+    plain = gradient(tmp_path, "dapo", 1, 2)
+    assert (gradient(tmp_path, "dapo", 2, 2, "checkpointing") - plain).abs().max() < 1e-9

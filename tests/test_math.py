@@ -202,3 +202,18 @@ def test_dropping_zero_std_groups_keeps_the_gradient_exact_without_kl():
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
         assert sums["tokens"] == (9 if keep is None else 5)  # the dropped rows were not run
     assert grads[0].abs().max() > 1e-4 and (grads[0] - grads[1]).abs().max() < 1e-12
+
+
+def test_chunked_logprobs_equal_the_plain_path():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from utils import chunked_completion_logprobs, completion_logprobs, has_plain_lm_head
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                                         tie_word_embeddings=True)).double()
+    ids, attn, cmask = collate([[5, 6, 7], [8]], [[1, 2, 3, 4, 9], [3, 4]], pad_id=0)
+    with torch.no_grad():
+        plain = completion_logprobs(model, ids, attn, 5, 0.7)
+        for chunk in (1, 2, 5, 8):
+            assert (chunked_completion_logprobs(model, ids, attn, 5, 0.7, chunk) - plain).abs().max() < 1e-12
+    assert has_plain_lm_head(model)
