@@ -162,7 +162,7 @@ def _field_comments() -> dict[str, str]:
         for line in f:
             name, _, rest = line.strip().partition(":")
             if name.isidentifier() and "  # " in rest:
-                comments[name] = rest.split("  # ", 1)[1]
+                comments[name] = rest.split("  # ", 1)[1].replace("%", "%%")  # argparse formats help with %
     return comments
 
 
