@@ -81,6 +81,12 @@ def token_weights(mask: torch.Tensor, loss_type: str, num_seqs: float, num_token
     raise ValueError(f"unknown loss_type {loss_type!r}")
 
 
+def loss_mask_of(completion_mask: torch.Tensor, truncated: torch.Tensor, mask_truncated: bool) -> torch.Tensor:
+    """(N, C) tokens that carry loss: every completion token, or, with mask_truncated (DAPO's overlong
+    filtering), none of a completion cut at max_completion_length, whose reward judged an unfinished answer."""
+    return completion_mask * ~truncated.unsqueeze(1) if mask_truncated else completion_mask
+
+
 def grpo_loss(logp, old_logp, advantages, mask, weights, epsilon_low: float, epsilon_high: float, delta: float = 0.0,
               beta: float = 0.0, ref_logp=None):
     """Clipped surrogate with a k3 KL penalty: sum over tokens of weights * per-token loss.
@@ -258,7 +264,7 @@ def main(cfg: Config):
         input_ids, attention_mask, completion_mask = collate(prompt_of, completions, tokenizer.pad_token_id)
         C = completion_mask.shape[1]
         truncated = torch.tensor([s["finish_reason"] == "length" for s in samples])  # (N,)
-        loss_mask = completion_mask * ~truncated.unsqueeze(1) if cfg.mask_truncated_completions else completion_mask
+        loss_mask = loss_mask_of(completion_mask, truncated, cfg.mask_truncated_completions)  # (N, C)
         sampler_logp = torch.tensor([s["logprobs"] + [0.0] * (C - len(s["logprobs"])) for s in samples])  # (N, C)
         # Off-policy (several updates per generation batch), pi_old must be frozen before the first
         # update. On-policy the training forward's detached log-probs are pi_old: no extra pass, and

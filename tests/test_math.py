@@ -217,3 +217,17 @@ def test_chunked_logprobs_equal_the_plain_path():
         for chunk in (1, 2, 5, 8):
             assert (chunked_completion_logprobs(model, ids, attn, 5, 0.7, chunk) - plain).abs().max() < 1e-12
     assert has_plain_lm_head(model)
+
+
+def test_truncated_completions_carry_no_loss_when_masked():
+    from train import loss_mask_of
+    cmask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1]])
+    truncated = torch.tensor([True, False, False])
+    got = loss_mask_of(cmask, truncated, True)
+    for i in range(3):
+        for t in range(3):
+            assert got[i, t] == (0 if truncated[i] else cmask[i, t])
+    assert torch.equal(loss_mask_of(cmask, truncated, False), cmask)
+    # and the dapo normalisation then counts only the tokens that carry loss
+    w = token_weights(got, "dapo", 3, float(got.sum()), 3, 1)
+    assert abs(w.sum().item() - 1) < 1e-12 and w[0].sum() == 0
