@@ -269,6 +269,8 @@ def no_grad_logprobs(model, input_ids, attention_mask, num_completion_tokens: in
 
 def load_model(path: str, device, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # one line per step on the console, no loading bars
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
 
 
