@@ -68,7 +68,7 @@ class Config:
     vllm_group_port: int = 51216  # TCP port of that rendezvous, hosted by trainer rank 0
     weight_sync_bucket_mb: float = 64  # weights leave the trainer packed in buckets of this size
     sync_check_steps: int = 1  # every N steps the server scores a fixed probe and we compare log-probs; 0 = never
-    sync_check_tolerance: float = -1.0  # stop if the probe's mean |log-prob diff| is above (nats); -1 = 1e-3 fp32, 0.25 bf16
+    sync_check_tolerance: float = -1.0  # stop if the probe's mean |log-prob diff| is above (nats); -1 = 1e-3 fp32, 0.5 bf16
     # output
     output_dir: str = "out"  # metrics.jsonl and the final model folder go here
     save_model: bool = True  # save a Hugging Face model folder at the end (output_dir/model)

@@ -224,7 +224,7 @@ def main(cfg: Config):
     # a fixed probe the server scores after pushes, to catch a sync that silently went wrong
     probe_ids = prompt_ids[0] + tokenizer(" Let me think. 12 + 7 = 19, so the answer is \\boxed{19}.")["input_ids"]
     exact = server_dtype == torch.float32 and not cfg.bf16
-    sync_tolerance = cfg.sync_check_tolerance if cfg.sync_check_tolerance >= 0 else (1e-3 if exact else 0.25)
+    sync_tolerance = cfg.sync_check_tolerance if cfg.sync_check_tolerance >= 0 else (1e-3 if exact else 0.5)
     if is_main:  # rank 0 owns the weight-transfer group and pushes; DDP keeps every rank's copy equal
         client.init_weight_transfer(cfg.vllm_group_host, cfg.vllm_group_port)
         client.push_weights(full_weights(model, server_dtype), cfg.weight_sync_bucket_mb)  # server = our step-0 policy
