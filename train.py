@@ -295,7 +295,8 @@ def main(cfg: Config):
                 if iteration == 0:
                     first_pass_logp[part] = logp
         # the server's log-probs of what it sampled vs ours for the same weights: a sync check
-        diff = ((first_pass_logp if old_logp is None else old_logp) - sampler_logp).abs() * completion_mask
+        compared = completion_mask if data["keep"] is None else completion_mask * data["keep"].unsqueeze(1)  # rows we ran
+        diff = ((first_pass_logp if old_logp is None else old_logp) - sampler_logp).abs() * compared
         t_train = time.perf_counter()
 
         # ---------------------------------------------------------------------- sync weights
@@ -324,7 +325,7 @@ def main(cfg: Config):
                             **{f"sq/{name}": reward_matrix[:, i].nan_to_num(0.0).pow(2).sum() for i, name in enumerate(names)},
                             **{f"n/{name}": (~reward_matrix[:, i].isnan()).sum() for i, name in enumerate(names)},
                             "groups": len(batch), "zero_std": zero_std.sum() / G, "length": lengths.sum(),
-                            "truncated": truncated.sum(), "diff": diff.sum(), **sums})
+                            "truncated": truncated.sum(), "diff": diff.sum(), "compared": compared.sum(), **sums})
         N, T = t["n"], max(t["tokens"], 1.0)  # T: completion tokens of all training forwards of the round
         per_fn = {}
         for name in names:
@@ -340,7 +341,7 @@ def main(cfg: Config):
                    "kl": t["kl"] / T, "entropy": t["entropy"] / T, "clip_ratio/low": t["clip_low"] / T,
                    "clip_ratio/high": t["clip_high"] / T, "clip_ratio/region": t["clip_region"] / T,
                    "loss": t["loss"] / len(grad_norms), "grad_norm": sum(g.item() for g in grad_norms) / len(grad_norms),
-                   "sampler_logprob_diff_mean": t["diff"] / max(t["length"], 1.0), "sampler_logprob_diff_max": ext["diff_max"],
+                   "sampler_logprob_diff_mean": t["diff"] / max(t["compared"], 1.0), "sampler_logprob_diff_max": ext["diff_max"],
                    **probe, "lr": scheduler.get_last_lr()[0], "optimizer_steps": scheduler.last_epoch, "old_logprob_pass": int(off_policy),
                    "time/generate": t_gen - t0, "time/score": t_score - t_gen, "time/old_ref": t_ref - t_score,
                    "time/train": t_train - t_ref, "time/sync": t_sync - t_train, "time/step": t_sync - t0}

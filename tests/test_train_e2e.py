@@ -52,7 +52,7 @@ def test_two_process_run_learns_keeps_server_in_sync_and_saves(server, tmp_path)
 
 @pytest.mark.parametrize("loss_type, extra", [
     ("grpo", ["--scale_rewards", "batch", "--gradient_checkpointing"]),
-    ("bnpo", ["--mask_truncated_completions"]),
+    ("bnpo", ["--mask_truncated_completions", "--drop_zero_std_groups"]),
     ("dr_grpo", ["--scale_rewards", "none", "--delta", "4", "--top_k", "5000", "--min_p", "0.0001"]),
     ("dapo", ["--epsilon_high", "0.28", "--repetition_penalty", "1.1"]),
 ])
