@@ -223,12 +223,13 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens:
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # positions count from each sequence's first token, as in vLLM
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    logits_to_keep=C + 1, use_cache=False).logits[:, :-1]  # (B, C, V)
-    logp = token_logprobs(logits, input_ids[:, -C:], temperature)
     if not with_entropy:
-        return logp
-    with torch.no_grad():
-        logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
-        entropy = -(logprobs.exp() * logprobs).sum(dim=-1)
+        return token_logprobs(logits, input_ids[:, -C:], temperature)
+    z = logits.float() / temperature  # one fp32 copy of the logits serves both
+    lse = torch.logsumexp(z, dim=-1)  # (B, C)
+    logp = torch.gather(z, -1, input_ids[:, -C:].unsqueeze(-1)).squeeze(-1) - lse
+    with torch.no_grad():  # H = lse - sum_v p_v z_v
+        entropy = lse - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
     return logp, entropy
 
 

@@ -66,9 +66,9 @@ def test_missing_column_and_missing_file_say_what_to_set(tmp_path):
         utils.load_rows(GSM8K, "train", "prompt", "answer", 0, 0)
     with pytest.raises(ValueError, match="no such file"):
         utils.load_rows(str(tmp_path / "nope.jsonl"), "train", "q", "a", 0, 0)
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text(json.dumps({"question": "q", "answer": "1"}) + "\n")
-    assert utils.load_rows(str(empty), "train", "question", "answer", 0, 0) == [{"question": "q", "answer": "1"}]
+    one_row = tmp_path / "one.jsonl"
+    one_row.write_text(json.dumps({"question": "q", "answer": "1"}) + "\n")
+    assert utils.load_rows(str(one_row), "train", "question", "answer", 0, 0) == [{"question": "q", "answer": "1"}]
 
 
 def test_model_path_that_does_not_exist_is_named(tmp_path):

@@ -231,3 +231,24 @@ def test_truncated_completions_carry_no_loss_when_masked():
     # and the dapo normalisation then counts only the tokens that carry loss
     w = token_weights(got, "dapo", 3, float(got.sum()), 3, 1)
     assert abs(w.sum().item() - 1) < 1e-12 and w[0].sum() == 0
+
+
+def test_entropy_and_logprobs_of_one_pass_match_naive_loop():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from utils import completion_logprobs
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, head_dim=16)).double()
+    ids, attn, _ = collate([[5, 6], [7]], [[1, 2, 3], [4, 9]], pad_id=0)
+    logp, entropy = completion_logprobs(model, ids, attn, 3, 0.7, with_entropy=True)
+    plain = completion_logprobs(model, ids, attn, 3, 0.7)
+    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids).logits.detach()
+    for b in range(2):
+        for t in range(3):
+            z = [x / 0.7 for x in logits[b, ids.shape[1] - 4 + t].tolist()]
+            lse = math.log(sum(math.exp(x) for x in z))
+            p = [math.exp(x - lse) for x in z]
+            assert abs(entropy[b, t].item() - -sum(q * math.log(q) for q in p)) < 1e-6  # fp32 by design
+            assert abs(logp[b, t].item() - (z[ids[b, ids.shape[1] - 3 + t]] - lse)) < 1e-6
+    assert torch.allclose(logp, plain, atol=1e-6) and logp.requires_grad and not entropy.requires_grad
