@@ -60,6 +60,14 @@ class Config:
     gradient_checkpointing: bool = False  # recompute activations in the backward: ~40% less memory, slower
     bf16: bool = True  # bf16 autocast for forward/backward (fp32 master weights); CPU needs avx512_bf16
     seed: int = 42
+    # scale-out and LoRA
+    fsdp: bool = False  # shard the policy (and reference) with FSDP2 per decoder layer instead of DDP copies; needs torchrun
+    use_peft: bool = False  # train a LoRA adapter instead of all weights; the reference is the base (adapter off)
+    lora_r: int = 16  # LoRA rank
+    lora_alpha: float = 32.0  # LoRA scaling numerator: the update is B A * lora_alpha / lora_r
+    lora_dropout: float = 0.05  # dropout on the adapter's input while training
+    lora_target_modules: str = "all-linear"  # comma-separated module names (e.g. q_proj,v_proj) or all-linear
+    save_merged_model: bool = False  # with --use_peft, also save the base with the adapter merged (output_dir/model)
     # server
     vllm_server_host: str = "127.0.0.1"
     vllm_server_port: int = 8000
@@ -71,7 +79,7 @@ class Config:
     sync_check_tolerance: float = -1.0  # stop if the probe's mean |log-prob diff| is above (nats); -1 = 1e-3 fp32, 0.5 bf16
     # output
     output_dir: str = "out"  # metrics.jsonl and the final model folder go here
-    save_model: bool = True  # save a Hugging Face model folder at the end (output_dir/model)
+    save_model: bool = True  # save at the end: output_dir/model (a Hugging Face folder), or output_dir/adapter with LoRA
     report_to: str = "none"  # none | wandb
     wandb_project: str = "nanogrpo"
     run_name: str = ""  # wandb run name; "" = wandb's default
@@ -143,6 +151,12 @@ class Config:
                               f"{len(self.reward_names())} functions: give one weight per function")
         except ValueError:
             errors.append(f"--reward_weights {self.reward_weights!r}: use comma-separated numbers, e.g. 1.0,0.5")
+        lora_flags = [f"--{f.name}" for f in dataclasses.fields(self) if f.name.startswith("lora_") or f.name == "save_merged_model"
+                      if getattr(self, f.name) != f.default]
+        if lora_flags and not self.use_peft:
+            errors.append(f"{', '.join(lora_flags)} only apply to LoRA training: add --use_peft, or drop them")
+        if self.use_peft and (self.lora_r < 1 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1):
+            errors.append("--lora_r must be >= 1, --lora_alpha > 0 and --lora_dropout in [0, 1)")
         if errors:
             raise ValueError("invalid configuration:\n  - " + "\n  - ".join(errors))
 

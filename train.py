@@ -34,15 +34,14 @@ import time
 from contextlib import nullcontext
 
 import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from config import Config, parse_config
 from rewards import RewardScorer, postprocess_rewards
-from utils import (MetricsLogger, extremes_over_ranks, sum_over_ranks, collate, completion_logprobs, encode_prompt, full_weights, load_model,
-                   barrier, load_rows, merge_stats, no_grad_logprobs, print0, probe_logprob_diff, resolve_model, save_model, setup_distributed, step_prompt_indices,
-                   teardown_distributed)
-from vllm_server import VLLMClient
+from utils import (MetricsLogger, ServerWeights, add_lora, barrier, collate, completion_logprobs, distribute, encode_prompt,
+                   extremes_over_ranks, full_tensor, gradient_sync, load_model, load_rows, merge_stats, no_grad_logprobs, print0,
+                   probe_logprob_diff, reference_model, resolve_model, save_model, setup_distributed, step_prompt_indices,
+                   sum_over_ranks, teardown_distributed)
+from vllm_server import VLLMClient, WeightSync
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", batch_std: float = 1.0,
@@ -133,7 +132,9 @@ def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autoca
     loss_mask, advantages, and old_logp, ref_logp, sampler_logp (each or None), and optionally
     `keep` (rows to run; the others still count in the normalisation). Token weights count the step
     over all ranks, so the gradient after DDP's averaging is the same however the step is split
-    over micro-batches and ranks (except bnpo, by definition).
+    over micro-batches and ranks (except bnpo, by definition). Every rank runs as many micro-batches
+    (FSDP2 gathers weights in each forward, DDP reduces in the last backward): a rank with fewer rows
+    runs its first row again with weight 0.
     Returns sums of per-token statistics over this rank's tokens, and the policy's log-probs (N, C)."""
     device = next(model.parameters()).device
     mask = data["loss_mask"]
@@ -141,10 +142,12 @@ def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autoca
     rows = torch.arange(len(mask))[data["keep"]] if data.get("keep") is not None else torch.arange(len(mask))
     micro = [rows[i:i + cfg.micro_batch_size] for i in range(0, len(rows), cfg.micro_batch_size)]
     counts = sum_over_ranks({"seqs": len(mask), "tokens": mask.sum(), "micro": len(micro)})
+    num_micro = int(extremes_over_ranks({"micro_max": len(micro)})["micro_max"])
     sums, logps = {}, torch.zeros(mask.shape)
-    for j, s in enumerate(micro):
-        sync = j == len(micro) - 1 or world_size == 1  # DDP all-reduces gradients on the last micro-batch only
-        with (nullcontext() if sync else model.no_sync()), autocast:
+    for j in range(num_micro):
+        padding = j >= len(micro)  # this rank has run all its rows; keep in step with the others
+        s = torch.arange(1) if padding else micro[j]
+        with gradient_sync(model, j == num_micro - 1), autocast:  # gradients are reduced on the last micro-batch only
             logp, entropy = completion_logprobs(model, data["input_ids"][s].to(device), data["attention_mask"][s].to(device),
                                                 C, cfg.temperature, with_entropy=True)  # (b, C)
             # pi_old: the policy before this round's first update. On-policy it is the current policy,
@@ -152,7 +155,7 @@ def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autoca
             old_logp = logp.detach() if data["old_logp"] is None else data["old_logp"][s].to(device)
             m = mask[s].to(device)
             weights = token_weights(mask[s], cfg.loss_type, counts["seqs"], counts["tokens"], cfg.max_completion_length,
-                                    counts["micro"]).to(device) * world_size  # DDP averages gradients over ranks
+                                    counts["micro"]).to(device) * world_size * (not padding)  # DDP/FSDP average over ranks
             extra = {}
             if data["sampler_logp"] is not None:  # importance sampling against the sampler
                 is_weight, ratio = sampler_is_weights(old_logp.float(), data["sampler_logp"][s].to(device), m,
@@ -165,6 +168,8 @@ def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autoca
             loss, stats = grpo_loss(logp, old_logp, data["advantages"][s].to(device), m, weights,
                                     cfg.epsilon, cfg.eps_high, cfg.delta, cfg.beta, ref)
             loss.backward()
+        if padding:
+            continue
         stats = {**stats, **extra, "entropy": (entropy * m).sum(), "tokens": m.sum(), "loss": loss.detach() / world_size}
         merge_stats(sums, {k: v.item() for k, v in stats.items()})
         logps[s] = logp.detach().float().cpu()
@@ -204,13 +209,17 @@ def main(cfg: Config):
     policy.config.use_cache = False
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = DDP(policy) if world_size > 1 else policy
+    if cfg.use_peft:  # train a LoRA adapter; the base weights stay frozen and serve as the reference
+        policy = add_lora(policy, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+    model = distribute(policy, cfg.fsdp, cfg.bf16, world_size)  # FSDP2 shards per layer; else DDP copies
     ref_model = None
-    if cfg.beta > 0:  # frozen reference for the KL penalty
-        ref_model = load_model(model_path, device).eval().requires_grad_(False)
+    if cfg.beta > 0 and not cfg.use_peft:  # a frozen copy for the KL penalty (with LoRA: the adapter switched off)
+        ref_model = distribute(load_model(model_path, device).eval().requires_grad_(False), cfg.fsdp, cfg.bf16, world_size,
+                               trainable=False)
     off_policy = cfg.num_iterations > 1 or cfg.steps_per_generation > 1  # then pi_old needs its own pass
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
 
@@ -225,14 +234,17 @@ def main(cfg: Config):
     probe_ids = prompt_ids[0] + tokenizer(" Let me think. 12 + 7 = 19, so the answer is \\boxed{19}.")["input_ids"]
     exact = server_dtype == torch.float32 and not cfg.bf16
     sync_tolerance = cfg.sync_check_tolerance if cfg.sync_check_tolerance >= 0 else (1e-3 if exact else 0.5)
-    if is_main:  # rank 0 owns the weight-transfer group and pushes; DDP keeps every rank's copy equal
-        client.init_weight_transfer(cfg.vllm_group_host, cfg.vllm_group_port)
-        client.push_weights(full_weights(model, server_dtype), cfg.weight_sync_bucket_mb)  # server = our step-0 policy
+    # weights leave in the server's names and dtype, LoRA merged, FSDP2 shards gathered one tensor at a time;
+    # every rank takes part (the gathers), rank 0 alone sends
+    sync = WeightSync(client, ServerWeights(model, server_dtype), rank, cfg.vllm_group_host, cfg.vllm_group_port,
+                      cfg.weight_sync_bucket_mb)
+    sync.push()  # the server = our step-0 policy (LoRA: its adapter starts at zero, but the names must map)
     barrier()  # no rank samples while weights are being pushed
     logger = MetricsLogger(cfg.output_dir, is_main, cfg.report_to, vars(cfg), cfg.wandb_project, cfg.run_name)
     print0(f"nanogrpo | model {cfg.model} | {world_size} process(es) on {device.type} | {cfg.prompts_per_step} prompts x "
            f"G={G} = {cfg.prompts_per_step * G} completions per step ({prompts_per_rank * G} per rank) | "
-           f"rewards {names} x {reward_weights.tolist()} | loss {cfg.loss_type} | beta {cfg.beta} | bf16 {cfg.bf16}")
+           f"rewards {names} x {reward_weights.tolist()} | loss {cfg.loss_type} | beta {cfg.beta} | bf16 {cfg.bf16} | "
+           f"{'FSDP2' if cfg.fsdp else 'DDP' if world_size > 1 else 'single process'}{' + LoRA' if cfg.use_peft else ''}")
 
     for step in range(cfg.max_steps):
         t0 = time.perf_counter()
@@ -272,8 +284,9 @@ def main(cfg: Config):
         old_logp = ref_logp = None
         if off_policy:
             old_logp = no_grad_logprobs(model, input_ids, attention_mask, C, cfg.temperature, cfg.micro_batch_size, autocast)
-        if ref_model is not None:
-            ref_logp = no_grad_logprobs(ref_model, input_ids, attention_mask, C, cfg.temperature, cfg.micro_batch_size, autocast)
+        if cfg.beta > 0:
+            with reference_model(model, ref_model) as ref:
+                ref_logp = no_grad_logprobs(ref, input_ids, attention_mask, C, cfg.temperature, cfg.micro_batch_size, autocast)
         t_ref = time.perf_counter()
 
         # ---------------------------------------------------------------------- loss and step
@@ -288,7 +301,7 @@ def main(cfg: Config):
                 part_sums, logp = accumulate_gradients(model, {k: None if v is None else v[part] for k, v in data.items()},
                                                        cfg, world_size, autocast)
                 merge_stats(sums, part_sums)
-                grad_norms.append(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm or float("inf")))
+                grad_norms.append(full_tensor(torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm or float("inf"))))
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
@@ -300,12 +313,11 @@ def main(cfg: Config):
         t_train = time.perf_counter()
 
         # ---------------------------------------------------------------------- sync weights
-        if is_main:
-            client.push_weights(full_weights(model, server_dtype), cfg.weight_sync_bucket_mb)
+        sync.push()
         barrier()  # no rank samples again before the server has the new weights
         probe = {}
         if cfg.sync_check_steps and (step + 1) % cfg.sync_check_steps == 0:
-            mean, top = probe_logprob_diff(client, policy, probe_ids, autocast) if is_main else (0.0, 0.0)
+            mean, top = probe_logprob_diff(client, model, probe_ids, autocast, is_main)
             probe = sum_over_ranks({"sync_probe_diff_mean": mean, "sync_probe_diff_max": top})  # rank 0's, on every rank
             if probe["sync_probe_diff_mean"] > sync_tolerance:
                 raise RuntimeError(
@@ -355,9 +367,8 @@ def main(cfg: Config):
                f"gen {t_gen - t0:.1f}s train {t_train - t_ref:.1f}s sync {t_sync - t_train:.1f}s")
 
     # -------------------------------------------------------------------------- save
-    if is_main and cfg.save_model:
-        save_model(model, tokenizer, os.path.join(cfg.output_dir, "model"))
-        print0(f"saved {os.path.join(cfg.output_dir, 'model')}")
+    if cfg.save_model:  # every rank: FSDP2 gathers
+        print0(f"saved {', '.join(save_model(model, tokenizer, cfg.output_dir, is_main, cfg.save_merged_model or not cfg.use_peft))}")
     logger.close()
     scorer.close()
 

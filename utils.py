@@ -1,7 +1,9 @@
 """Mechanisms that train.py uses but that are not the GRPO algorithm itself:
 distributed setup, the embedded model and task, data loading and prompt formatting,
-log-prob computation, weight iteration for the sync, saving, and logging helpers.
+log-prob computation, models (LoRA, DDP, FSDP2), the weights as the server sees them (sync,
+probe, saving), and logging helpers.
 """
+import collections
 import glob
 import json
 import math
@@ -13,6 +15,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -233,23 +236,39 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens:
     return logp, entropy
 
 
+class _ChunkedLogprobHead(torch.nn.Module):
+    """Stands in for the lm_head during one no-grad forward: returns the log-probs of `targets`,
+    computed `chunk_size` positions at a time, instead of the (B, T, vocab) logits."""
+
+    def __init__(self, head, targets, temperature: float, chunk_size: int):
+        super().__init__()
+        self.head, self.targets, self.temperature, self.chunk_size = head, targets, temperature, chunk_size
+
+    def forward(self, hidden):  # (B, C + 1, H): the hidden states before each completion token, and the last
+        hidden, C = hidden[:, :-1], self.targets.shape[1]
+        return torch.cat([token_logprobs(self.head(hidden[:, i:i + self.chunk_size]), self.targets[:, i:i + self.chunk_size],
+                                         self.temperature) for i in range(0, C, self.chunk_size)], dim=1)
+
+
 def chunked_completion_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float,
                                 chunk_size: int = 32) -> torch.Tensor:
-    """completion_logprobs without ever holding the (B, C, vocab) logits: the decoder's hidden states,
-    then lm_head and log-softmax on `chunk_size` positions at a time. For models whose logits are
-    lm_head(hidden) (Llama, Qwen, Mistral, SmolLM, ...: see `has_plain_lm_head`)."""
-    model = getattr(model, "module", model)
+    """completion_logprobs without ever holding the (B, C, vocab) logits: for one forward the lm_head is
+    replaced by one that applies itself and the log-softmax to `chunk_size` positions at a time. The
+    forward still goes through `model` itself, so DDP, FSDP2 and peft do what they do in any forward.
+    For models whose logits are lm_head(hidden) (Llama, Qwen, Mistral, SmolLM, ...: see `has_plain_lm_head`)."""
     C = num_completion_tokens
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                 use_cache=False).last_hidden_state[:, -C - 1:-1]  # (B, C, H)
-    head, targets = model.get_output_embeddings(), input_ids[:, -C:]
-    return torch.cat([token_logprobs(head(hidden[:, i:i + chunk_size]), targets[:, i:i + chunk_size], temperature)
-                      for i in range(0, C, chunk_size)], dim=1)
+    hf, position_ids = hf_model(model), (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    head = hf.get_output_embeddings()
+    hf.set_output_embeddings(_ChunkedLogprobHead(head, input_ids[:, -C:], temperature, chunk_size))
+    try:
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                     logits_to_keep=C + 1, use_cache=False).logits  # (B, C): log-probs, not logits
+    finally:
+        hf.set_output_embeddings(head)
 
 
 def has_plain_lm_head(model) -> bool:
-    config = getattr(model, "module", model).config
+    config = hf_model(model).config
     return not any(getattr(config, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
 
 
@@ -266,7 +285,7 @@ def no_grad_logprobs(model, input_ids, attention_mask, num_completion_tokens: in
 
 
 # -----------------------------------------------------------------------------
-# model loading, weight sync and saving
+# models: loading, LoRA, DDP or FSDP2
 
 def load_model(path: str, device, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
@@ -275,40 +294,154 @@ def load_model(path: str, device, dtype=torch.float32):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
 
 
-def full_weights(model, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
-    """The full weights under their Hugging Face names, cast to the server's dtype, for the sync.
-    (DDP keeps a full copy on every rank; FSDP would gather here.)"""
-    model = getattr(model, "module", model)
-    skip = os.environ.get("NANOGRPO_FAULT_SKIP_WEIGHT")  # fault injection for the sync-check test: push without it
-    return [(name, p.detach().to(dtype)) for name, p in model.named_parameters() if name != skip]
+def hf_model(model):
+    """The transformers model inside DDP and peft wrappers (FSDP2 shards the module in place)."""
+    model = getattr(model, "module", model)  # DDP
+    return model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
 
 
-def probe_logprob_diff(client, policy, probe_ids: list[int], autocast) -> tuple[float, float]:
-    """Mean and max |log-prob difference| between the server and `policy` on a fixed token sequence:
-    a deterministic check that the server computes with the weights we pushed."""
-    server = torch.tensor(client.prompt_logprobs(probe_ids))
+def add_lora(model, r: int, alpha: float, dropout: float, target_modules: str):
+    """Wrap `model` in a peft LoRA model: only the adapter trains; the base weights stay frozen."""
+    from peft import LoraConfig, get_peft_model
+    targets = target_modules if target_modules == "all-linear" else [m.strip() for m in target_modules.split(",")]
+    return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+                                            task_type="CAUSAL_LM"))
+
+
+def distribute(model, fsdp: bool, bf16: bool, world_size: int, trainable: bool = True):
+    """FSDP2: every decoder layer its own shard group, then the root (embeddings, norm, head), so a
+    forward all-gathers one layer at a time; with bf16 the gathered weights are bf16 and gradients are
+    reduced in fp32. Otherwise DDP (a full copy per rank) for a trained model on several ranks."""
+    if fsdp:
+        if not dist.is_initialized():
+            raise ValueError("--fsdp needs torch.distributed: launch with torchrun (e.g. torchrun --nproc_per_node 2 train.py --fsdp)")
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+        layer_classes = set(getattr(model, "_no_split_modules", None) or [])  # e.g. {"LlamaDecoderLayer"}
+        for module in model.modules():
+            if type(module).__name__ in layer_classes:
+                fully_shard(module, mp_policy=mp)
+        return fully_shard(model, mp_policy=mp)
+    if world_size > 1 and trainable:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        return DDP(model, broadcast_buffers=False)  # no buffer is trained; no collective in no-grad forwards
+    return model
+
+
+def gradient_sync(model, sync: bool):
+    """A context for one micro-batch's backward: reduce gradients over ranks only if `sync` (the last
+    micro-batch of an optimizer step); before that they accumulate locally."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(sync)
+        return nullcontext()
+    return model.no_sync() if hasattr(model, "no_sync") and not sync else nullcontext()  # DDP
+
+
+@contextmanager
+def reference_model(model, ref_model):
+    """The model that gives reference log-probs: the frozen copy, or with LoRA the policy itself with
+    its adapter switched off (the base weights; no second copy in memory)."""
+    if ref_model is not None:
+        yield ref_model
+    else:
+        with getattr(model, "module", model).disable_adapter():
+            yield model
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: FSDP2 shards (DTensors) are all-gathered, a collective every rank must join."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+# -----------------------------------------------------------------------------
+# the weights as the server sees them: sync, probe, save
+
+WeightMeta = collections.namedtuple("WeightMeta", "name dtype shape")
+
+
+def lora_delta(layer) -> torch.Tensor:
+    """The update a peft LoRA layer adds to its base weight: sum over active adapters of B A * scaling."""
+    if any(getattr(layer, "use_dora", {}).get(a) for a in layer.active_adapters):
+        raise ValueError("DoRA adapters cannot be merged for the weight sync: train plain LoRA")
+    delta = sum((full_tensor(layer.lora_B[a].weight) @ full_tensor(layer.lora_A[a].weight)) * layer.scaling[a]
+                for a in layer.active_adapters)
+    return delta.T if getattr(layer, "fan_in_fan_out", False) else delta
+
+
+class ServerWeights:
+    """The policy's weights as the server's plain model names them, one tensor at a time: Hugging Face
+    names, LoRA merged into its base weight (the server runs the base architecture), FSDP2 shards
+    gathered one tensor at a time (a collective: every rank iterates, in the same order), in `dtype`.
+    `metadata()` lists (name, dtype, shape) without gathering. This is the WeightSource interface of
+    vLLM's trainer-side weight-transfer engines, so the same object feeds our gloo and vLLM's nccl."""
+
+    def __init__(self, model, dtype: torch.dtype):
+        self.model, self.dtype = hf_model(model), dtype
+        skip = os.environ.get("NANOGRPO_FAULT_SKIP_WEIGHT")  # fault injection for the sync-check test: push without it
+        # named_parameters lists a tied lm_head once, under the embedding's name, as the server expects
+        self.params = [(name, p) for name, p in self.model.named_parameters()
+                       if "lora_" not in name and name.replace(".base_layer", "") != skip]
+
+    def metadata(self) -> list[WeightMeta]:
+        return [WeightMeta(name.replace(".base_layer", ""), self.dtype, tuple(p.shape)) for name, p in self.params]
+
+    def __iter__(self):
+        for name, p in self.params:
+            weight = full_tensor(p.detach())
+            if name.endswith(".base_layer.weight"):  # a LoRA layer: W + B A * alpha / r
+                weight = weight + lora_delta(self.model.get_submodule(name.removesuffix(".base_layer.weight")))
+            yield name.replace(".base_layer", ""), weight.to(self.dtype)
+
+
+def probe_logprob_diff(client, model, probe_ids: list[int], autocast, is_main: bool) -> tuple[float, float]:
+    """Mean and max |log-prob difference| between the server and `model` on a fixed token sequence:
+    a deterministic check that the server computes with the weights we pushed. Every rank runs the
+    forward (FSDP2 gathers); rank 0 asks the server and returns the numbers, the others (0, 0)."""
     ids = torch.tensor([probe_ids])
-    ours = no_grad_logprobs(policy, ids, torch.ones_like(ids), len(probe_ids) - 1, 1.0, 1, autocast)[0]
-    diff = (ours - server).abs()
+    ours = no_grad_logprobs(model, ids, torch.ones_like(ids), len(probe_ids) - 1, 1.0, 1, autocast)[0]
+    if not is_main:
+        return 0.0, 0.0
+    diff = (ours - torch.tensor(client.prompt_logprobs(probe_ids))).abs()
     return diff.mean().item(), diff.max().item()
 
 
-def save_model(model, tokenizer, out: str):
-    """A Hugging Face model folder that transformers and vLLM load; written to a temporary folder and
-    renamed, so a crash never leaves a half-written model where a complete one was."""
-    model = getattr(model, "module", model)
-    staging = out.rstrip("/") + ".tmp"
+def replace_folder(out: str, write):
+    """Call write(folder) on a temporary folder, then rename it to `out`: a crash never leaves a
+    half-written folder where a complete one was."""
+    staging, old = out.rstrip("/") + ".tmp", out.rstrip("/") + ".old"
     shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
+    write(staging)
     if os.path.exists(out):
-        old = out.rstrip("/") + ".old"
         shutil.rmtree(old, ignore_errors=True)
         os.replace(out, old)
         os.replace(staging, out)
         shutil.rmtree(old)
     else:
         os.replace(staging, out)
+
+
+def save_model(model, tokenizer, output_dir: str, is_main: bool, merged: bool = True) -> list[str]:
+    """Called on every rank (FSDP2 gathers). Writes output_dir/model, a Hugging Face folder that
+    transformers and vLLM load (with LoRA: the merged weights, if `merged`), and with LoRA
+    output_dir/adapter, a peft folder. Returns the folders written."""
+    folders = []
+    peft_model = getattr(model, "module", model)
+    if hasattr(peft_model, "disable_adapter"):
+        adapter = {name: full_tensor(p.detach()).cpu() for name, p in peft_model.named_parameters() if "lora_" in name}
+        if is_main:
+            replace_folder(os.path.join(output_dir, "adapter"), lambda d: (peft_model.save_pretrained(d, state_dict=adapter),
+                                                                          tokenizer.save_pretrained(d)))
+        folders.append(os.path.join(output_dir, "adapter"))
+        if not merged:
+            return folders
+    state = {}
+    for name, weight in ServerWeights(model, torch.float32):  # every rank gathers; rank 0 keeps
+        if is_main:
+            state[name] = weight.cpu()
+    if is_main:
+        replace_folder(os.path.join(output_dir, "model"), lambda d: (hf_model(model).save_pretrained(d, state_dict=state),
+                                                                    tokenizer.save_pretrained(d)))
+    return folders + [os.path.join(output_dir, "model")]
 
 
 # -----------------------------------------------------------------------------

@@ -3,21 +3,23 @@
 The server is vLLM's own OpenAI-compatible server, started with the same flags as `vllm serve`:
 
     python vllm_server.py --model smollm2-135m --port 8000 --dtype bfloat16 --enforce-eager
-    python vllm_server.py --model Qwen/Qwen2.5-1.5B-Instruct --tensor-parallel-size 2   # GPUs
+    python vllm_server.py --model Qwen/Qwen2.5-1.5B-Instruct --tensor-parallel-size 2 \
+        --weight-transfer-config '{"backend": "nccl"}'                                   # GPUs
 
 What this file adds to plain `vllm serve`, and nothing else:
   - vLLM's weight-transfer routes (/init_weight_transfer_engine, /start_weight_update,
     /update_weights, /finish_weight_update) and /reset_prefix_cache, enabled through
     VLLM_SERVER_DEV_MODE=1;
-  - a `gloo` weight-transfer backend, so weights can be pushed without CUDA (vLLM's own backends
-    need it). It works on GPU servers too: tensors travel through host memory over TCP;
+  - a `gloo` weight-transfer backend (the default here), so weights can be pushed without CUDA
+    (vLLM's own backends need it). It works on GPU servers too, through host memory over TCP; on
+    GPUs vLLM's `nccl` backend is faster, and the trainer uses whichever the server runs;
   - defaults for training: bound to 127.0.0.1, the sampler's log-probs after temperature
     (`--logprobs-mode processed_logprobs`), the embedded model name `smollm2-135m`.
 
 Do not expose this port to a network: the weight-transfer routes let any caller replace the
 model's weights.
 
-The wire protocol of a weight push (trainer rank 0 = gloo rank 0, vLLM worker w = rank 1 + w):
+The wire protocol of a gloo weight push (trainer rank 0 = gloo rank 0, vLLM worker w = rank 1 + w):
   1. POST /start_weight_update
   2. POST /update_weights {names, dtype_names, shapes, bucket_bytes}, answered only after the
      worker has received every bucket, while the trainer broadcasts the buckets: the tensors in
@@ -26,7 +28,6 @@ The wire protocol of a weight push (trainer rank 0 = gloo rank 0, vLLM worker w 
 """
 import math
 import os
-import re
 import sys
 import threading
 import time
@@ -108,12 +109,14 @@ class VLLMClient:
             time.sleep(1)
         self.model_name = self.session.get(self.base + "/v1/models", timeout=30).json()["data"][0]["id"]
 
+    def server_config(self) -> dict:
+        """The server's vLLM config (model, parallel and weight-transfer settings) as JSON."""
+        return self.session.get(self.base + "/server_info", params={"config_format": "json"}, timeout=30).json()["vllm_config"]
+
     def server_dtype_and_max_len(self) -> tuple[torch.dtype, int]:
         """The dtype the server computes in (weights are pushed in it) and its max model length."""
-        info = self.session.get(self.base + "/server_info", timeout=30).json()["vllm_config"]
-        dtype = getattr(torch, re.search(r"dtype=torch\.(\w+)", info).group(1))
-        max_len = self.session.get(self.base + "/v1/models", timeout=30).json()["data"][0]["max_model_len"]
-        return dtype, max_len
+        model_config = self.server_config()["model_config"]
+        return getattr(torch, str(model_config["dtype"]).removeprefix("torch.")), int(model_config["max_model_len"])
 
     def generate(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = -1, min_p: float = 0.0, repetition_penalty: float = 1.0) -> list[dict]:
@@ -134,31 +137,94 @@ class VLLMClient:
         pl = self._post("/v1/completions", body)["choices"][0]["prompt_logprobs"]
         return [entry[str(tok)]["logprob"] for tok, entry in zip(token_ids[1:], pl[1:])]
 
-    def init_weight_transfer(self, group_host: str = "127.0.0.1", group_port: int = DEFAULT_GROUP_PORT):
-        """Open the gloo group between this process (rank 0) and every vLLM worker (ranks 1..)."""
-        num_workers = self.session.get(self.base + "/get_world_size", timeout=30).json()["world_size"]
-        init_info = dict(master_address=group_host, master_port=group_port, rank_offset=1, world_size=1 + num_workers)
+    def num_workers(self) -> int:
+        """vLLM worker processes (tensor x pipeline x data parallel): each joins the weight transfer."""
+        return self.session.get(self.base + "/get_world_size", timeout=30).json()["world_size"]
+
+    # vLLM's weight-sync control routes (the VLLMWeightSyncClient protocol of its trainer-side engines)
+    def init_weight_transfer_engine(self, init_info: dict):
+        self._post("/init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self):
+        self._post("/start_weight_update")
+
+    def update_weights(self, update_info: dict):
+        self._post("/update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None):
+        self._post("/finish_weight_update", None if weight_version is None else {"weight_version": weight_version})
+
+    def reset_prefix_cache(self):
+        self._post("/reset_prefix_cache")
+
+
+class GlooWeightSender:
+    """Trainer side of our gloo backend: this process is rank 0 of a gloo group with every vLLM
+    worker, and broadcasts the weights packed into buckets (see the wire protocol above)."""
+
+    def __init__(self, client: VLLMClient, source, address: str, port: int, world_size: int, bucket_bytes: int):
+        self.client, self.source, self.bucket_bytes = client, source, bucket_bytes
+        init_info = dict(master_address=address, master_port=port, rank_offset=1, world_size=world_size)
         # the workers block inside the request until the group forms, so the request runs on a thread
-        thread = _call_in_thread(self._post, "/init_weight_transfer_engine", {"init_info": init_info})
-        self.group = gloo_group(group_host, group_port, 0, 1 + num_workers)
+        thread = _call_in_thread(client.init_weight_transfer_engine, init_info)
+        self.group = gloo_group(address, port, 0, world_size)
         thread.join_or_raise()
 
-    def push_weights(self, named_tensors: list[tuple[str, torch.Tensor]], bucket_mb: float = 64):
-        """Send full (unsharded, Hugging Face named) tensors to the server and make them live."""
-        assert self.group is not None, "call init_weight_transfer() first"
-        bucket_bytes = int(bucket_mb * 2**20)
-        names = [n for n, _ in named_tensors]
-        tensors = [t.detach().to("cpu").contiguous() for _, t in named_tensors]
-        update_info = dict(names=names, dtype_names=[str(t.dtype).removeprefix("torch.") for t in tensors],
-                           shapes=[list(t.shape) for t in tensors], bucket_bytes=bucket_bytes)
-        self._post("/start_weight_update")
-        thread = _call_in_thread(self._post, "/update_weights", {"update_info": update_info})
-        for bucket in bucket_plan([t.numel() * t.element_size() for t in tensors], bucket_bytes):
-            packed = torch.cat([tensors[i].view(-1).view(torch.uint8) for i in bucket])
-            self.group.broadcast(packed, 0).wait()
+    def send_weights(self):
+        meta = self.source.metadata()
+        update_info = dict(names=[m.name for m in meta], dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
+                           shapes=[list(m.shape) for m in meta], bucket_bytes=self.bucket_bytes)
+        self.client.start_weight_update()
+        thread = _call_in_thread(self.client.update_weights, update_info)
+        weights = iter(self.source)  # one tensor at a time: a bucket is the most this process holds
+        for bucket in bucket_plan([tensor_nbytes(list(m.shape), m.dtype) for m in meta], self.bucket_bytes):
+            parts = []
+            for i in bucket:
+                name, tensor = next(weights)
+                assert (name, tuple(tensor.shape), tensor.dtype) == (meta[i].name, meta[i].shape, meta[i].dtype), \
+                    f"the weights iterate out of step with their metadata at {name}"
+                parts.append(tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8))
+            self.group.broadcast(torch.cat(parts), 0).wait()
         thread.join_or_raise()
-        self._post("/finish_weight_update")
-        self._post("/reset_prefix_cache")
+        self.client.finish_weight_update()
+
+
+class WeightSync:
+    """Pushes the trainer's weights into the server. Built and called on every trainer rank, since
+    reading sharded weights is a collective; rank 0 alone talks to the server. The transport is the
+    one the server was started with (--weight-transfer-config): our `gloo` (any machine: host memory
+    over TCP) or vLLM's `nccl` (GPU to GPU); the code that calls it is the same.
+    `source`: (name, tensor) pairs in the server's names and dtype, with metadata() (utils.ServerWeights)."""
+
+    def __init__(self, client: VLLMClient, source, rank: int, group_host: str, group_port: int, bucket_mb: float = 64):
+        self.client, self.source, self.engine = client, source, None
+        if rank != 0:
+            return
+        config = client.server_config()
+        backend = (config.get("weight_transfer_config") or {}).get("backend")
+        world_size = 1 + client.num_workers()
+        bucket_bytes = int(bucket_mb * 2**20)
+        if backend == "gloo":
+            self.engine = GlooWeightSender(client, source, group_host, group_port, world_size, bucket_bytes)
+        elif backend == "nccl":
+            from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+            init_info = NCCLTrainerInitInfo(master_address=group_host, master_port=group_port, world_size=world_size,
+                                            packed=True, packed_buffer_size_bytes=bucket_bytes, rank=0)
+            self.engine = WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=source)
+        else:
+            raise ValueError(f"the server's weight-transfer backend is {backend!r}; nanogrpo pushes weights with "
+                             "'gloo' or 'nccl': start the server with --weight-transfer-config '{\"backend\": \"gloo\"}' "
+                             "(the default of vllm_server.py) or '{\"backend\": \"nccl\"}' (GPUs)")
+
+    def push(self):
+        """Make the server compute with the current weights. Every rank calls it."""
+        if self.engine is None:
+            for _ in self.source:  # take part in each gather, in the same order as rank 0
+                pass
+            return
+        self.engine.send_weights()
+        self.client.reset_prefix_cache()  # cached KV of the old weights is stale
 
 
 class _call_in_thread(threading.Thread):

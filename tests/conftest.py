@@ -1,4 +1,5 @@
 """Shared fixtures: a tiny random model with the SmolLM2 tokenizer, and the real vLLM server on it."""
+import json
 import os
 import signal
 import socket
@@ -79,3 +80,21 @@ def server(tiny_model, tmp_path_factory):
     finally:
         stop(proc)
         log.close()
+
+
+def train_args(server, out, *args) -> list[str]:
+    return [os.path.join(ROOT, "train.py"), "--model", server["model"], "--vllm_server_port", str(server["port"]),
+            "--vllm_group_port", str(free_port()), "--output_dir", str(out), *args]
+
+
+def run_train(server, out, *args, nproc=2, check=True, env=None):
+    """train.py on the tiny model against `server`: under torchrun with `nproc` processes (gloo), or plain
+    python for 1. Returns the process and the metrics of each step (or only the process, if not `check`)."""
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+                 str(free_port())] if nproc > 1 else [sys.executable])  # one process: plain python, no torchrun
+    proc = subprocess.run([*launcher, *train_args(server, out, *args)], capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+    if not check:
+        return proc
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc, [json.loads(line) for line in open(out / "metrics.jsonl")]

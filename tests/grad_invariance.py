@@ -1,21 +1,22 @@
 """Run by tests/test_invariance.py (under torchrun or plain python): the gradient of one optimizer
 step on a fixed global batch, computed by train.accumulate_gradients with this process's share,
-written to a file by rank 0. Usage: grad_invariance.py LOSS_TYPE MICRO_BATCH_SIZE OUT_FILE [checkpointing]"""
+written to a file by rank 0. Usage: grad_invariance.py LOSS_TYPE MICRO_BATCH_SIZE OUT_FILE [OPTION...]
+options: checkpointing (gradient checkpointing), fsdp (FSDP2 instead of DDP), uneven (rows 4-6 are
+dropped, as zero-std groups are, so rank 0 runs 2 micro-batches of 2 and rank 1 one)."""
 import os
 import sys
 from contextlib import nullcontext
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from config import Config  # noqa: E402
 from train import accumulate_gradients  # noqa: E402
-from utils import collate, setup_distributed, teardown_distributed  # noqa: E402
+from utils import collate, distribute, full_tensor, setup_distributed, teardown_distributed  # noqa: E402
 
-loss_type, micro_batch_size, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-checkpointing = len(sys.argv) > 4 and sys.argv[4] == "checkpointing"
+loss_type, micro_batch_size, out, options = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+checkpointing = "checkpointing" in options
 rank, _, world_size, device, is_main = setup_distributed()
 torch.manual_seed(0)
 model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -32,10 +33,13 @@ advantages = torch.randn(N, generator=g, dtype=torch.float64)
 ref_logp = -torch.rand(N, completion_mask.shape[1], generator=g, dtype=torch.float64) * 3
 sampler_logp = -torch.rand(N, completion_mask.shape[1], generator=g, dtype=torch.float64) * 6  # IS weights in play
 share = slice(rank * N // world_size, (rank + 1) * N // world_size)
+keep = torch.tensor([True] * 4 + [False] * 3 + [True]) if "uneven" in options else None
 data = dict(input_ids=input_ids[share], attention_mask=attention_mask[share], loss_mask=completion_mask[share],
-            advantages=advantages[share], ref_logp=ref_logp[share], old_logp=None, sampler_logp=sampler_logp[share])
+            advantages=advantages[share], ref_logp=ref_logp[share], old_logp=None, sampler_logp=sampler_logp[share],
+            keep=None if keep is None else keep[share])
 cfg = Config(loss_type=loss_type, micro_batch_size=micro_batch_size, beta=0.04, max_completion_length=C, bf16=False)
-accumulate_gradients(DDP(model) if world_size > 1 else model, data, cfg, world_size, nullcontext())
+accumulate_gradients(distribute(model, "fsdp" in options, False, world_size), data, cfg, world_size, nullcontext())
+grad = torch.cat([full_tensor(p.grad).flatten() for p in model.parameters()])  # FSDP2: gathered on every rank
 if is_main:
-    torch.save(torch.cat([p.grad.flatten() for p in model.parameters()]), out)
+    torch.save(grad, out)
 teardown_distributed()

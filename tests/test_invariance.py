@@ -1,6 +1,7 @@
 """The gradient of one optimizer step does not depend on how the step is split: one process with 4
 accumulation steps, two processes (torchrun, gloo) with 2 each, and one process with one big batch
-give the same gradient in float64 (dapo, dr_grpo, grpo; bnpo is split-dependent by definition)."""
+give the same gradient in float64 (dapo, dr_grpo, grpo; bnpo is split-dependent by definition), under
+DDP and under FSDP2, also when the ranks run different numbers of rows."""
 import os
 import subprocess
 import sys
@@ -42,3 +43,13 @@ def test_bnpo_depends_on_the_split(tmp_path):
 def test_gradient_checkpointing_changes_memory_not_the_gradient(tmp_path):
     plain = gradient(tmp_path, "dapo", 1, 2)
     assert (gradient(tmp_path, "dapo", 2, 2, "checkpointing") - plain).abs().max() < 1e-9
+
+
+def test_fsdp2_gives_the_gradient_of_one_process_also_when_ranks_run_different_rows(tmp_path):
+    loss_type = "grpo"  # per-sequence weights: the hardest to split
+    for rows in ([], ["uneven"]):
+        one = gradient(tmp_path, loss_type, 1, 2, *rows)
+        assert one.abs().max() > 1e-3
+        assert (gradient(tmp_path, loss_type, 2, 2, "fsdp", *rows) - one).abs().max() < 1e-6, rows
+        assert (gradient(tmp_path, loss_type, 2, 2, *rows) - one).abs().max() < 1e-6, rows  # DDP
+    assert (gradient(tmp_path, loss_type, 1, 2, "uneven") - gradient(tmp_path, loss_type, 1, 2)).abs().max() > 1e-6

@@ -4,8 +4,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import free_port
-from utils import collate, completion_logprobs
-from vllm_server import VLLMClient
+from utils import ServerWeights, collate, completion_logprobs
+from vllm_server import VLLMClient, WeightSync
 
 pytestmark = pytest.mark.slow
 
@@ -14,12 +14,15 @@ pytestmark = pytest.mark.slow
 def setup(server):
     client = VLLMClient(port=server["port"])
     client.wait_for_health(30)
-    client.init_weight_transfer(group_port=free_port())
     tokenizer = AutoTokenizer.from_pretrained(server["model"])
     model = AutoModelForCausalLM.from_pretrained(server["model"], dtype=torch.float32)
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    # small buckets: many of them, and the big embedding travels alone
+    sync = WeightSync(client, ServerWeights(model, torch.float32), 0, "127.0.0.1", free_port(), bucket_mb=0.5)
     prompts = [tokenizer("What is 2 + 3?")["input_ids"], tokenizer("Name a colour.")["input_ids"]]
-    yield client, model, prompts
-    client.push_weights(list(model.named_parameters()))  # leave the server as we found it
+    yield client, model, prompts, sync, initial
+    model.load_state_dict(initial, strict=False)
+    sync.push()  # leave the server as we found it
 
 
 def trainer_logprobs(model, prompts, samples, n):
@@ -30,7 +33,7 @@ def trainer_logprobs(model, prompts, samples, n):
 
 
 def test_generate_returns_n_completions_with_ids_logprobs_and_finish_reasons(setup):
-    client, model, prompts = setup
+    client, model, prompts, *_ = setup
     samples = client.generate(prompts, n=3, max_tokens=12, temperature=1.0)
     assert len(samples) == 6
     for s in samples:
@@ -41,7 +44,7 @@ def test_generate_returns_n_completions_with_ids_logprobs_and_finish_reasons(set
 
 
 def test_sampler_logprobs_equal_the_trainers_in_fp32(setup):
-    client, model, prompts = setup
+    client, model, prompts, *_ = setup
     samples = client.generate(prompts, n=2, max_tokens=16, temperature=1.0)
     ours, mask = trainer_logprobs(model, prompts, samples, 2)
     for i, s in enumerate(samples):
@@ -50,24 +53,24 @@ def test_sampler_logprobs_equal_the_trainers_in_fp32(setup):
 
 
 def test_push_changes_outputs_and_restoring_reproduces_them_exactly(setup):
-    client, model, prompts = setup
+    client, model, prompts, sync, initial = setup
     probe = prompts[0] + [100, 200, 300, 400, 500]
     before = client.prompt_logprobs(probe)
     greedy_before = client.generate(prompts, n=1, max_tokens=8, temperature=1e-5)
     # change every weight, the (tied) embedding included: a stale lm_head copy on the server would show
-    changed = [(name, p.detach() + 0.05 * torch.randn_like(p)) for name, p in model.named_parameters()]
-    assert any("embed_tokens" in name for name, _ in changed)
-    client.push_weights(changed, bucket_mb=0.5)  # small buckets: many of them, big tensors alone
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    assert "model.embed_tokens.weight" in [m.name for m in sync.source.metadata()]
+    sync.push()
     after = client.prompt_logprobs(probe)
     assert max(abs(a - b) for a, b in zip(before, after)) > 0.1
-    # the server now computes exactly what a model with the pushed weights computes
-    moved = AutoModelForCausalLM.from_config(model.config)
-    moved.load_state_dict(dict(changed), strict=False)
-    moved.tie_weights()
+    # the server now computes exactly what the model with the pushed weights computes
     ids = torch.tensor([probe])
     with torch.no_grad():
-        want = torch.log_softmax(moved(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+        want = torch.log_softmax(model(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
     assert (torch.tensor(after) - want).abs().max().item() < 1e-3
-    client.push_weights(list(model.named_parameters()))
+    model.load_state_dict(initial, strict=False)
+    sync.push()
     assert client.prompt_logprobs(probe) == before
     assert client.generate(prompts, n=1, max_tokens=8, temperature=1e-5) == greedy_before

@@ -1,30 +1,15 @@
 """train.py under torchrun (2 processes, gloo) against the real server, on the tiny model."""
-import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, free_port
+from conftest import ROOT, run_train
 
 pytestmark = pytest.mark.slow
 GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
-
-
-def run_train(server, out, *args, nproc=2, check=True, env=None):
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-                 str(free_port())] if nproc > 1 else [sys.executable])  # one process: plain python, no torchrun
-    cmd = [*launcher, os.path.join(ROOT, "train.py"), "--model", server["model"], "--vllm_server_port", str(server["port"]),
-           "--vllm_group_port", str(free_port()), "--output_dir", str(out), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
-    if not check:
-        return proc
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc, [json.loads(line) for line in open(out / "metrics.jsonl")]
 
 
 def test_two_process_run_learns_keeps_server_in_sync_and_saves(server, tmp_path):

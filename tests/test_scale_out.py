@@ -1,0 +1,76 @@
+"""DDP, FSDP2, LoRA and two nodes, each under torchrun (gloo) against the real server on the tiny model:
+training changes the weights, the server computes with exactly the trainer's weights after every push,
+and what is saved is what the server runs."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import free_port, run_train, stop, train_args
+from vllm_server import VLLMClient
+
+pytestmark = pytest.mark.slow
+LORA = ["--use_peft", "--lora_r", "4", "--lora_alpha", "16", "--lora_dropout", "0", "--save_merged_model"]
+SMALL_RUN = ["--reward_funcs", "tests.helpers:brevity", "--num_generations", "4", "--prompts_per_step", "4",
+             "--max_completion_length", "8", "--max_steps", "3", "--bf16", "false", "--beta", "0.04", "--micro_batch_size", "3"]
+
+
+def logprobs(model, ids: list[int]) -> torch.Tensor:
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        return torch.log_softmax(model(x).logits[0, :-1].float(), -1).gather(-1, x[0, 1:, None])[:, 0]
+
+
+def check_saved_run(server, out, metrics, lora: bool):
+    """The probe matched after every push; the saved model differs from the start and is what the server runs."""
+    from transformers import AutoModelForCausalLM
+    assert len(metrics) == 3 and all(m["grad_norm"] > 0 for m in metrics)
+    assert max(m["sync_probe_diff_max"] for m in metrics) < 1e-4, [m["sync_probe_diff_max"] for m in metrics]
+    assert max(m["sampler_logprob_diff_max"] for m in metrics) < 1e-4
+    saved, initial = load_file(out / "model" / "model.safetensors"), load_file(os.path.join(server["model"], "model.safetensors"))
+    assert saved.keys() == initial.keys()
+    assert any(not torch.equal(saved[k], initial[k]) for k in initial)
+    probe = list(range(100, 140))
+    merged = AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32)
+    server_logprobs = torch.tensor(VLLMClient(port=server["port"]).prompt_logprobs(probe))
+    assert (logprobs(merged, probe) - server_logprobs).abs().max() < 1e-4
+    if lora:  # the adapter on the base model computes what the merged model computes
+        from peft import PeftModel
+        assert any(k != "model.embed_tokens.weight" and torch.equal(saved[k], initial[k]) for k in initial)  # norms stay
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(server["model"], dtype=torch.float32),
+                                            out / "adapter")
+        assert (logprobs(adapted, probe) - logprobs(merged, probe)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "ddp_lora", "fsdp_lora"])
+def test_parallel_modes_train_keep_the_server_in_sync_and_save_what_it_runs(server, tmp_path, mode):
+    flags = {"ddp": [], "fsdp": ["--fsdp"], "ddp_lora": LORA, "fsdp_lora": ["--fsdp", *LORA]}[mode]
+    lr = "5e-2" if "lora" in mode else "1e-2"
+    proc, metrics = run_train(server, tmp_path / "out", *SMALL_RUN, "--learning_rate", lr, *flags)
+    assert ("FSDP2" if "fsdp" in mode else "DDP") in proc.stdout and ("LoRA" in proc.stdout) == ("lora" in mode)
+    assert metrics[-1]["kl"] > 0  # the reference (a copy, or the base with the adapter off) is in the loss
+    check_saved_run(server, tmp_path / "out", metrics, lora="lora" in mode)
+
+
+def test_two_nodes_on_loopback(server, tmp_path):
+    """Two torchrun launchers, one per 'node', rendezvous on 127.0.0.1; the policy is sharded across them."""
+    port, out = free_port(), tmp_path / "out"
+    args = train_args(server, out, *SMALL_RUN, "--learning_rate", "1e-2", "--fsdp")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(r),
+                               "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port), *args],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+             for r in (0, 1)]
+    try:
+        results = [node.communicate(timeout=900) for node in nodes]
+    finally:
+        for node in nodes:
+            stop(node)
+    for node, (stdout, stderr) in zip(nodes, results):
+        assert node.returncode == 0, stdout[-3000:] + stderr[-5000:]
+    assert "2 process(es)" in results[0][0] and "FSDP2" in results[0][0]
+    check_saved_run(server, out, [json.loads(line) for line in open(out / "metrics.jsonl")], lora=False)
