@@ -5,7 +5,8 @@ policy-gradient step with an optional KL penalty, and pushes the new weights int
 
 Launch (start the server first, see README):
     python train.py                                         # 1 process, the embedded defaults
-    torchrun --nproc_per_node 2 train.py --bf16 false      # N processes on one machine
+    torchrun --nproc_per_node 2 train.py --bf16 false      # N processes on one machine (DDP)
+    torchrun --nproc_per_node 2 train.py --fsdp --use_peft  # FSDP2-sharded, training a LoRA adapter
     torchrun --nnodes 2 --node_rank 0 --master_addr HOST --nproc_per_node 8 train.py ...   # N nodes
 
 What this implements, and the defaults we chose (README: "Loss choices" has the formulas):

@@ -348,6 +348,14 @@ def reference_model(model, ref_model):
             yield model
 
 
+def sharded_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
+    """named_parameters() of a model that FSDP2 may have left gathered: after a forward, the root's
+    weights stay gathered (in the compute dtype, bf16 with mixed precision); reshard to read the fp32 shards."""
+    if hasattr(model, "reshard"):
+        model.reshard()
+    return list(model.named_parameters())
+
+
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor: FSDP2 shards (DTensors) are all-gathered, a collective every rank must join."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -378,6 +386,7 @@ class ServerWeights:
     def __init__(self, model, dtype: torch.dtype):
         self.model, self.dtype = hf_model(model), dtype
         skip = os.environ.get("NANOGRPO_FAULT_SKIP_WEIGHT")  # fault injection for the sync-check test: push without it
+        sharded_parameters(getattr(model, "module", model))
         # named_parameters lists a tied lm_head once, under the embedding's name, as the server expects
         self.params = [(name, p) for name, p in self.model.named_parameters()
                        if "lora_" not in name and name.replace(".base_layer", "") != skip]
@@ -427,7 +436,7 @@ def save_model(model, tokenizer, output_dir: str, is_main: bool, merged: bool = 
     folders = []
     peft_model = getattr(model, "module", model)
     if hasattr(peft_model, "disable_adapter"):
-        adapter = {name: full_tensor(p.detach()).cpu() for name, p in peft_model.named_parameters() if "lora_" in name}
+        adapter = {name: full_tensor(p.detach()).cpu() for name, p in sharded_parameters(peft_model) if "lora_" in name}
         if is_main:
             replace_folder(os.path.join(output_dir, "adapter"), lambda d: (peft_model.save_pretrained(d, state_dict=adapter),
                                                                           tokenizer.save_pretrained(d)))

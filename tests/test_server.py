@@ -19,6 +19,7 @@ def setup(server):
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     # small buckets: many of them, and the big embedding travels alone
     sync = WeightSync(client, ServerWeights(model, torch.float32), 0, "127.0.0.1", free_port(), bucket_mb=0.5)
+    sync.push()  # the server is shared: training tests may have left their weights in it
     prompts = [tokenizer("What is 2 + 3?")["input_ids"], tokenizer("Name a colour.")["input_ids"]]
     yield client, model, prompts, sync, initial
     model.load_state_dict(initial, strict=False)
