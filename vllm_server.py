@@ -326,14 +326,34 @@ if "vllm" in sys.modules:  # imported inside a vLLM process: make the backend av
     register_gloo_backend()
 
 
+def num_workers_of(argv: list[str]) -> int:
+    """Worker processes that `vllm serve` flags ask for: tensor x pipeline parallel size."""
+    def value(*flags):
+        for i, a in enumerate(argv):
+            for f in flags:
+                if a == f and i + 1 < len(argv):
+                    return int(argv[i + 1])
+                if a.startswith(f + "="):
+                    return int(a.split("=", 1)[1])
+        return 1
+    return value("--tensor-parallel-size", "-tp") * value("--pipeline-parallel-size", "-pp")
+
+
+def cpu_binding(num_cpus: int, num_workers: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND giving each worker an equal, separate range of cores: "0-3", "0-1|2-3"."""
+    per = max(1, num_cpus // num_workers)
+    return "|".join(f"{w * per}-{w * per + per - 1}" for w in range(num_workers))
+
+
 def main(argv: list[str] | None = None):
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # enables the weight-transfer and cache routes
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; unset, vLLM on CPU sizes it from all RAM
-    if not torch.cuda.is_available() and os.cpu_count() <= 4:
+    if not torch.cuda.is_available() and num_workers_of(argv) <= os.cpu_count() <= 4:
         # vLLM's "auto" keeps one core for its front end; on a small CPU, generating on all cores is
-        # ~1.4x faster (measured, 2 cores), and the trainer is idle while the server generates
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
+        # ~1.4x faster (measured, 2 cores), and the trainer is idle while the server generates.
+        # With tensor/pipeline parallelism each worker gets its own share of the cores ("0|1").
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(os.cpu_count(), num_workers_of(argv)))
     here = os.path.dirname(os.path.abspath(__file__))
     os.environ["PYTHONPATH"] = here + os.pathsep + os.environ.get("PYTHONPATH", "")  # workers import this module
     sys.path.insert(0, here)

@@ -1,4 +1,5 @@
 """Shared fixtures: a tiny random model with the SmolLM2 tokenizer, and the real vLLM server on it."""
+import contextlib
 import json
 import os
 import signal
@@ -32,17 +33,17 @@ def stop(proc: subprocess.Popen):
             proc.wait()
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> str:
-    """A random 2-layer Llama (head_dim 64: vLLM's CPU attention rejects 16) with tied embeddings; 3 M parameters."""
+def make_tiny_model(path, num_heads: int = 1) -> str:
+    """A random 2-layer Llama (head_dim 64: vLLM's CPU attention rejects 16) with tied embeddings and the
+    SmolLM2 tokenizer; 3 M parameters with one head."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     import utils
-    path = str(tmp_path_factory.mktemp("tiny-llama"))
     tokenizer = AutoTokenizer.from_pretrained(utils.default_model_path())
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=1, num_key_value_heads=1, head_dim=64, max_position_embeddings=1024,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+                         num_attention_heads=num_heads, num_key_value_heads=num_heads, head_dim=64,
+                         max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=2)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     with torch.no_grad():  # one constant hidden dimension, and EOS favoured along it: P(EOS) ~ 0.1 per token, so
@@ -51,17 +52,23 @@ def tiny_model(tmp_path_factory) -> str:
         E[config.eos_token_id, 0] = 2.1
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    return path
+    return str(path)
 
 
 @pytest.fixture(scope="session")
-def server(tiny_model, tmp_path_factory):
-    """The real vllm_server.py on a free loopback port, fp32 so log-probs can be compared tightly."""
+def tiny_model(tmp_path_factory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@contextlib.contextmanager
+def running_server(model: str, log_path, *extra: str):
+    """The real vllm_server.py on a free loopback port, fp32 so log-probs can be compared tightly;
+    stopped (its whole process group) on exit, also when the test fails."""
     port = free_port()
-    log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")
+    log = open(log_path, "w+")
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "vllm_server.py"), "--model", tiny_model, "--port", str(port),
-                             "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--seed", "0"],
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "vllm_server.py"), "--model", model, "--port", str(port),
+                             "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--seed", "0", *extra],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     from vllm_server import VLLMClient
     client = VLLMClient(port=port)
@@ -76,10 +83,17 @@ def server(tiny_model, tmp_path_factory):
         if proc.poll() is not None or client.model_name is None:
             log.seek(0)
             raise RuntimeError("vllm_server.py did not start:\n" + log.read()[-5000:])
-        yield {"port": port, "model": tiny_model, "proc": proc}
+        yield {"port": port, "model": model, "proc": proc}
     finally:
         stop(proc)
         log.close()
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model, tmp_path_factory):
+    """The server on the tiny model, shared by the tests of a session."""
+    with running_server(tiny_model, tmp_path_factory.mktemp("server") / "server.log") as s:
+        yield s
 
 
 def train_args(server, out, *args) -> list[str]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import free_port, run_train, stop, train_args
+from conftest import free_port, make_tiny_model, run_train, running_server, stop, train_args
 from vllm_server import VLLMClient
 
 pytestmark = pytest.mark.slow
@@ -102,3 +102,13 @@ def test_server_weights_merge_lora_like_peft_and_meet_vllms_weight_source_contra
     NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=1, world_size=2, packed=True,
                         packed_buffer_size_bytes=2**20, rank=0)  # the arguments WeightSync passes exist
     assert "nccl" in WeightTransferTrainerFactory._registry
+
+
+def test_fsdp_run_against_a_tensor_parallel_server(tmp_path):
+    """A server with --tensor-parallel-size 2: each of its workers holds half of each layer and joins the
+    weight transfer; the server still computes exactly what the trainer computes after every push."""
+    model = make_tiny_model(tmp_path / "two-heads", num_heads=2)  # tensor parallelism splits the heads
+    with running_server(model, tmp_path / "server.log", "--tensor-parallel-size", "2") as tp_server:
+        assert VLLMClient(port=tp_server["port"]).num_workers() == 2
+        _, metrics = run_train(tp_server, tmp_path / "out", *SMALL_RUN, "--learning_rate", "1e-2", "--fsdp")
+        check_saved_run(tp_server, tmp_path / "out", metrics, lora=False)
