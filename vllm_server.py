@@ -3,16 +3,15 @@
 The server is vLLM's own OpenAI-compatible server, started with the same flags as `vllm serve`:
 
     python vllm_server.py --model smollm2-135m --port 8000 --dtype bfloat16 --enforce-eager
-    python vllm_server.py --model Qwen/Qwen2.5-1.5B-Instruct --tensor-parallel-size 2 \
-        --weight-transfer-config '{"backend": "nccl"}'                                   # GPUs
+    python vllm_server.py --model Qwen/Qwen2.5-1.5B-Instruct --tensor-parallel-size 2   # GPUs
 
 What this file adds to plain `vllm serve`, and nothing else:
   - vLLM's weight-transfer routes (/init_weight_transfer_engine, /start_weight_update,
     /update_weights, /finish_weight_update) and /reset_prefix_cache, enabled through
     VLLM_SERVER_DEV_MODE=1;
-  - a `gloo` weight-transfer backend (the default here), so weights can be pushed without CUDA
-    (vLLM's own backends need it). It works on GPU servers too, through host memory over TCP; on
-    GPUs vLLM's `nccl` backend is faster, and the trainer uses whichever the server runs;
+  - a `gloo` weight-transfer backend, so weights can be pushed without CUDA (vLLM's own backends
+    need it): the default without GPUs. With GPUs the default is vLLM's `nccl`; gloo works there
+    too (host memory over TCP). The trainer uses whichever the server runs;
   - defaults for training: bound to 127.0.0.1, the sampler's log-probs after temperature
     (`--logprobs-mode processed_logprobs`), the embedded model name `smollm2-135m`.
 
@@ -26,6 +25,7 @@ The wire protocol of a gloo weight push (trainer rank 0 = gloo rank 0, vLLM work
      `names` order, concatenated as raw bytes and cut into buckets by `bucket_plan`.
   3. POST /finish_weight_update, then POST /reset_prefix_cache (cached KV of old weights is stale).
 """
+import json
 import math
 import os
 import sys
@@ -371,7 +371,8 @@ def main(argv: list[str] | None = None):
             argv[i] = "--model=" + utils.resolve_model(a.split("=", 1)[1])
     defaults = {"--host": "127.0.0.1", "--port": str(DEFAULT_PORT), "--logprobs-mode": "processed_logprobs",
                 "--worker-extension-cls": "vllm_server.WorkerExtension",
-                "--weight-transfer-config": '{"backend": "gloo"}'}
+                # GPUs: vLLM's nccl (GPU to GPU); CPUs: our gloo
+                "--weight-transfer-config": json.dumps({"backend": "nccl" if torch.cuda.is_available() else "gloo"})}
     for flag, value in defaults.items():
         if not has(flag):
             argv += [flag, value]

@@ -49,7 +49,7 @@ def check_saved_run(server, out, metrics, lora: bool, tolerance: float = 1e-4):
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp", "ddp_lora", "fsdp_lora"])
 def test_parallel_modes_train_keep_the_server_in_sync_and_save_what_it_runs(server, tmp_path, mode):
-    flags = {"ddp": [], "fsdp": ["--fsdp", "--gradient_checkpointing"], "ddp_lora": LORA, "fsdp_lora": ["--fsdp", *LORA]}[mode]
+    flags = {"ddp": [], "fsdp": ["--fsdp", "--gradient_checkpointing"], "ddp_lora": [*LORA, "--gradient_checkpointing"], "fsdp_lora": ["--fsdp", *LORA]}[mode]
     lr = "5e-2" if "lora" in mode else "1e-2"
     proc, metrics = run_train(server, tmp_path / "out", *SMALL_RUN, "--learning_rate", lr, *flags)
     assert ("FSDP2" if "fsdp" in mode else "DDP") in proc.stdout and ("LoRA" in proc.stdout) == ("lora" in mode)
