@@ -59,7 +59,7 @@ class Config:
     micro_batch_size: int = 16  # completions per forward/backward pass (memory knob; never changes the math)
     gradient_checkpointing: bool = False  # recompute activations in the backward: ~40% less memory, slower
     bf16: bool = True  # bf16 autocast for forward/backward (fp32 master weights); CPU needs avx512_bf16
-    seed: int = 42
+    seed: int = 42  # data order, and the server's sampling: each request carries a seed derived from it
     # scale-out and LoRA
     fsdp: bool = False  # shard the policy (and reference) with FSDP2 per decoder layer instead of DDP copies; needs torchrun
     use_peft: bool = False  # train a LoRA adapter instead of all weights; the reference is the base (adapter off)
@@ -80,6 +80,9 @@ class Config:
     # output
     output_dir: str = "out"  # metrics.jsonl and the final model folder go here
     save_model: bool = True  # save at the end: output_dir/model (a Hugging Face folder), or output_dir/adapter with LoRA
+    save_steps: int = 0  # write output_dir/checkpoint-N every N steps and at the end (model, optimizer, RNG...); 0 = never
+    save_total_limit: int = 2  # keep the newest N checkpoints; 0 = keep all
+    resume_from_checkpoint: str = ""  # continue a run exactly: a checkpoint folder, or "latest" in output_dir
     report_to: str = "none"  # none | wandb
     wandb_project: str = "nanogrpo"
     run_name: str = ""  # wandb run name; "" = wandb's default
@@ -157,6 +160,8 @@ class Config:
             errors.append(f"{', '.join(lora_flags)} only apply to LoRA training: add --use_peft, or drop them")
         if self.use_peft and (self.lora_r < 1 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1):
             errors.append("--lora_r must be >= 1, --lora_alpha > 0 and --lora_dropout in [0, 1)")
+        if self.save_steps < 0 or self.save_total_limit < 0:
+            errors.append("--save_steps and --save_total_limit must be >= 0 (0 = never / keep all)")
         if errors:
             raise ValueError("invalid configuration:\n  - " + "\n  - ".join(errors))
 

@@ -8,6 +8,7 @@ it in your own module and pass --reward_funcs accuracy,my_module:my_reward. The 
 import importlib
 import math
 import multiprocessing as mp
+import os
 import re
 
 BOXED_NUMBER = re.compile(r"\\boxed\{\s*-?[\d,]*\.?\d+\s*\}")
@@ -55,6 +56,13 @@ def get_reward_func(name: str):
     return REWARD_FUNCS[name]
 
 
+def _own_session():
+    """The scorer process leaves the trainer's process group: Ctrl-C in the terminal and torchrun's SIGTERM
+    (sent to each worker's group) are for the trainer, which finishes scoring, saves and stops. The process
+    still ends with the trainer: its task pipe closes."""
+    os.setsid()
+
+
 def _score_one(name: str, completions: list[str], answers: list[str]) -> list[float]:
     """Runs in the scorer's process: per-sample errors become NaN, the rest of the batch is kept."""
     fn = get_reward_func(name)
@@ -86,7 +94,7 @@ class RewardScorer:
 
     def _start(self):
         # spawn, not fork: math-verify's timeouts use signals, which work in a process's main thread
-        self._pool = mp.get_context("spawn").Pool(1)
+        self._pool = mp.get_context("spawn").Pool(1, initializer=_own_session)
 
     def __call__(self, completions: list[str], answers: list[str]) -> list[list[float]]:
         scores = []

@@ -38,10 +38,11 @@ import torch
 
 from config import Config, parse_config
 from rewards import RewardScorer, postprocess_rewards
-from utils import (MetricsLogger, ServerWeights, add_lora, barrier, collate, completion_logprobs, distribute, encode_prompt,
-                   extremes_over_ranks, full_tensor, gradient_sync, load_model, load_rows, merge_stats, no_grad_logprobs, print0,
-                   probe_logprob_diff, reference_model, resolve_model, save_model, setup_distributed, step_prompt_indices,
-                   sum_over_ranks, teardown_distributed)
+from utils import (MetricsLogger, ServerWeights, StopRequest, add_lora, barrier, collate, completion_logprobs, distribute,
+                   encode_prompt, extremes_over_ranks, find_checkpoint, full_tensor, gradient_sync, load_checkpoint, load_model,
+                   load_rows, merge_stats, no_grad_logprobs, print0, probe_logprob_diff, reference_model, resolve_model,
+                   restore_training_state, save_checkpoint, save_model, setup_distributed, step_prompt_indices, sum_over_ranks,
+                   teardown_distributed)
 from vllm_server import VLLMClient, WeightSync
 
 
@@ -206,12 +207,15 @@ def main(cfg: Config):
     scorer = RewardScorer(cfg.reward_names())
     names, reward_weights = cfg.reward_names(), torch.tensor(cfg.reward_weight_list())  # k functions, (k,) weights
 
-    policy = load_model(model_path, device)
+    resume = find_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir) if cfg.resume_from_checkpoint else None
+    state = load_checkpoint(resume, vars(cfg)) if resume else {"step": 0}  # optimizer, scheduler, RNG, step
+    policy = load_model(os.path.join(resume, "model") if resume and not cfg.use_peft else model_path, device)
     policy.config.use_cache = False
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.use_peft:  # train a LoRA adapter; the base weights stay frozen and serve as the reference
-        policy = add_lora(policy, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+        policy = add_lora(policy, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
+                          os.path.join(resume, "adapter") if resume else None)
     model = distribute(policy, cfg.fsdp, cfg.bf16, world_size)  # FSDP2 shards per layer; else DDP copies
     ref_model = None
     if cfg.beta > 0 and not cfg.use_peft:  # a frozen copy for the KL penalty (with LoRA: the adapter switched off)
@@ -223,6 +227,10 @@ def main(cfg: Config):
     optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
+    if resume:
+        restore_training_state(state, model, optimizer, scheduler, rank, world_size)
+        scorer.failures = state["scorer_failures"]
+        print0(f"resuming from {resume} after step {state['step']}")
 
     client = VLLMClient(cfg.vllm_server_host, cfg.vllm_server_port)
     client.wait_for_health(cfg.vllm_server_timeout)
@@ -241,13 +249,19 @@ def main(cfg: Config):
                       cfg.weight_sync_bucket_mb)
     sync.push()  # the server = our step-0 policy (LoRA: its adapter starts at zero, but the names must map)
     barrier()  # no rank samples while weights are being pushed
-    logger = MetricsLogger(cfg.output_dir, is_main, cfg.report_to, vars(cfg), cfg.wandb_project, cfg.run_name)
+    logger = MetricsLogger(cfg.output_dir, is_main, cfg.report_to, vars(cfg), cfg.wandb_project, cfg.run_name, state["step"])
+    stop = StopRequest()  # SIGTERM / Ctrl-C: save a checkpoint, then stop
+
+    def checkpoint(steps_done: int):  # every rank: FSDP2 gathers; rank 0 writes
+        path = save_checkpoint(cfg.output_dir, steps_done, model, optimizer, scheduler, tokenizer, vars(cfg), is_main,
+                               cfg.save_total_limit, {"scorer_failures": scorer.failures})
+        print0(f"saved {path}")
     print0(f"nanogrpo | model {cfg.model} | {world_size} process(es) on {device.type} | {cfg.prompts_per_step} prompts x "
            f"G={G} = {cfg.prompts_per_step * G} completions per step ({prompts_per_rank * G} per rank) | "
            f"rewards {names} x {reward_weights.tolist()} | loss {cfg.loss_type} | beta {cfg.beta} | bf16 {cfg.bf16} | "
            f"{'FSDP2' if cfg.fsdp else 'DDP' if world_size > 1 else 'single process'}{' + LoRA' if cfg.use_peft else ''}")
 
-    for step in range(cfg.max_steps):
+    for step in range(state["step"], cfg.max_steps):
         t0 = time.perf_counter()
         # ---------------------------------------------------------------------- sample
         indices = step_prompt_indices(step, len(rows), cfg.prompts_per_step, cfg.seed)
@@ -255,7 +269,8 @@ def main(cfg: Config):
         batch, prompts = [rows[i] for i in mine], [prompt_ids[i] for i in mine]
         samples = client.generate(prompts, n=G, max_tokens=cfg.max_completion_length, temperature=cfg.temperature,
                                   top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
-                                  repetition_penalty=cfg.repetition_penalty)  # prompt-major: prompt i has [i*G, (i+1)*G)
+                                  repetition_penalty=cfg.repetition_penalty,
+                                  seed=(cfg.seed * 1_000_000 + step) * 1000 + rank)  # prompt-major: prompt i has [i*G, (i+1)*G)
         prompt_of = [prompts[i // G] for i in range(len(samples))]
         completions = [s["token_ids"] for s in samples]
         t_gen = time.perf_counter()
@@ -291,6 +306,9 @@ def main(cfg: Config):
         t_ref = time.perf_counter()
 
         # ---------------------------------------------------------------------- loss and step
+        if stop.requested():  # before the weights change: the checkpoint holds the state at the start of this step
+            checkpoint(step)
+            break
         model.train()
         data = dict(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask, advantages=advantages,
                     old_logp=old_logp, ref_logp=ref_logp, keep=~zero_std if cfg.drop_zero_std_groups else None,
@@ -367,8 +385,16 @@ def main(cfg: Config):
                + f" | kl {metrics['kl']:.4f} | len {metrics['completion_length']:.0f} | "
                f"gen {t_gen - t0:.1f}s train {t_train - t_ref:.1f}s sync {t_sync - t_train:.1f}s")
 
+        # ---------------------------------------------------------------------- checkpoint
+        if stop.requested() or (cfg.save_steps and ((step + 1) % cfg.save_steps == 0 or step + 1 == cfg.max_steps)):
+            checkpoint(step + 1)
+        if stop.stopping:
+            break
+
     # -------------------------------------------------------------------------- save
-    if cfg.save_model:  # every rank: FSDP2 gathers
+    if stop.stopping:
+        print0("stopped by a signal; continue with --resume_from_checkpoint latest")
+    elif cfg.save_model:  # every rank: FSDP2 gathers
         print0(f"saved {', '.join(save_model(model, tokenizer, cfg.output_dir, is_main, cfg.save_merged_model or not cfg.use_peft))}")
     logger.close()
     scorer.close()

@@ -9,7 +9,9 @@ import json
 import math
 import os
 import random
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -42,7 +44,7 @@ def setup_distributed():
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)  # small CPU tensors (metrics) go over gloo
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
@@ -274,14 +276,19 @@ def has_plain_lm_head(model) -> bool:
 
 def no_grad_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float,
                      micro_batch_size: int, autocast) -> torch.Tensor:
-    """completion_logprobs of a whole batch in micro-batches, without grad, on the CPU: (N, C).
-    The lm_head runs in chunks of positions where that is exact, which keeps peak memory down."""
-    device = next(model.parameters()).device
+    """completion_logprobs of a whole batch in micro-batches, without grad and without dropout (eval
+    mode: these are the fixed pi_old / reference / probe values), on the CPU: (N, C). The lm_head runs
+    in chunks of positions where that is exact, which keeps peak memory down."""
+    device, training = next(model.parameters()).device, model.training
     fn = chunked_completion_logprobs if has_plain_lm_head(model) else completion_logprobs
-    with torch.no_grad(), autocast:
-        return torch.cat([fn(model, input_ids[i:i + micro_batch_size].to(device), attention_mask[i:i + micro_batch_size].to(device),
-                             num_completion_tokens, temperature).float().cpu()
-                          for i in range(0, len(input_ids), micro_batch_size)])
+    model.eval()
+    try:
+        with torch.no_grad(), autocast:
+            return torch.cat([fn(model, input_ids[i:i + micro_batch_size].to(device), attention_mask[i:i + micro_batch_size].to(device),
+                                 num_completion_tokens, temperature).float().cpu()
+                              for i in range(0, len(input_ids), micro_batch_size)])
+    finally:
+        model.train(training)
 
 
 # -----------------------------------------------------------------------------
@@ -300,9 +307,12 @@ def hf_model(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
 
 
-def add_lora(model, r: int, alpha: float, dropout: float, target_modules: str):
-    """Wrap `model` in a peft LoRA model: only the adapter trains; the base weights stay frozen."""
-    from peft import LoraConfig, get_peft_model
+def add_lora(model, r: int, alpha: float, dropout: float, target_modules: str, saved: str | None = None):
+    """Wrap `model` in a peft LoRA model: only the adapter trains; the base weights stay frozen. `saved`:
+    an adapter folder to continue from (its own r, alpha and targets)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    if saved:
+        return PeftModel.from_pretrained(model, saved, is_trainable=True)
     targets = target_modules if target_modules == "all-linear" else [m.strip() for m in target_modules.split(",")]
     return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
                                             task_type="CAUSAL_LM"))
@@ -454,18 +464,160 @@ def save_model(model, tokenizer, output_dir: str, is_main: bool, merged: bool = 
 
 
 # -----------------------------------------------------------------------------
+# checkpoints: everything a run needs to continue exactly, written atomically
+
+CHECKPOINT = re.compile(r"checkpoint-(\d+)")
+RESUME_MUST_MATCH = ("model", "dataset", "dataset_split", "num_arithmetic_problems", "seed", "prompts_per_step",
+                     "num_generations", "use_peft")  # what decides the weights and the order of the prompts
+
+
+def checkpoints(output_dir: str) -> list[str]:
+    """The complete checkpoints in `output_dir`, oldest first (a folder is complete once renamed from .tmp)."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = [(int(m.group(1)), os.path.join(output_dir, name)) for name in os.listdir(output_dir)
+             if (m := CHECKPOINT.fullmatch(name)) and os.path.isfile(os.path.join(output_dir, name, "checkpoint.json"))]
+    return [path for _, path in sorted(found)]
+
+
+def find_checkpoint(spec: str, output_dir: str) -> str:
+    """--resume_from_checkpoint: "latest" (the newest complete one in output_dir) or a checkpoint folder."""
+    if spec == "latest":
+        found = checkpoints(output_dir)
+        if not found:
+            raise ValueError(f"--resume_from_checkpoint latest: no checkpoint in {output_dir}; train with --save_steps N "
+                             "to write some, or give a checkpoint folder")
+        return found[-1]
+    if not os.path.isfile(os.path.join(spec, "checkpoint.json")):
+        raise ValueError(f"--resume_from_checkpoint {spec}: not a checkpoint folder (no checkpoint.json); give "
+                         f"output_dir/checkpoint-N or latest")
+    return spec
+
+
+def git_revision() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True,
+                              text=True, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def rng_states() -> dict[str, torch.Tensor]:
+    """{"cpu": (world_size, n), and "cuda" on GPUs}: the torch RNG states of every rank (dropout draws from them)."""
+    mine = {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
+    if not dist.is_initialized():
+        return {k: v.unsqueeze(0) for k, v in mine.items()}
+    every = {k: [torch.empty_like(v) for _ in range(dist.get_world_size())] for k, v in mine.items()}
+    for k, v in mine.items():
+        dist.all_gather(every[k], v)  # CPU tensors: gloo
+    return {k: torch.stack(v) for k, v in every.items()}
+
+
+def save_checkpoint(output_dir: str, step: int, model, optimizer, scheduler, tokenizer, config: dict, is_main: bool,
+                    keep: int, extra: dict | None = None) -> str:
+    """output_dir/checkpoint-{step}: the model (model/, or adapter/ with LoRA), trainer_state.pt (optimizer,
+    scheduler, RNG of every rank, step, `extra`) and checkpoint.json (step, config, git revision). Written
+    into checkpoint-{step}.tmp and renamed when complete, so a crash, kill -9 or full disk at any moment
+    leaves the earlier checkpoints as they were; then only the newest `keep` are kept (0 = all).
+    Called on every rank (FSDP2 gathers); rank 0 writes. A failed write raises on every rank."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    path = os.path.join(output_dir, f"checkpoint-{step}")
+    staging = path + ".tmp"
+    optim = get_optimizer_state_dict(getattr(model, "module", model), optimizer,
+                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # rank 0 gets it
+    rngs = rng_states()
+    error = None
+    try:
+        if is_main:
+            shutil.rmtree(staging, ignore_errors=True)
+            os.makedirs(staging)
+        save_model(model, tokenizer, staging, is_main, merged=False)
+        if is_main:
+            torch.save({"step": step, "optimizer": optim, "scheduler": scheduler.state_dict(), "rng": rngs, **(extra or {})},
+                       os.path.join(staging, "trainer_state.pt"))
+            with open(os.path.join(staging, "checkpoint.json"), "w") as f:  # written last: the folder is complete
+                json.dump({"step": step, "git_revision": git_revision(), "world_size": len(rngs["cpu"]), "config": config}, f,
+                          indent=1)
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(staging, path)
+            for old in checkpoints(output_dir)[:-keep] if keep > 0 else []:
+                shutil.rmtree(old)
+    except Exception as e:  # e.g. the disk is full (OSError, or the writer's own error type): earlier checkpoints are untouched
+        shutil.rmtree(staging, ignore_errors=True)
+        error = e
+    if sum_over_ranks({"failed": error is not None})["failed"]:
+        raise RuntimeError(f"could not write checkpoint {path}: {error or 'failed on rank 0'}. The earlier checkpoints in "
+                           f"{output_dir} are intact; free disk space and resume with --resume_from_checkpoint latest") from error
+    return path
+
+
+def load_checkpoint(path: str, config: dict) -> dict:
+    """trainer_state.pt of a checkpoint (tensors and plain values only: weights_only), after checking that
+    the run continues the one that wrote it."""
+    with open(os.path.join(path, "checkpoint.json")) as f:
+        saved = json.load(f)["config"]
+    changed = [f"--{k} {saved.get(k)!r} -> {config[k]!r}" for k in RESUME_MUST_MATCH if saved.get(k) != config[k]]
+    if changed:
+        raise ValueError(f"cannot resume from {path} exactly: {', '.join(changed)}. Use the checkpoint's values "
+                         "(see its checkpoint.json), or start a new run")
+    return torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
+
+
+def restore_training_state(state: dict, model, optimizer, scheduler, rank: int, world_size: int):
+    """Optimizer (whatever the sharding), scheduler and this rank's RNG from a checkpoint's trainer state."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    set_optimizer_state_dict(getattr(model, "module", model), optimizer, state["optimizer"],
+                             options=StateDictOptions(full_state_dict=True))
+    scheduler.load_state_dict(state["scheduler"])
+    rng = state["rng"]
+    if len(rng["cpu"]) == world_size:
+        torch.set_rng_state(rng["cpu"][rank].clone())  # a row of the stack: its own storage
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"][rank].clone())
+    else:
+        print0(f"warning: the checkpoint was written by {len(rng['cpu'])} processes, this run has {world_size}: the "
+               "random state of dropout is not restored (everything else is)")
+
+
+class StopRequest:
+    """SIGTERM or SIGINT (Ctrl-C) asks the run to save a checkpoint and stop at the next safe point;
+    a second SIGINT stops at once. `requested()` is a collective: every rank gets the same answer."""
+
+    def __init__(self):
+        self.flag = self.stopping = False  # this rank got a signal / some rank did (known at the last check)
+        signal.signal(signal.SIGTERM, self._handle)
+        signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.flag and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.flag = True
+
+    def requested(self) -> bool:
+        self.stopping = sum_over_ranks({"stop": self.flag})["stop"] > 0
+        return self.stopping
+
+
+# -----------------------------------------------------------------------------
 # logging
 
 class MetricsLogger:
     """metrics.jsonl (one JSON object per step) and optionally wandb; a no-op on ranks other than 0."""
 
     def __init__(self, output_dir: str, is_main: bool, report_to: str = "none", config: dict | None = None,
-                 project: str = "nanogrpo", run_name: str = ""):
+                 project: str = "nanogrpo", run_name: str = "", resume_step: int = 0):
         self.file = self.wandb = None
         if not is_main:
             return
         os.makedirs(output_dir, exist_ok=True)
-        self.file = open(os.path.join(output_dir, "metrics.jsonl"), "a")
+        path = os.path.join(output_dir, "metrics.jsonl")
+        if os.path.exists(path):  # a new run starts the file afresh; a resumed one keeps the steps up to its checkpoint
+            with open(path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
+            with open(path + ".tmp", "w") as f:
+                f.writelines(kept)
+            os.replace(path + ".tmp", path)
+        self.file = open(path, "a")
         if report_to == "wandb":
             import wandb
             self.wandb = wandb.init(project=project, name=run_name or None, config=config)

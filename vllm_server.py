@@ -119,11 +119,13 @@ class VLLMClient:
         return getattr(torch, str(model_config["dtype"]).removeprefix("torch.")), int(model_config["max_model_len"])
 
     def generate(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = -1, min_p: float = 0.0, repetition_penalty: float = 1.0) -> list[dict]:
+                 top_p: float = 1.0, top_k: int = -1, min_p: float = 0.0, repetition_penalty: float = 1.0,
+                 seed: int | None = None) -> list[dict]:
         """n completions of each prompt (token ids). Returns len(prompts) * n dicts, prompt-major:
-        {token_ids, logprobs (the sampler's, per token), finish_reason ('stop' or 'length')}."""
+        {token_ids, logprobs (the sampler's, per token), finish_reason ('stop' or 'length')}.
+        With a `seed` the samples depend only on it and the weights, not on what else the server runs."""
         body = dict(model=self.model_name, prompt=prompts, n=n, max_tokens=max_tokens, temperature=temperature,
-                    top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
+                    top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
                     logprobs=0, return_token_ids=True, skip_special_tokens=False)
         choices = sorted(self._post("/v1/completions", body)["choices"], key=lambda c: c["index"])
         assert len(choices) == len(prompts) * n, f"asked for {len(prompts) * n} completions, got {len(choices)}"
@@ -376,6 +378,11 @@ def main(argv: list[str] | None = None):
     for flag, value in defaults.items():
         if not has(flag):
             argv += [flag, value]
+    if not torch.cuda.is_available() and not has("--enable-chunked-prefill") and not has("--no-enable-chunked-prefill"):
+        # A prompt prefilled in chunks "un-draws" its seeded random numbers by rewinding the generator's
+        # offset, which CPU generators do not have: the engine dies. Seeded requests (the trainer's) need
+        # whole prefills on CPU.
+        argv.append("--no-enable-chunked-prefill")
 
     import uvloop
     from vllm.entrypoints.launchers.api_server.entry import run_server

@@ -101,13 +101,17 @@ def train_args(server, out, *args) -> list[str]:
             "--vllm_group_port", str(free_port()), "--output_dir", str(out), *args]
 
 
-def run_train(server, out, *args, nproc=2, check=True, env=None):
+def launcher(nproc: int) -> list[str]:
+    """torchrun with `nproc` processes on a free rendezvous port, or plain python for one."""
+    return ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
+            if nproc > 1 else [sys.executable])
+
+
+def run_train(server, out, *args, nproc=2, check=True, env=None, **kwargs):
     """train.py on the tiny model against `server`: under torchrun with `nproc` processes (gloo), or plain
     python for 1. Returns the process and the metrics of each step (or only the process, if not `check`)."""
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-                 str(free_port())] if nproc > 1 else [sys.executable])  # one process: plain python, no torchrun
-    proc = subprocess.run([*launcher, *train_args(server, out, *args)], capture_output=True, text=True, timeout=900,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+    proc = subprocess.run([*launcher(nproc), *train_args(server, out, *args)], capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})), **kwargs)
     if not check:
         return proc
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

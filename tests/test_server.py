@@ -75,3 +75,18 @@ def test_push_changes_outputs_and_restoring_reproduces_them_exactly(setup):
     sync.push()
     assert client.prompt_logprobs(probe) == before
     assert client.generate(prompts, n=1, max_tokens=8, temperature=1e-5) == greedy_before
+
+
+def test_seeded_requests_are_reproducible_whatever_else_the_server_runs(setup):
+    """The trainer seeds every request (exact resume). Long prompts, sent alone and then next to other
+    requests, give the same samples; on CPU this needs whole-prompt prefills (vllm_server.py's default)."""
+    import threading
+    client, *_ = setup
+    prompts = [[100 + (i * 7 + j) % 3000 for j in range(300 + 40 * i)] for i in range(6)]
+    alone = client.generate(prompts, n=4, max_tokens=12, seed=1234)
+    busy = threading.Thread(target=client.generate, args=(prompts[::-1],), kwargs=dict(n=4, max_tokens=12, seed=99))
+    busy.start()
+    together = client.generate(prompts, n=4, max_tokens=12, seed=1234)
+    busy.join()
+    assert [s["token_ids"] for s in together] == [s["token_ids"] for s in alone]
+    assert client.generate(prompts[:1], n=4, max_tokens=12, seed=4321) != alone[:4]  # another seed, other samples

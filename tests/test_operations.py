@@ -1,0 +1,134 @@
+"""Checkpoints and resume under the real trainer and server: a resumed run continues exactly, kill -9
+while saving and a full disk leave the earlier checkpoints intact, SIGTERM saves and stops every rank."""
+import json
+import os
+import resource
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from conftest import launcher, run_train, stop, train_args
+
+pytestmark = pytest.mark.slow
+RUN = ["--reward_funcs", "tests.helpers:brevity", "--num_generations", "4", "--prompts_per_step", "4",
+       "--max_completion_length", "8", "--bf16", "false", "--learning_rate", "1e-2", "--micro_batch_size", "3"]
+COMPARED = ("reward", "reward_std", "loss", "kl", "grad_norm", "completion_length", "entropy", "lr", "sync_probe_diff_max")
+
+
+def metrics_of(out) -> dict[int, dict]:
+    return {m["step"]: m for m in map(json.loads, open(out / "metrics.jsonl"))}
+
+
+@pytest.mark.parametrize("mode", [["--beta", "0.04"], ["--fsdp", "--use_peft", "--lora_dropout", "0.2", "--lora_r", "4"]],
+                         ids=["ddp", "fsdp_lora_dropout"])
+def test_resumed_run_continues_exactly(server, tmp_path, mode):
+    """4 steps in one go vs 2 steps, then a new process resuming from checkpoint-2: the same prompts, the
+    same samples (seeded server requests), the same updates; the metrics of steps 3 and 4 agree."""
+    run_train(server, tmp_path / "a", *RUN, *mode, "--max_steps", "4", "--save_steps", "2", "--save_total_limit", "0")
+    assert set(os.listdir(tmp_path / "a")) == {"checkpoint-2", "checkpoint-4", "metrics.jsonl",
+                                               "adapter" if "--use_peft" in mode else "model"}
+    state = json.load(open(tmp_path / "a" / "checkpoint-2" / "checkpoint.json"))
+    assert state["step"] == 2 and state["config"]["max_steps"] == 4 and state["world_size"] == 2 and state["git_revision"]
+    run_train(server, tmp_path / "b", *RUN, *mode, "--max_steps", "2", "--save_steps", "2")
+    proc, _ = run_train(server, tmp_path / "b", *RUN, *mode, "--max_steps", "4", "--resume_from_checkpoint", "latest")
+    assert "resuming from" in proc.stdout and "step 3/4" in proc.stdout and "step 1/4" not in proc.stdout
+    a, b = metrics_of(tmp_path / "a"), metrics_of(tmp_path / "b")
+    assert sorted(b) == [1, 2, 3, 4]
+    for step in (3, 4):
+        for key in COMPARED:
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-4, abs=1e-6), (step, key, a[step][key], b[step][key])
+    assert a[3]["loss"] != a[4]["loss"]  # the steps differ: the comparison can fail
+
+
+def test_resume_refuses_a_run_that_would_not_continue_exactly(server, tmp_path):
+    run_train(server, tmp_path / "out", *RUN, "--max_steps", "1", "--save_steps", "1", nproc=1)
+    proc = run_train(server, tmp_path / "out", *RUN, "--max_steps", "2", "--resume_from_checkpoint", "latest", "--seed", "7",
+                     nproc=1, check=False)
+    assert proc.returncode != 0 and "--seed 42 -> 7" in proc.stderr and "step 2/2" not in proc.stdout
+    proc = run_train(server, tmp_path / "empty", *RUN, "--resume_from_checkpoint", "latest", nproc=1, check=False)
+    assert proc.returncode != 0 and "no checkpoint in" in proc.stderr
+
+
+def complete_checkpoints_load(out):
+    """The names of the complete checkpoints; each has its sidecar, training state and a model that loads."""
+    from transformers import AutoModelForCausalLM
+    names = sorted(n for n in os.listdir(out) if n.startswith("checkpoint-") and not n.endswith(".tmp"))
+    for name in names:
+        assert json.load(open(out / name / "checkpoint.json"))["step"] == int(name.split("-")[1])
+        torch.load(out / name / "trainer_state.pt", weights_only=True)
+        AutoModelForCausalLM.from_pretrained(out / name / "model")
+    return names
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-eo", "pid,ppid"], capture_output=True, text=True).stdout
+    return [int(p) for p, pp in (line.split() for line in out.splitlines()[1:]) if int(pp) == pid]
+
+
+def alive(pids: list[int]) -> list[int]:
+    return [p for p in pids if os.path.exists(f"/proc/{p}")]
+
+
+def test_kill_9_while_saving_leaves_the_earlier_checkpoints_intact(server, tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.Popen([*launcher(1), *train_args(server, out, *RUN, "--max_steps", "200", "--save_steps", "1",
+                                                      "--save_total_limit", "3")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:  # wait for a save in progress after a complete one
+            if os.path.isdir(out) and any(n.endswith(".tmp") for n in os.listdir(out)) and \
+                    any(n.startswith("checkpoint-") and not n.endswith(".tmp") for n in os.listdir(out)):
+                started = children(proc.pid)  # the reward scorer (in a session of its own) and multiprocessing's tracker
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+            time.sleep(0.002)
+    finally:
+        stop(proc)
+    assert proc.returncode == -signal.SIGKILL, "the run ended before a save could be interrupted"
+    deadline = time.monotonic() + 30
+    while alive(started) and time.monotonic() < deadline:  # what the trainer started ends with it
+        time.sleep(0.5)
+    assert started and not alive(started)
+    names = complete_checkpoints_load(out)
+    assert names and any(n.endswith(".tmp") for n in os.listdir(out))  # killed mid-save, and the others are whole
+    last = int(names[-1].split("-")[1])
+    _, metrics = run_train(server, out, *RUN, "--max_steps", str(last + 1), "--resume_from_checkpoint", "latest", nproc=1)
+    assert metrics[-1]["step"] == last + 1
+
+
+def test_full_disk_while_saving_keeps_the_earlier_checkpoint_and_says_so(server, tmp_path):
+    out = tmp_path / "out"
+    run_train(server, out, *RUN, "--max_steps", "1", "--save_steps", "1", nproc=1)
+    # files may not grow past 1 MB: the next checkpoint's model cannot be written (EFBIG, like ENOSPC)
+    proc = run_train(server, out, *RUN, "--max_steps", "2", "--save_steps", "1", "--resume_from_checkpoint", "latest",
+                     "--no_save_model", nproc=1, check=False,
+                     preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20)))
+    assert proc.returncode != 0 and "could not write checkpoint" in proc.stderr and "intact" in proc.stderr
+    assert complete_checkpoints_load(out) == ["checkpoint-1"]  # whole, and no half-written checkpoint-2 left behind
+    assert sorted(os.listdir(out)) == ["checkpoint-1", "metrics.jsonl", "model"]
+
+
+def test_sigterm_saves_a_checkpoint_and_stops_every_rank(server, tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.Popen([*launcher(2), *train_args(server, out, *RUN, "--max_steps", "500")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None and \
+                not (os.path.exists(out / "metrics.jsonl") and len(open(out / "metrics.jsonl").readlines()) >= 2):
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGTERM)  # to torchrun, which passes it to its workers
+        stdout, stderr = proc.communicate(timeout=120)
+        time.sleep(1)
+        with pytest.raises(ProcessLookupError):  # nothing of the run is left: no rank hangs in a collective
+            os.killpg(proc.pid, 0)
+    finally:
+        stop(proc)
+    names = complete_checkpoints_load(out)
+    assert len(names) == 1 and int(names[0].split("-")[1]) >= 2, (names, stdout[-2000:], stderr[-3000:])
+    assert "stopped by a signal" in stdout, stdout[-2000:] + stderr[-3000:]
