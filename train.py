@@ -232,7 +232,7 @@ def main(cfg: Config):
         scorer.failures = state["scorer_failures"]
         print0(f"resuming from {resume} after step {state['step']}")
 
-    client = VLLMClient(cfg.vllm_server_host, cfg.vllm_server_port)
+    client = VLLMClient(cfg.vllm_server_host, cfg.vllm_server_port, os.environ.get("VLLM_API_KEY"))  # the server's --api-key
     client.wait_for_health(cfg.vllm_server_timeout)
     server_dtype, max_model_len = client.server_dtype_and_max_len()
     if longest + cfg.max_completion_length > max_model_len:

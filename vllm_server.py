@@ -15,8 +15,11 @@ What this file adds to plain `vllm serve`, and nothing else:
   - defaults for training: bound to 127.0.0.1, the sampler's log-probs after temperature
     (`--logprobs-mode processed_logprobs`), the embedded model name `smollm2-135m`.
 
-Do not expose this port to a network: the weight-transfer routes let any caller replace the
-model's weights.
+It serves only the routes training uses (the rest of vLLM's dev routes answer 404), binds
+127.0.0.1 unless told otherwise, and with `--api-key KEY` wants the key on every route but
+/health (the trainer sends VLLM_API_KEY). Even so, do not expose it to networks you do not trust:
+the weight-transfer routes let a key holder replace the weights, and the weight-transfer port
+(the trainer's --vllm_group_port) has no key.
 
 The wire protocol of a gloo weight push (trainer rank 0 = gloo rank 0, vLLM worker w = rank 1 + w):
   1. POST /start_weight_update
@@ -25,6 +28,7 @@ The wire protocol of a gloo weight push (trainer rank 0 = gloo rank 0, vLLM work
      `names` order, concatenated as raw bytes and cut into buckets by `bucket_plan`.
   3. POST /finish_weight_update, then POST /reset_prefix_cache (cached KV of old weights is stale).
 """
+import hmac
 import json
 import math
 import os
@@ -107,7 +111,13 @@ class VLLMClient:
                     f"`python vllm_server.py --model <model> --port <port>`, or fix --vllm_server_host/--vllm_server_port "
                     f"(or raise --vllm_server_timeout if it is still loading).")
             time.sleep(1)
-        self.model_name = self.session.get(self.base + "/v1/models", timeout=30).json()["data"][0]["id"]
+        models = self.session.get(self.base + "/v1/models", timeout=30)
+        if models.status_code == 401:
+            raise PermissionError(
+                f"the vLLM server at {self.base} was started with --api-key: " + (
+                    "the key in VLLM_API_KEY is not one of its keys" if "Authorization" in self.session.headers else
+                    "set VLLM_API_KEY to its key for the trainer"))
+        self.model_name = models.json()["data"][0]["id"]
 
     def server_config(self) -> dict:
         """The server's vLLM config (model, parallel and weight-transfer settings) as JSON."""
@@ -319,6 +329,31 @@ def register_gloo_backend():
     WeightTransferEngineFactory.register_engine("gloo", GlooWeightTransferEngine)
 
 
+# -----------------------------------------------------------------------------
+# server side: only the routes training uses, and the API key on all of them
+
+TRAINING_ROUTES = {"/health", "/v1/models", "/v1/completions", "/server_info", "/get_world_size", "/metrics", "/version",
+                   "/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
+                   "/shutdown_weight_transfer_engine", "/reset_prefix_cache"}
+
+
+async def route_guard(request, call_next):
+    """HTTP middleware of the server (vLLM's --middleware). Every other route vLLM would serve answers 404 (its
+    dev mode also opens /collective_rpc, /sleep, /pause, ...: arbitrary calls into the workers). With --api-key
+    (or VLLM_API_KEY) every route but /health wants `Authorization: Bearer <key>`; vLLM's own check covers /v1 only."""
+    from starlette.responses import JSONResponse
+    path = request.url.path
+    if path not in TRAINING_ROUTES:
+        return JSONResponse({"error": f"{path} is not served here (vllm_server.py serves only what training uses)"},
+                            status_code=404)
+    keys = [k for k in os.environ.get("NANOGRPO_SERVER_API_KEYS", "").split("\n") if k]
+    if keys and path != "/health":
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").encode()
+        if not any(hmac.compare_digest(given, key.encode()) for key in keys):
+            return JSONResponse({"error": "Unauthorized"}, status_code=401)
+    return await call_next(request)
+
+
 class WorkerExtension:
     """Passed as --worker-extension-cls so that each vLLM worker imports this module (and so
     registers the gloo backend) before it builds its weight-transfer engine."""
@@ -389,11 +424,13 @@ def main(argv: list[str] | None = None):
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+    argv += ["--middleware", "vllm_server.route_guard"]
     register_gloo_backend()
     cli_env_setup()
     parser = make_arg_parser(FlexibleArgumentParser(description="vLLM server for nanogrpo (same flags as `vllm serve`)"))
     args = parser.parse_args(argv)
     validate_parsed_serve_args(args)
+    os.environ["NANOGRPO_SERVER_API_KEYS"] = "\n".join(args.api_key or [os.environ.get("VLLM_API_KEY", "")])
     uvloop.run(run_server(args))
 
 

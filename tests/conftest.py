@@ -71,7 +71,7 @@ def running_server(model: str, log_path, *extra: str):
                              "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--seed", "0", *extra],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     from vllm_server import VLLMClient
-    client = VLLMClient(port=port)
+    client = VLLMClient(port=port, api_key=extra[extra.index("--api-key") + 1] if "--api-key" in extra else None)
     try:
         deadline = time.monotonic() + 300
         while proc.poll() is None and time.monotonic() < deadline:
