@@ -193,8 +193,9 @@ class GlooWeightSender:
             parts = []
             for i in bucket:
                 name, tensor = next(weights)
-                assert (name, tuple(tensor.shape), tensor.dtype) == (meta[i].name, meta[i].shape, meta[i].dtype), \
-                    f"the weights iterate out of step with their metadata at {name}"
+                if (name, tuple(tensor.shape), tensor.dtype) != (meta[i].name, meta[i].shape, meta[i].dtype):
+                    raise RuntimeError(f"the weights iterate out of step with their metadata at {name}: the server "
+                                       "would cut the bytes into the wrong tensors")
                 parts.append(tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8))
             self.group.broadcast(torch.cat(parts), 0).wait()
         thread.join_or_raise()
