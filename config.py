@@ -48,7 +48,7 @@ class Config:
     reward_funcs: str = "accuracy,format"  # comma-separated names from rewards.py
     reward_weights: str = ""  # comma-separated floats, one per reward function; "" = all 1.0
     # optimization
-    max_steps: int = 15  # optimizer steps (= generation rounds)
+    max_steps: int = 12  # optimizer steps (= generation rounds)
     learning_rate: float = 3e-5  # peak AdamW learning rate (tuned for the embedded task; TRL uses 1e-6)
     lr_scheduler_type: str = "constant"  # constant | linear | cosine (decay to 0 at max_steps)
     warmup_steps: int = 0  # linear warmup from 0
