@@ -71,12 +71,19 @@ class Config:
     # server
     vllm_server_host: str = "127.0.0.1"
     vllm_server_port: int = 8000
-    vllm_server_timeout: float = 300  # seconds to wait for the server to answer /health at start
+    vllm_server_timeout: float = 300  # seconds to wait for the server at start, and to come back if it dies mid-run
     vllm_group_host: str = "127.0.0.1"  # address of trainer rank 0 as the server sees it (weight-transfer rendezvous)
     vllm_group_port: int = 51216  # TCP port of that rendezvous, hosted by trainer rank 0
     weight_sync_bucket_mb: float = 64  # weights leave the trainer packed in buckets of this size
     sync_check_steps: int = 1  # every N steps the server scores a fixed probe and we compare log-probs; 0 = never
     sync_check_tolerance: float = -1.0  # stop if the probe's mean |log-prob diff| is above (nats); -1 = 1e-3 fp32, 0.5 bf16
+    # evaluation (through the same server, on prompts training never sees)
+    eval_steps: int = 0  # evaluate before training, every N steps and at the end; 0 = never
+    eval_dataset: str = ""  # "" = the held-out split: the embedded task's own, or --eval_split of a hub --dataset
+    eval_split: str = "test"  # split of the hub dataset to evaluate on
+    eval_num_prompts: int = 64  # the first N prompts of the evaluation set, the same ones every time
+    eval_num_generations: int = 8  # completions per evaluation prompt (n of pass@k)
+    eval_pass_k: str = "1,8"  # comma-separated k of pass@k (unbiased estimator); correct = first reward function >= 1
     # output
     output_dir: str = "out"  # metrics.jsonl and the final model folder go here
     save_model: bool = True  # save at the end: output_dir/model (a Hugging Face folder), or output_dir/adapter with LoRA
@@ -93,6 +100,9 @@ class Config:
 
     def reward_names(self) -> list[str]:
         return [n.strip() for n in self.reward_funcs.split(",") if n.strip()]
+
+    def pass_k(self) -> list[int]:
+        return [int(k) for k in self.eval_pass_k.split(",") if k.strip()]
 
     def reward_weight_list(self) -> list[float]:
         if not self.reward_weights.strip():
@@ -160,6 +170,22 @@ class Config:
             errors.append(f"{', '.join(lora_flags)} only apply to LoRA training: add --use_peft, or drop them")
         if self.use_peft and (self.lora_r < 1 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1):
             errors.append("--lora_r must be >= 1, --lora_alpha > 0 and --lora_dropout in [0, 1)")
+        if self.eval_steps < 0 or self.eval_num_prompts < 1 or self.eval_num_generations < 1:
+            errors.append("--eval_steps must be >= 0 (0 = never), --eval_num_prompts and --eval_num_generations >= 1")
+        try:
+            if any(not 1 <= k <= self.eval_num_generations for k in self.pass_k()):
+                errors.append(f"--eval_pass_k {self.eval_pass_k}: each k must be between 1 and --eval_num_generations "
+                              f"({self.eval_num_generations})")
+        except ValueError:
+            errors.append(f"--eval_pass_k {self.eval_pass_k!r}: use comma-separated integers, e.g. 1,8")
+        if self.eval_steps and not self.eval_dataset and os.path.isfile(self.dataset):
+            errors.append(f"--eval_steps with a local --dataset {self.dataset}: it has no held-out split; give --eval_dataset "
+                          "(a .jsonl/.json/.parquet file with the same columns)")
+        if self.fsdp and "RANK" not in os.environ:
+            errors.append("--fsdp shards the model over processes: launch with torchrun --nproc_per_node N (README: "
+                          "FSDP2 and LoRA), or drop --fsdp")
+        if self.num_arithmetic_problems < 1:
+            errors.append("--num_arithmetic_problems must be at least 1")
         if self.save_steps < 0 or self.save_total_limit < 0:
             errors.append("--save_steps and --save_total_limit must be >= 0 (0 = never / keep all)")
         if errors:

@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import re
 
+MATH_TIMEOUT = 2  # seconds math-verify may spend parsing or comparing one completion (pathological input)
 BOXED_NUMBER = re.compile(r"\\boxed\{\s*-?[\d,]*\.?\d+\s*\}")
 
 
@@ -19,9 +20,10 @@ def accuracy(completions: list[str], answers: list[str]) -> list[float]:
     a \\boxed{} answer first, else the last expression), else 0.0."""
     from math_verify import parse, verify
     out = []
-    for completion, answer in zip(completions, answers):
-        gold = parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$")
-        out.append(float(bool(gold) and verify(gold, parse(completion))))
+    for completion, answer in zip(completions, answers):  # math-verify gives up on a sample after its timeouts (s)
+        gold = parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$", parsing_timeout=MATH_TIMEOUT)
+        out.append(float(bool(gold) and verify(gold, parse(completion, parsing_timeout=MATH_TIMEOUT),
+                                               timeout_seconds=MATH_TIMEOUT)))
     return out
 
 
@@ -85,9 +87,12 @@ class RewardScorer:
         for name in names:
             try:
                 get_reward_func(name)
-            except (KeyError, ImportError, AttributeError):
+            except KeyError:
                 raise ValueError(f"unknown reward function {name!r} in --reward_funcs: use one of {sorted(REWARD_FUNCS)} "
                                  "or your own as module:function") from None
+            except (ImportError, AttributeError) as e:
+                raise ValueError(f"--reward_funcs {name}: could not load it ({type(e).__name__}: {e}); give "
+                                 "module:function with the module importable from the working folder") from None
         self.names, self.timeout = names, timeout
         self.failures = 0  # function calls that hung or crashed the scorer process
         self._pool = None

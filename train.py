@@ -37,13 +37,18 @@ from contextlib import nullcontext
 import torch
 
 from config import Config, parse_config
+from plot import plot_run
 from rewards import RewardScorer, postprocess_rewards
-from utils import (MetricsLogger, ServerWeights, StopRequest, add_lora, barrier, collate, completion_logprobs, distribute,
-                   encode_prompt, extremes_over_ranks, find_checkpoint, full_tensor, gradient_sync, load_checkpoint, load_model,
-                   load_rows, merge_stats, no_grad_logprobs, print0, probe_logprob_diff, reference_model, resolve_model,
-                   restore_training_state, save_checkpoint, save_model, setup_distributed, step_prompt_indices, sum_over_ranks,
-                   teardown_distributed)
+from utils import (MetricsLogger, ServerGuard, ServerWeights, StopRequest, add_lora, barrier, collate,
+                   completion_logprobs, distribute, encode_prompt, extremes_over_ranks, find_checkpoint, full_tensor,
+                   gradient_sync, load_checkpoint, load_model, load_rows, merge_stats, named_rewards, no_grad_logprobs,
+                   pass_at_k, prepare_output_dir, print0, probe_logprob_diff, progress, reference_model, resolve_model,
+                   restore_training_state, save_checkpoint, save_model, setup_distributed, step_prompt_indices,
+                   sum_over_ranks, teardown_distributed)
 from vllm_server import VLLMClient, WeightSync
+
+
+MAX_NONFINITE_ROUNDS = 3  # stop after this many steps in a row with a NaN/inf loss (each one's update is skipped)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", batch_std: float = 1.0,
@@ -194,16 +199,28 @@ def main(cfg: Config):
     torch.manual_seed(cfg.seed + rank)
     G = cfg.num_generations
     prompts_per_rank = cfg.prompts_per_step // world_size
+    if is_main:  # writable, and no earlier run's checkpoints to overwrite: say so now, not at the first save
+        prepare_output_dir(cfg.output_dir, resuming=bool(cfg.resume_from_checkpoint))
 
     from transformers import AutoTokenizer
     model_path = resolve_model(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     rows = load_rows(cfg.dataset, cfg.dataset_split, cfg.prompt_column, cfg.answer_column, cfg.num_arithmetic_problems, cfg.seed)
     prompt_ids = [encode_prompt(tokenizer, r["question"], cfg.system_prompt) for r in rows]  # chat template applied
-    longest = max(map(len, prompt_ids))
+    eval_rows = load_rows(cfg.eval_dataset or cfg.dataset, cfg.eval_split, cfg.prompt_column, cfg.answer_column,
+                          cfg.num_arithmetic_problems, cfg.seed)[:cfg.eval_num_prompts] if cfg.eval_steps else []
+    eval_ids = [encode_prompt(tokenizer, r["question"], cfg.system_prompt) for r in eval_rows]
+    longest = max(map(len, prompt_ids + eval_ids))
     if longest > cfg.max_prompt_length:
         raise ValueError(f"the longest prompt has {longest} tokens > --max_prompt_length {cfg.max_prompt_length}: raise "
                          "it (and the server's --max-model-len) or drop the long prompts from the dataset")
+    client = VLLMClient(cfg.vllm_server_host, cfg.vllm_server_port, os.environ.get("VLLM_API_KEY"))  # the server's --api-key
+    client.wait_for_health(cfg.vllm_server_timeout)
+    server_dtype, max_model_len = client.server_dtype_and_max_len()
+    if longest + cfg.max_completion_length > max_model_len:
+        raise ValueError(f"the longest prompt ({longest} tokens) + --max_completion_length {cfg.max_completion_length} "
+                         f"exceeds the server's max model length {max_model_len}: lower them or restart the server "
+                         "with a larger --max-model-len")
     scorer = RewardScorer(cfg.reward_names())
     names, reward_weights = cfg.reward_names(), torch.tensor(cfg.reward_weight_list())  # k functions, (k,) weights
 
@@ -232,13 +249,6 @@ def main(cfg: Config):
         scorer.failures = state["scorer_failures"]
         print0(f"resuming from {resume} after step {state['step']}")
 
-    client = VLLMClient(cfg.vllm_server_host, cfg.vllm_server_port, os.environ.get("VLLM_API_KEY"))  # the server's --api-key
-    client.wait_for_health(cfg.vllm_server_timeout)
-    server_dtype, max_model_len = client.server_dtype_and_max_len()
-    if longest + cfg.max_completion_length > max_model_len:
-        raise ValueError(f"the longest prompt ({longest} tokens) + --max_completion_length {cfg.max_completion_length} "
-                         f"exceeds the server's max model length {max_model_len}: lower them or restart the server "
-                         "with a larger --max-model-len")
     # a fixed probe the server scores after pushes, to catch a sync that silently went wrong
     probe_ids = prompt_ids[0] + tokenizer(" Let me think. 12 + 7 = 19, so the answer is \\boxed{19}.")["input_ids"]
     exact = server_dtype == torch.float32 and not cfg.bf16
@@ -247,27 +257,69 @@ def main(cfg: Config):
     # every rank takes part (the gathers), rank 0 alone sends
     sync = WeightSync(client, ServerWeights(model, server_dtype), rank, cfg.vllm_group_host, cfg.vllm_group_port,
                       cfg.weight_sync_bucket_mb)
-    sync.push()  # the server = our step-0 policy (LoRA: its adapter starts at zero, but the names must map)
-    barrier()  # no rank samples while weights are being pushed
     logger = MetricsLogger(cfg.output_dir, is_main, cfg.report_to, vars(cfg), cfg.wandb_project, cfg.run_name, state["step"])
     stop = StopRequest()  # SIGTERM / Ctrl-C: save a checkpoint, then stop
 
-    def checkpoint(steps_done: int):  # every rank: FSDP2 gathers; rank 0 writes
+    def checkpoint(steps_done: int) -> str:  # every rank: FSDP2 gathers; rank 0 writes
         path = save_checkpoint(cfg.output_dir, steps_done, model, optimizer, scheduler, tokenizer, vars(cfg), is_main,
                                cfg.save_total_limit, {"scorer_failures": scorer.failures})
         print0(f"saved {path}")
+        return path
+    # If the server dies or restarts, wait for it, push the current weights and repeat the call; if it does
+    # not come back, save the rounds done (optimizer steps taken / steps per round) and stop with a message.
+    updates_per_round = cfg.num_iterations * cfg.steps_per_generation  # optimizer steps per step (round) of the loop
+    server = ServerGuard(client, sync, cfg.vllm_server_timeout,
+                         on_gone=lambda: checkpoint(scheduler.last_epoch // updates_per_round))
+    server.run(sync.push)  # the server = our step-0 policy (LoRA: its adapter starts at zero, but the names must map)
+    barrier()  # no rank samples while weights are being pushed
     print0(f"nanogrpo | model {cfg.model} | {world_size} process(es) on {device.type} | {cfg.prompts_per_step} prompts x "
            f"G={G} = {cfg.prompts_per_step * G} completions per step ({prompts_per_rank * G} per rank) | "
            f"rewards {names} x {reward_weights.tolist()} | loss {cfg.loss_type} | beta {cfg.beta} | bf16 {cfg.bf16} | "
            f"{'FSDP2' if cfg.fsdp else 'DDP' if world_size > 1 else 'single process'}{' + LoRA' if cfg.use_peft else ''}")
 
+    def evaluate() -> dict:
+        """Mean rewards and pass@k on the evaluation prompts, through the server (each rank its share). The
+        requests carry the same seeds every time, so two evaluations differ only by the weights."""
+        n, mine = cfg.eval_num_generations, list(range(rank, len(eval_rows), world_size))
+        samples = server.run(client.generate, [eval_ids[i] for i in mine], n=n, max_tokens=cfg.max_completion_length,
+                             temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
+                             repetition_penalty=cfg.repetition_penalty, seed=(cfg.seed * 1_000_000 + 999_999) * 1000 + rank)
+        texts = tokenizer.batch_decode([s["token_ids"] for s in samples], skip_special_tokens=True)
+        matrix = postprocess_rewards(torch.tensor(scorer(texts, [eval_rows[mine[i // n]]["answer"] for i in range(len(texts))]),
+                                                  dtype=torch.float32).T.reshape(len(texts), len(names)), names)  # (N, k)
+        correct = (matrix[:, 0] >= 1).view(-1, n).sum(dim=1).tolist()  # per prompt: completions the first function passes
+        logger.log_rollouts([{"step": scheduler.last_epoch // updates_per_round, "split": "eval",
+                              "policy_version": scheduler.last_epoch, "rank": rank, "prompt_index": mine[i // n],
+                              "prompt": eval_rows[mine[i // n]]["question"], "answer": eval_rows[mine[i // n]]["answer"],
+                              "completion": texts[i], "rewards": named_rewards(matrix[i], names),
+                              "reward": (matrix[i] * reward_weights).nansum().item(),
+                              "finish_reason": samples[i]["finish_reason"], "completion_tokens": len(samples[i]["token_ids"])}
+                             for i in range(len(texts))])
+        t = sum_over_ranks({"n": len(texts), "prompts": len(mine), "reward": (matrix * reward_weights).nansum().item(),
+                            "length": sum(len(s["token_ids"]) for s in samples),
+                            **{name: matrix[:, i].nan_to_num(0.0).sum() for i, name in enumerate(names)},
+                            **{f"pass@{k}": sum(pass_at_k(n, c, k) for c in correct) for k in cfg.pass_k()}})
+        return {"eval/reward": t["reward"] / t["n"], **{f"eval/rewards/{name}": t[name] / t["n"] for name in names},
+                **{f"eval/pass@{k}": t[f"pass@{k}"] / t["prompts"] for k in cfg.pass_k()},
+                "eval/completion_length": t["length"] / t["n"], "eval/num_prompts": t["prompts"]}
+
+    def log_eval(step: int, metrics: dict):
+        print0(f"eval at step {step} | reward {metrics['eval/reward']:.3f} | "
+               + " ".join(f"pass@{k} {metrics[f'eval/pass@{k}']:.3f}" for k in cfg.pass_k()))
+
+    if cfg.eval_steps and state["step"] == 0:  # the starting point, to compare with
+        metrics = {"step": 0, **evaluate()}
+        logger.log(metrics)
+        log_eval(0, metrics)
+    bad_rounds, t_start = 0, time.perf_counter()  # steps in a row whose loss was not finite; for the progress bar
     for step in range(state["step"], cfg.max_steps):
         t0 = time.perf_counter()
         # ---------------------------------------------------------------------- sample
         indices = step_prompt_indices(step, len(rows), cfg.prompts_per_step, cfg.seed)
         mine = indices[rank * prompts_per_rank:(rank + 1) * prompts_per_rank]
         batch, prompts = [rows[i] for i in mine], [prompt_ids[i] for i in mine]
-        samples = client.generate(prompts, n=G, max_tokens=cfg.max_completion_length, temperature=cfg.temperature,
+        version = scheduler.last_epoch  # the policy that samples: after this many optimizer steps
+        samples = server.run(client.generate, prompts, n=G, max_tokens=cfg.max_completion_length, temperature=cfg.temperature,
                                   top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
                                   repetition_penalty=cfg.repetition_penalty,
                                   seed=(cfg.seed * 1_000_000 + step) * 1000 + rank)  # prompt-major: prompt i has [i*G, (i+1)*G)
@@ -313,7 +365,7 @@ def main(cfg: Config):
         data = dict(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask, advantages=advantages,
                     old_logp=old_logp, ref_logp=ref_logp, keep=~zero_std if cfg.drop_zero_std_groups else None,
                     sampler_logp=sampler_logp if cfg.vllm_importance_sampling_correction else None)
-        sums, grad_norms, first_pass_logp = {}, [], torch.zeros(completion_mask.shape)
+        sums, grad_norms, skipped, first_pass_logp = {}, [], 0, torch.zeros(completion_mask.shape)
         for iteration in range(cfg.num_iterations):
             order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(cfg.seed + step * 1000 + iteration))
             for part in order.chunk(cfg.steps_per_generation):  # one optimizer step on each part
@@ -321,22 +373,33 @@ def main(cfg: Config):
                                                        cfg, world_size, autocast)
                 merge_stats(sums, part_sums)
                 grad_norms.append(full_tensor(torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm or float("inf"))))
-                optimizer.step()
+                if grad_norms[-1].isfinite():  # the same on every rank: the norm is over the reduced gradient
+                    optimizer.step()
+                else:  # a NaN/inf loss or gradient: skip the update, the weights and optimizer state stay good
+                    skipped += 1
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
                 if iteration == 0:
                     first_pass_logp[part] = logp
+        bad_rounds = bad_rounds + 1 if skipped else 0
+        if skipped:
+            print0(f"step {step + 1}: the loss or gradient was not finite (NaN/inf) in {skipped} update(s), skipped")
+        if bad_rounds == MAX_NONFINITE_ROUNDS:
+            raise FloatingPointError(
+                f"the loss or gradient was not finite in {bad_rounds} steps in a row (up to step {step + 1}); stopping. "
+                "The weights have not changed since; the checkpoints in --output_dir are from before. Likely causes: a "
+                "reward function returning inf, a learning rate too high for the model, fp16/bf16 overflow.")
         # the server's log-probs of what it sampled vs ours for the same weights: a sync check
         compared = completion_mask if data["keep"] is None else completion_mask * data["keep"].unsqueeze(1)  # rows we ran
         diff = ((first_pass_logp if old_logp is None else old_logp) - sampler_logp).abs() * compared
         t_train = time.perf_counter()
 
         # ---------------------------------------------------------------------- sync weights
-        sync.push()
+        server.run(sync.push)
         barrier()  # no rank samples again before the server has the new weights
         probe = {}
         if cfg.sync_check_steps and (step + 1) % cfg.sync_check_steps == 0:
-            mean, top = probe_logprob_diff(client, model, probe_ids, autocast, is_main)
+            mean, top = server.run(probe_logprob_diff, client, model, probe_ids, autocast, is_main)
             probe = sum_over_ranks({"sync_probe_diff_mean": mean, "sync_probe_diff_max": top})  # rank 0's, on every rank
             if probe["sync_probe_diff_mean"] > sync_tolerance:
                 raise RuntimeError(
@@ -371,19 +434,32 @@ def main(cfg: Config):
                    "completion_length_max": ext["length_max"], "truncated_frac": t["truncated"] / N,
                    "kl": t["kl"] / T, "entropy": t["entropy"] / T, "clip_ratio/low": t["clip_low"] / T,
                    "clip_ratio/high": t["clip_high"] / T, "clip_ratio/region": t["clip_region"] / T,
-                   "loss": t["loss"] / len(grad_norms), "grad_norm": sum(g.item() for g in grad_norms) / len(grad_norms),
+                   "loss": t["loss"] / len(grad_norms), "skipped_updates": skipped, "grad_norm": sum(g.item() for g in grad_norms) / len(grad_norms),
                    "sampler_logprob_diff_mean": t["diff"] / max(t["compared"], 1.0), "sampler_logprob_diff_max": ext["diff_max"],
-                   **probe, "lr": scheduler.get_last_lr()[0], "optimizer_steps": scheduler.last_epoch, "old_logprob_pass": int(off_policy),
+                   **probe, "server_reconnects": server.reconnects, "lr": scheduler.get_last_lr()[0], "optimizer_steps": scheduler.last_epoch, "old_logprob_pass": int(off_policy),
                    "time/generate": t_gen - t0, "time/score": t_score - t_gen, "time/old_ref": t_ref - t_score,
                    "time/train": t_train - t_ref, "time/sync": t_sync - t_train, "time/step": t_sync - t0}
         if "is_ratio" in t:  # the raw pi_old / pi_sampler ratios, before truncation or masking
             metrics |= {"is_ratio/mean": t["is_ratio"] / T, "is_ratio/min": ext["is_ratio_min"],
                         "is_ratio/max": ext["is_ratio_max"], "is_ratio/dropped_frac": t["is_dropped"] / T}
+        logger.log_rollouts([{"step": step + 1, "split": "train", "policy_version": version, "rank": rank,
+                              "prompt_index": mine[i // G], "prompt": batch[i // G]["question"], "answer": answers[i],
+                              "completion": texts[i], "rewards": named_rewards(reward_matrix[i], names),
+                              "reward": rewards[i].item(), "advantage": advantages[i].item(),
+                              "finish_reason": samples[i]["finish_reason"], "completion_tokens": len(completions[i])}
+                             for i in range(len(samples))])  # rollouts.jsonl, and a table in wandb
+        if cfg.eval_steps and ((step + 1) % cfg.eval_steps == 0 or step + 1 == cfg.max_steps):
+            t_eval = time.perf_counter()
+            metrics |= evaluate()
+            metrics["time/eval"] = time.perf_counter() - t_eval
         logger.log(metrics)
         print0(f"step {step + 1}/{cfg.max_steps} | reward {metrics['reward']:.3f} ±{metrics['reward_std']:.3f} | "
                + " ".join(f"{name} {metrics[f'rewards/{name}']:.2f}" for name in names)
                + f" | kl {metrics['kl']:.4f} | len {metrics['completion_length']:.0f} | "
-               f"gen {t_gen - t0:.1f}s train {t_train - t_ref:.1f}s sync {t_sync - t_train:.1f}s")
+               f"gen {t_gen - t0:.1f}s train {t_train - t_ref:.1f}s sync {t_sync - t_train:.1f}s | "
+               + progress(step + 1 - state["step"], cfg.max_steps - state["step"], time.perf_counter() - t_start))
+        if "eval/reward" in metrics:
+            log_eval(step + 1, metrics)
 
         # ---------------------------------------------------------------------- checkpoint
         if stop.requested() or (cfg.save_steps and ((step + 1) % cfg.save_steps == 0 or step + 1 == cfg.max_steps)):
@@ -397,7 +473,10 @@ def main(cfg: Config):
     elif cfg.save_model:  # every rank: FSDP2 gathers
         print0(f"saved {', '.join(save_model(model, tokenizer, cfg.output_dir, is_main, cfg.save_merged_model or not cfg.use_peft))}")
     logger.close()
+    if is_main and (picture := plot_run(cfg.output_dir)):
+        print0(f"plotted {picture}")
     scorer.close()
+    barrier()  # no rank tears the process group down while another still uses it (gloo aborts at exit otherwise)
 
 
 if __name__ == "__main__":

@@ -90,6 +90,14 @@ def sum_over_ranks(values: dict) -> dict[str, float]:
     return dict(zip(values, total.tolist()))
 
 
+def progress(done: int, total: int, seconds: float, width: int = 20) -> str:
+    """A progress bar with elapsed and remaining time: "[########------------] 40% 2m05s<3m08s"."""
+    fill = round(width * done / max(total, 1))
+    left = seconds / max(done, 1) * (total - done)
+    clock = lambda t: f"{int(t // 60)}m{int(t % 60):02d}s"  # noqa: E731
+    return f"[{'#' * fill}{'-' * (width - fill)}] {100 * done / max(total, 1):.0f}% {clock(seconds)}<{clock(left)}"
+
+
 def print0(*args, **kwargs):
     if int(os.environ.get("RANK", 0)) == 0:
         print(*args, **kwargs, flush=True)
@@ -132,22 +140,30 @@ def resolve_model(name: str) -> str:
         return default_model_path()
     if not os.path.exists(name) and (name.startswith((".", "/", "~")) or name.count("/") > 1):
         raise ValueError(f"--model {name}: no such folder (a hub id looks like org/name)")
+    if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
+        raise ValueError(f"--model {name}: a folder without config.json, so not a Hugging Face model folder (a run's "
+                         "model is in output_dir/model, a LoRA run's base model is the --model it trained)")
     return name
 
 
 # -----------------------------------------------------------------------------
 # data: the embedded task, hub/file datasets, prompt formatting, sampling order
 
-def arithmetic_problems(n: int, seed: int) -> list[dict]:
+def arithmetic_problems(n: int, seed: int, split: str = "train") -> list[dict]:
     """The embedded task: sums of two numbers from 1 to 20, answer in \\boxed{}. Small enough that
     SmolLM2-135M gets about one in seven right at the start, so most groups of 8 completions differ
-    in reward and GRPO has a signal from the first step."""
+    in reward and GRPO has a signal from the first step. One pair in eight is held out: "test" gives
+    those (each once, in a seeded order; `n` is ignored), "train" draws n problems from the others."""
+    def question(a, b):
+        return {"question": f"What is {a} + {b}? Put the final answer in \\boxed{{}}.", "answer": str(a + b)}
+    pairs = [(a, b) for a in range(1, 21) for b in range(1, 21)]
+    held_out = [p for p in pairs if (7 * p[0] + p[1]) % 8 == 0]
     rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        a, b = rng.randint(1, 20), rng.randint(1, 20)
-        rows.append({"question": f"What is {a} + {b}? Put the final answer in \\boxed{{}}.", "answer": str(a + b)})
-    return rows
+    if split == "test":
+        rng.shuffle(held_out)
+        return [question(a, b) for a, b in held_out]
+    train = [p for p in pairs if (7 * p[0] + p[1]) % 8]
+    return [question(*rng.choice(train)) for _ in range(n)]
 
 
 def gold_answer(text) -> str:
@@ -159,18 +175,29 @@ def gold_answer(text) -> str:
 def load_rows(dataset: str, split: str, prompt_column: str, answer_column: str, num_arithmetic: int, seed: int) -> list[dict]:
     """[{"question", "answer"}] from the embedded task, a local json/jsonl/parquet file, or a hub dataset."""
     if dataset == DEFAULT_DATASET:
-        return arithmetic_problems(num_arithmetic, seed)
+        return arithmetic_problems(num_arithmetic, seed, "test" if split == "test" else "train")
     import datasets
     if os.path.isfile(dataset):
         ext = os.path.splitext(dataset)[1].lstrip(".")
         kind = {"json": "json", "jsonl": "json", "parquet": "parquet"}.get(ext)
         if kind is None:
             raise ValueError(f"--dataset {dataset}: unknown file type .{ext}; use .json, .jsonl or .parquet")
-        data = datasets.load_dataset(kind, data_files=dataset, split="train")
+        if os.path.getsize(dataset) == 0:
+            raise ValueError(f"--dataset {dataset} is an empty file")
+        try:
+            data = datasets.load_dataset(kind, data_files=dataset, split="train")
+        except Exception as e:  # datasets wraps the parser's error; show that one
+            raise ValueError(f"--dataset {dataset}: not a readable {ext} file ({e.__cause__ or e}); a .jsonl file has one "
+                             "JSON object per line") from e
     elif os.path.exists(dataset) or dataset.endswith((".json", ".jsonl", ".parquet")):
         raise ValueError(f"--dataset {dataset}: no such file")
     else:
-        data = datasets.load_dataset(dataset, split=split)
+        try:
+            data = datasets.load_dataset(dataset, split=split)
+        except Exception as e:
+            raise ValueError(f"--dataset {dataset} (split {split}) could not be loaded from the Hugging Face hub: {e}. "
+                             "Check the name, --dataset_split and the connection, or give a local .jsonl/.json/.parquet "
+                             "file") from e
     for col, flag in ((prompt_column, "--prompt_column"), (answer_column, "--answer_column")):
         if col not in data.column_names:
             raise ValueError(f"dataset {dataset} has no column {col!r} (it has {data.column_names}); set {flag}")
@@ -178,6 +205,12 @@ def load_rows(dataset: str, split: str, prompt_column: str, answer_column: str, 
     if not rows:
         raise ValueError(f"dataset {dataset} (split {split}) is empty")
     return rows
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimate of pass@k from n samples of which c are correct (Chen et al. 2021): the chance
+    that k of the n, drawn without replacement, include a correct one: 1 - C(n - c, k) / C(n, k)."""
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def encode_prompt(tokenizer, question: str, system_prompt: str = "") -> list[int]:
@@ -480,6 +513,21 @@ def checkpoints(output_dir: str) -> list[str]:
     return [path for _, path in sorted(found)]
 
 
+def prepare_output_dir(output_dir: str, resuming: bool):
+    """At start, rather than at the first save hours later: the folder must be writable, and a new run must
+    not rotate away (--save_total_limit) or mix with the checkpoints of an earlier run in it."""
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=output_dir):
+            pass
+    except OSError as e:
+        raise ValueError(f"--output_dir {output_dir} is not a writable folder ({e.strerror}): choose another") from None
+    if not resuming and checkpoints(output_dir):
+        raise ValueError(f"--output_dir {output_dir} holds checkpoints of an earlier run "
+                         f"({', '.join(map(os.path.basename, checkpoints(output_dir)))}): continue that run with "
+                         "--resume_from_checkpoint latest, or choose another --output_dir (or delete them)")
+
+
 def find_checkpoint(spec: str, output_dir: str) -> str:
     """--resume_from_checkpoint: "latest" (the newest complete one in output_dir) or a checkpoint folder."""
     if spec == "latest":
@@ -598,26 +646,123 @@ class StopRequest:
         return self.stopping
 
 
+class ServerGone(RuntimeError):
+    """The server did not come back within the timeout (after the run's work was saved)."""
+
+
+class ServerGuard:
+    """Runs the trainer's calls to the server on every rank. If the server was lost on any rank (killed,
+    restarted, its engine died: vllm_server.ServerLost), every rank waits for it to answer again, the
+    weight transfer is joined again, the current weights are pushed, and the call runs again on every
+    rank (it may hold collectives: FSDP2 gathers, or a sync push). A restarted server serves the model
+    from disk, so nothing is sampled before the push. If it is not back within `timeout` seconds, or a
+    call fails `attempts` times in a row, `on_gone()` runs (save a checkpoint) and ServerGone is raised."""
+
+    def __init__(self, client, sync, timeout: float, on_gone, attempts: int = 3):
+        self.client, self.sync, self.timeout, self.on_gone, self.attempts = client, sync, timeout, on_gone, attempts
+        self.reconnects = 0  # times the server was lost and found again (a metric)
+
+    def run(self, fn, *args, **kwargs):
+        from vllm_server import ServerLost
+        for attempt in range(self.attempts):
+            try:
+                return_value, error = fn(*args, **kwargs), None
+            except ServerLost as e:
+                return_value, error = None, str(e)  # not the exception: its frames would keep the broken transfer alive
+            if not self._anywhere(error is not None):
+                return return_value
+            self._reconnect(error)
+        self._give_up(f"a call to the server failed {self.attempts} times in a row (last: {error or 'on another rank'})")
+
+    def _reconnect(self, error):
+        from vllm_server import ServerLost
+        print(f"[rank {os.environ.get('RANK', 0)}] lost the vLLM server at {self.client.base} "
+              f"({error or 'on another rank'}); waiting up to {self.timeout:.0f}s for it", flush=True)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:  # every rank waits (each samples from it), then rank 0 joins the transfer again and all push
+                self.client.wait_for_health(max(deadline - time.monotonic(), 0))
+                back = True
+            except (TimeoutError, PermissionError):
+                back = False
+            if self._anywhere(not back or time.monotonic() > deadline):
+                self._give_up(f"the vLLM server at {self.client.base} did not answer within {self.timeout:.0f}s")
+            try:
+                self.sync.connect()
+                connected = True
+            except ServerLost:
+                connected = False
+            if self._anywhere(not connected):
+                continue
+            try:
+                self.sync.push()
+                pushed = True
+            except ServerLost:
+                pushed = False
+            if not self._anywhere(not pushed):
+                self.reconnects += 1
+                print0(f"the vLLM server is back; pushed the current weights (reconnect {self.reconnects})")
+                return
+
+    def _give_up(self, why: str):
+        path = self.on_gone()
+        raise ServerGone(f"{why}. Saved {path}. Restart the server (same --model, port {self.client.base.rsplit(':', 1)[1]}) "
+                         "and continue with --resume_from_checkpoint latest; raise --vllm_server_timeout to wait longer.")
+
+    @staticmethod
+    def _anywhere(flag: bool) -> bool:
+        return sum_over_ranks({"flag": flag})["flag"] > 0
+
+
 # -----------------------------------------------------------------------------
 # logging
 
+def named_rewards(row: torch.Tensor, names: list[str]) -> dict:
+    """One completion's rewards as {function name: value}, None for not scored (NaN is not JSON)."""
+    return {name: None if math.isnan(v) else v for name, v in zip(names, row.tolist())}
+
+
+def gather_lines(lines: list[str]) -> list[str]:
+    """Every rank's lines, in rank order, on rank 0 (the other ranks get []). As byte tensors, which gloo and the
+    CPU side of "cpu:gloo,cuda:nccl" carry."""
+    if not dist.is_initialized():
+        return lines
+    data = torch.tensor(list("".join(line + "\n" for line in lines).encode()), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([len(data)]))
+    longest = max(int(n) for n in sizes)
+    parts = [torch.zeros(longest, dtype=torch.uint8) for _ in sizes]
+    dist.all_gather(parts, torch.cat([data, torch.zeros(longest - len(data), dtype=torch.uint8)]))
+    if dist.get_rank() != 0:
+        return []
+    return [line for part, n in zip(parts, sizes) for line in bytes(part[:int(n)].tolist()).decode().splitlines()]
+
+
+def keep_steps_up_to(path: str, step: int):
+    """Drop the lines of a JSONL file whose "step" is after `step` (a resumed run rewrites those)."""
+    if os.path.exists(path):
+        with open(path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+
+
 class MetricsLogger:
-    """metrics.jsonl (one JSON object per step) and optionally wandb; a no-op on ranks other than 0."""
+    """metrics.jsonl (one JSON object per step), rollouts.jsonl (every completion: prompt, completion, each reward,
+    advantage, finish reason, the policy version that sampled it), and optionally wandb with a completions table.
+    Only rank 0 writes; log_rollouts is a collective (the other ranks send theirs)."""
 
     def __init__(self, output_dir: str, is_main: bool, report_to: str = "none", config: dict | None = None,
                  project: str = "nanogrpo", run_name: str = "", resume_step: int = 0):
-        self.file = self.wandb = None
+        self.file = self.rollouts = self.wandb = None
         if not is_main:
             return
         os.makedirs(output_dir, exist_ok=True)
-        path = os.path.join(output_dir, "metrics.jsonl")
-        if os.path.exists(path):  # a new run starts the file afresh; a resumed one keeps the steps up to its checkpoint
-            with open(path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
-            with open(path + ".tmp", "w") as f:
-                f.writelines(kept)
-            os.replace(path + ".tmp", path)
-        self.file = open(path, "a")
+        paths = [os.path.join(output_dir, name) for name in ("metrics.jsonl", "rollouts.jsonl")]
+        for path in paths:  # a new run starts afresh; a resumed one keeps the steps up to its checkpoint
+            keep_steps_up_to(path, resume_step)
+        self.file, self.rollouts = (open(path, "a") for path in paths)
         if report_to == "wandb":
             import wandb
             self.wandb = wandb.init(project=project, name=run_name or None, config=config)
@@ -629,8 +774,25 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.log(metrics, step=metrics["step"])
 
+    def log_rollouts(self, records: list[dict]):
+        """Called on every rank with its own records."""
+        lines = gather_lines([json.dumps(r) for r in records])
+        if self.rollouts is None:
+            return
+        self.rollouts.writelines(line + "\n" for line in lines)
+        self.rollouts.flush()
+        if self.wandb is not None and lines:
+            import wandb
+            rows = [json.loads(line) for line in lines]
+            columns = ["step", "split", "prompt", "completion", *rows[0]["rewards"], "reward", "advantage"]
+            table = wandb.Table(columns=columns, data=[[r["step"], r["split"], r["prompt"], r["completion"],
+                                                        *r["rewards"].values(), r["reward"], r.get("advantage")]
+                                                       for r in rows])
+            self.wandb.log({f"{rows[0]['split']}/completions": table}, step=rows[0]["step"])
+
     def close(self):
-        if self.file is not None:
-            self.file.close()
+        for f in (self.file, self.rollouts):
+            if f is not None:
+                f.close()
         if self.wandb is not None:
             self.wandb.finish()

@@ -28,10 +28,12 @@ The wire protocol of a gloo weight push (trainer rank 0 = gloo rank 0, vLLM work
      `names` order, concatenated as raw bytes and cut into buckets by `bucket_plan`.
   3. POST /finish_weight_update, then POST /reset_prefix_cache (cached KV of old weights is stale).
 """
+import gc
 import hmac
 import json
 import math
 import os
+import socket
 import sys
 import threading
 import time
@@ -78,6 +80,11 @@ def gloo_group(address: str, port: int, rank: int, world_size: int, timeout_s: f
 # -----------------------------------------------------------------------------
 # trainer side
 
+class ServerLost(ConnectionError):
+    """The server stopped answering (killed, restarting, its engine died) or the weight transfer broke:
+    the trainer can wait for it, push its weights again and carry on (utils.ServerGuard)."""
+
+
 class VLLMClient:
     """What the trainer needs from the server: health, completions of token ids, weight pushes."""
 
@@ -91,7 +98,18 @@ class VLLMClient:
         self.model_name = None
 
     def _post(self, path: str, json: dict | None = None) -> dict:
-        r = self.session.post(self.base + path, json=json, timeout=self.timeout)
+        return self._request("POST", path, json=json)
+
+    def _get(self, path: str, **params) -> dict:
+        return self._request("GET", path, params=params)
+
+    def _request(self, method: str, path: str, **kwargs) -> dict:
+        try:
+            r = self.session.request(method, self.base + path, timeout=self.timeout, **kwargs)
+        except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as e:
+            raise ServerLost(f"{path}: {type(e).__name__}: {e}") from e
+        if r.status_code >= 500:  # the engine died or the server is going down
+            raise ServerLost(f"vLLM server {path} answered {r.status_code}: {r.text[:500]}")
         if r.status_code != 200:
             raise RuntimeError(f"vLLM server {path} answered {r.status_code}: {r.text[:2000]}")
         return r.json()
@@ -103,7 +121,7 @@ class VLLMClient:
             try:
                 if self.session.get(self.base + "/health", timeout=5).status_code == 200:
                     break
-            except requests.ConnectionError:
+            except requests.RequestException:
                 pass
             if time.monotonic() > deadline:
                 raise TimeoutError(
@@ -121,7 +139,7 @@ class VLLMClient:
 
     def server_config(self) -> dict:
         """The server's vLLM config (model, parallel and weight-transfer settings) as JSON."""
-        return self.session.get(self.base + "/server_info", params={"config_format": "json"}, timeout=30).json()["vllm_config"]
+        return self._get("/server_info", config_format="json")["vllm_config"]
 
     def server_dtype_and_max_len(self) -> tuple[torch.dtype, int]:
         """The dtype the server computes in (weights are pushed in it) and its max model length."""
@@ -134,6 +152,8 @@ class VLLMClient:
         """n completions of each prompt (token ids). Returns len(prompts) * n dicts, prompt-major:
         {token_ids, logprobs (the sampler's, per token), finish_reason ('stop' or 'length')}.
         With a `seed` the samples depend only on it and the weights, not on what else the server runs."""
+        if not prompts:
+            return []
         body = dict(model=self.model_name, prompt=prompts, n=n, max_tokens=max_tokens, temperature=temperature,
                     top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
                     logprobs=0, return_token_ids=True, skip_special_tokens=False)
@@ -151,7 +171,7 @@ class VLLMClient:
 
     def num_workers(self) -> int:
         """vLLM worker processes (tensor x pipeline x data parallel): each joins the weight transfer."""
-        return self.session.get(self.base + "/get_world_size", timeout=30).json()["world_size"]
+        return self._get("/get_world_size")["world_size"]
 
     # vLLM's weight-sync control routes (the VLLMWeightSyncClient protocol of its trainer-side engines)
     def init_weight_transfer_engine(self, init_info: dict):
@@ -197,7 +217,10 @@ class GlooWeightSender:
                     raise RuntimeError(f"the weights iterate out of step with their metadata at {name}: the server "
                                        "would cut the bytes into the wrong tensors")
                 parts.append(tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8))
-            self.group.broadcast(torch.cat(parts), 0).wait()
+            try:
+                self.group.broadcast(torch.cat(parts), 0).wait()
+            except RuntimeError as e:  # gloo: a worker went away
+                raise ServerLost(f"weight transfer: {e}") from e
         thread.join_or_raise()
         self.client.finish_weight_update()
 
@@ -210,34 +233,67 @@ class WeightSync:
     `source`: (name, tensor) pairs in the server's names and dtype, with metadata() (utils.ServerWeights)."""
 
     def __init__(self, client: VLLMClient, source, rank: int, group_host: str, group_port: int, bucket_mb: float = 64):
-        self.client, self.source, self.engine = client, source, None
-        if rank != 0:
+        self.client, self.source, self.rank, self.engine = client, _Resumable(source), rank, None
+        self.group_host, self.group_port, self.bucket_bytes = group_host, group_port, int(bucket_mb * 2**20)
+        self.connect()
+
+    def connect(self):
+        """Join the server's weight transfer (rank 0); again after the server restarted."""
+        if self.rank != 0:
             return
-        config = client.server_config()
+        self.engine = None  # a previous group, with its rendezvous store, goes first: the port is reused
+        gc.collect()
+        check_port_free("", self.group_port, "--vllm_group_port")  # rank 0 hosts the rendezvous there
+        config = self.client.server_config()
         backend = (config.get("weight_transfer_config") or {}).get("backend")
-        world_size = 1 + client.num_workers()
-        bucket_bytes = int(bucket_mb * 2**20)
+        world_size = 1 + self.client.num_workers()
         if backend == "gloo":
-            self.engine = GlooWeightSender(client, source, group_host, group_port, world_size, bucket_bytes)
+            self.engine = GlooWeightSender(self.client, self.source, self.group_host, self.group_port, world_size,
+                                           self.bucket_bytes)
         elif backend == "nccl":
             from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-            init_info = NCCLTrainerInitInfo(master_address=group_host, master_port=group_port, world_size=world_size,
-                                            packed=True, packed_buffer_size_bytes=bucket_bytes, rank=0)
-            self.engine = WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=source)
+            init_info = NCCLTrainerInitInfo(master_address=self.group_host, master_port=self.group_port,
+                                            world_size=world_size, packed=True, packed_buffer_size_bytes=self.bucket_bytes,
+                                            rank=0)
+            self.engine = WeightTransferTrainerFactory.trainer_init(init_info, client=self.client, source=self.source)
         else:
             raise ValueError(f"the server's weight-transfer backend is {backend!r}; nanogrpo pushes weights with "
                              "'gloo' or 'nccl': start the server with --weight-transfer-config '{\"backend\": \"gloo\"}' "
                              "(the default of vllm_server.py) or '{\"backend\": \"nccl\"}' (GPUs)")
 
     def push(self):
-        """Make the server compute with the current weights. Every rank calls it."""
+        """Make the server compute with the current weights. Every rank calls it. If the server is lost
+        halfway (ServerLost on rank 0), rank 0 still reads the remaining weights, so that every rank has
+        taken part in the same gathers."""
         if self.engine is None:
             for _ in self.source:  # take part in each gather, in the same order as rank 0
                 pass
             return
-        self.engine.send_weights()
-        self.client.reset_prefix_cache()  # cached KV of the old weights is stale
+        try:
+            self.engine.send_weights()
+            self.client.reset_prefix_cache()  # cached KV of the old weights is stale
+        except ServerLost:
+            self.source.finish()
+            raise
+
+
+class _Resumable:
+    """A weight source that remembers the iteration under way, so that it can be finished (see WeightSync.push)."""
+
+    def __init__(self, source):
+        self.source, self.iteration = source, iter(())
+
+    def metadata(self):
+        return self.source.metadata()
+
+    def __iter__(self):
+        self.iteration = iter(self.source)
+        return self.iteration
+
+    def finish(self):
+        for _ in self.iteration:
+            pass
 
 
 class _call_in_thread(threading.Thread):
@@ -364,17 +420,33 @@ if "vllm" in sys.modules:  # imported inside a vLLM process: make the backend av
     register_gloo_backend()
 
 
+def flag_value(argv: list[str], *flags: str, default: str | None = None) -> str | None:
+    """The value of a command-line flag (`--flag value` or `--flag=value`), the last one given."""
+    found = default
+    for i, a in enumerate(argv):
+        for f in flags:
+            if a == f and i + 1 < len(argv):
+                found = argv[i + 1]
+            elif a.startswith(f + "="):
+                found = a.split("=", 1)[1]
+    return found
+
+
 def num_workers_of(argv: list[str]) -> int:
     """Worker processes that `vllm serve` flags ask for: tensor x pipeline parallel size."""
-    def value(*flags):
-        for i, a in enumerate(argv):
-            for f in flags:
-                if a == f and i + 1 < len(argv):
-                    return int(argv[i + 1])
-                if a.startswith(f + "="):
-                    return int(a.split("=", 1)[1])
-        return 1
-    return value("--tensor-parallel-size", "-tp") * value("--pipeline-parallel-size", "-pp")
+    return int(flag_value(argv, "--tensor-parallel-size", "-tp", default="1")) * \
+        int(flag_value(argv, "--pipeline-parallel-size", "-pp", default="1"))
+
+
+def check_port_free(host: str, port: int, flag: str):
+    """A clear error now if something already listens on `port`, rather than a bind error deep in a library."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # connections closing on it (TIME_WAIT) do not count
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"{flag} {port}: the port is in use on {host or 'this machine'} ({e.strerror}); choose a "
+                             "free one") from None
 
 
 def cpu_binding(num_cpus: int, num_workers: int) -> str:
@@ -414,6 +486,7 @@ def main(argv: list[str] | None = None):
     for flag, value in defaults.items():
         if not has(flag):
             argv += [flag, value]
+    check_port_free(flag_value(argv, "--host"), int(flag_value(argv, "--port")), "--port")
     if not torch.cuda.is_available() and not has("--enable-chunked-prefill") and not has("--no-enable-chunked-prefill"):
         # A prompt prefilled in chunks "un-draws" its seeded random numbers by rewinding the generator's
         # offset, which CPU generators do not have: the engine dies. Seeded requests (the trainer's) need

@@ -61,10 +61,10 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 @contextlib.contextmanager
-def running_server(model: str, log_path, *extra: str):
-    """The real vllm_server.py on a free loopback port, fp32 so log-probs can be compared tightly;
-    stopped (its whole process group) on exit, also when the test fails."""
-    port = free_port()
+def running_server(model: str, log_path, *extra: str, port: int | None = None):
+    """The real vllm_server.py on a free loopback port (or `port`), fp32 so log-probs can be compared
+    tightly; stopped (its whole process group) on exit, also when the test fails."""
+    port = port or free_port()
     log = open(log_path, "w+")
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "vllm_server.py"), "--model", model, "--port", str(port),

@@ -1,4 +1,6 @@
 """Reward functions for tests, passed as --reward_funcs tests.helpers:NAME."""
+import math
+import os
 import time
 
 
@@ -20,3 +22,16 @@ def brevity(completions, answers):
     """1 for an empty completion, falling to 0 at 80 characters: learnable by the tiny test model,
     which ends a completion with probability ~0.1 per token."""
     return [max(0.0, 1 - len(c) / 80) for c in completions]
+
+
+_calls = 0
+
+
+def inf_on_calls(completions, answers):
+    """brevity, but +inf on the calls listed in NANOGRPO_TEST_INF_CALLS (1-based; the scorer process keeps
+    the count, so with one trainer process call k is step k): a reward bug that makes the loss NaN."""
+    global _calls
+    _calls += 1
+    if str(_calls) in os.environ.get("NANOGRPO_TEST_INF_CALLS", "").split(","):
+        return [math.inf] * len(completions)
+    return brevity(completions, answers)

@@ -1,11 +1,13 @@
 """The GRPO math against naive per-element loops written here, in float64."""
+import itertools
 import math
 
+import pytest
 import torch
 
 from train import group_advantages, grpo_loss, lr_factor, token_weights
 from config import Config
-from utils import collate, token_logprobs, step_prompt_indices
+from utils import arithmetic_problems, collate, pass_at_k, step_prompt_indices, token_logprobs
 from vllm_server import bucket_plan
 
 
@@ -252,3 +254,21 @@ def test_entropy_and_logprobs_of_one_pass_match_naive_loop():
             assert abs(entropy[b, t].item() - -sum(q * math.log(q) for q in p)) < 1e-6  # fp32 by design
             assert abs(logp[b, t].item() - (z[ids[b, ids.shape[1] - 3 + t]] - lse)) < 1e-6
     assert torch.allclose(logp, plain, atol=1e-6) and logp.requires_grad and not entropy.requires_grad
+
+
+def test_pass_at_k_is_the_chance_that_k_draws_include_a_correct_one():
+    """The closed form against its definition: the share of all k-subsets of the n samples that hold a correct one."""
+    for n in range(1, 9):
+        for c in range(n + 1):
+            samples = [True] * c + [False] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(samples, k))
+                assert pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets), abs=1e-12)
+    assert pass_at_k(8, 2, 1) == pytest.approx(0.25)
+
+
+def test_embedded_task_holds_out_a_test_split():
+    train, test = arithmetic_problems(5000, seed=0), arithmetic_problems(0, seed=0, split="test")
+    assert len(test) == len({r["question"] for r in test}) == 52  # 1 pair in 8 of the 400, each once
+    assert not {r["question"] for r in train} & {r["question"] for r in test}
+    assert len({r["question"] for r in train}) == 400 - 52  # every other pair shows up in training

@@ -12,6 +12,22 @@ def test_accuracy_uses_math_verify_on_the_final_answer():
     assert got == [1.0, 1.0, 0.0, 1.0, 0.0]
 
 
+PATHOLOGICAL = ["\\boxed{" * 3000, "9" * 50_000, "\\boxed{10^{10^{10^{10^{10^{10}}}}}}", "$" * 5000,
+                "\\frac{" * 500 + "1" + "}{2}" * 500, "\\boxed{x^{99999999} - x^{99999998}}", "\\boxed{\\sqrt{" * 300,
+                "\\begin{pmatrix}" * 200, "\\boxed{27}\x00\ufffd" + "\\left(" * 1000, "((((" * 2000 + "27"]
+
+
+def test_accuracy_survives_pathological_input_in_bounded_time():
+    """math-verify on input built to be slow or to break a parser: a score for each (never a crash), each within
+    its timeouts (a bound on a hang, not a speed claim)."""
+    for text in PATHOLOGICAL:
+        t = time.monotonic()
+        got = accuracy([text], ["27"])
+        assert got in ([0.0], [1.0]), (text[:40], got)
+        assert time.monotonic() - t < 30, text[:40]
+    assert accuracy(["so it is \\boxed{27}"], ["27"]) == [1.0]  # and it still scores normal input
+
+
 def test_format_wants_exactly_one_boxed_number():
     assert format(["\\boxed{12}", "\\boxed{ -3.5 }", "12", "\\boxed{1} \\boxed{2}", "\\boxed{x}"], [""] * 5) == [1, 1, 0, 0, 0]
 
@@ -35,7 +51,3 @@ def test_scorer_turns_errors_and_hangs_into_nan_and_keeps_going():
     finally:
         scorer.close()
 
-
-def test_unknown_reward_name_says_what_exists():
-    with pytest.raises(ValueError, match="accuracy"):
-        RewardScorer(["acuracy"])

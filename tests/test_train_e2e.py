@@ -1,4 +1,6 @@
 """train.py under torchrun (2 processes, gloo) against the real server, on the tiny model."""
+import glob
+import json
 import math
 import os
 
@@ -7,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, run_train
+from utils import pass_at_k
 
 pytestmark = pytest.mark.slow
 GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
@@ -87,3 +90,43 @@ def test_sync_check_stops_a_run_whose_push_skipped_a_weight(server, tmp_path):
     assert proc.returncode != 0
     assert "weight sync check failed after step 1" in proc.stderr and "a weight not pushed" in proc.stderr
     assert "step 1/3" not in proc.stdout  # it stopped before training on a server it cannot trust
+
+
+def test_evaluation_rollout_ledger_plot_and_wandb_table(server, tmp_path):
+    """The embedded task's held-out split evaluated before training, every 2 steps and at the end (5 prompts,
+    uneven over 2 ranks, 4 completions each). Every completion is in rollouts.jsonl; from it alone the
+    advantages, the evaluation's mean reward and its pass@k are recomputed and must equal what was logged."""
+    out = tmp_path / "out"
+    proc, metrics = run_train(
+        server, out, "--reward_funcs", "tests.helpers:brevity", "--num_generations", "4", "--prompts_per_step", "4",
+        "--max_completion_length", "8", "--max_steps", "3", "--bf16", "false", "--eval_steps", "2",
+        "--eval_num_prompts", "5", "--eval_num_generations", "4", "--eval_pass_k", "1,2,4", "--report_to", "wandb",
+        env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
+    assert [m["step"] for m in metrics if "reward" in m] == [1, 2, 3]
+    evals = {m["step"]: m for m in metrics if "eval/reward" in m}
+    assert sorted(evals) == [0, 2, 3] and all(m["eval/num_prompts"] == 5 for m in evals.values())
+    assert "eval at step 2 | reward" in proc.stdout and "] 100% " in proc.stdout  # the progress bar filled
+
+    ledger = [json.loads(line) for line in open(out / "rollouts.jsonl")]
+    train = [r for r in ledger if r["split"] == "train"]
+    assert len(train) == 3 * 16 and {r["policy_version"] for r in train if r["step"] == 3} == {2}
+    assert all(r["finish_reason"] in ("stop", "length") and 0 <= r["completion_tokens"] <= 8 for r in ledger)
+    for step in (1, 2, 3):  # the advantage of each completion, from the rewards of its group
+        for prompt in {r["prompt_index"] for r in train if r["step"] == step}:
+            group = [r for r in train if r["step"] == step and r["prompt_index"] == prompt]
+            rewards = torch.tensor([r["reward"] for r in group], dtype=torch.float64)
+            expected = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+            assert [r["advantage"] for r in group] == pytest.approx(expected.tolist(), abs=1e-4)
+    for step, m in evals.items():  # pass@k and the mean reward, from the evaluation's completions
+        records = [r for r in ledger if r["split"] == "eval" and r["step"] == step]
+        assert len(records) == 20 and len({r["prompt_index"] for r in records}) == 5
+        assert m["eval/reward"] == pytest.approx(sum(r["reward"] for r in records) / 20, abs=1e-6)
+        correct = [sum(r["rewards"]["tests.helpers:brevity"] >= 1 for r in records if r["prompt_index"] == p) for p in range(5)]
+        for k in (1, 2, 4):
+            assert m[f"eval/pass@{k}"] == pytest.approx(sum(pass_at_k(4, c, k) for c in correct) / 5, abs=1e-9)
+    assert evals[0]["eval/pass@1"] <= evals[0]["eval/pass@2"] <= evals[0]["eval/pass@4"]
+
+    assert open(out / "metrics.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n" and "plotted" in proc.stdout
+    tables = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "files" / "media" / "table" / "**" / "*.json"),
+                       recursive=True)
+    assert any("train" in t for t in tables) and any("eval" in t for t in tables), tables

@@ -1,0 +1,57 @@
+"""A picture of a run: reward (and the evaluation's), each reward function, KL and completion lengths
+over the steps, from output_dir/metrics.jsonl. train.py draws it at the end; for any run folder:
+
+    python plot.py out            # writes out/metrics.png
+"""
+import json
+import os
+import sys
+
+
+def plot_run(output_dir: str) -> str | None:
+    """Writes output_dir/metrics.png and returns its path; None if no step has been logged yet."""
+    import matplotlib
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    train, evals = [r for r in rows if "reward" in r], [r for r in rows if "eval/reward" in r]
+    if not train:
+        return None
+
+    def series(rs, key):
+        return [r["step"] for r in rs if key in r], [r[key] for r in rs if key in r]
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    ax = axes[0, 0]
+    ax.plot(*series(train, "reward"), label="train")
+    if evals:
+        ax.plot(*series(evals, "eval/reward"), "o-", label="eval")
+    ax.set_title("reward")
+    ax = axes[0, 1]
+    for key in sorted(k for k in train[-1] if k.startswith("rewards/") and not k.endswith(("_std", "_nan_frac"))):
+        ax.plot(*series(train, key), label=key.removeprefix("rewards/"))
+    ax.set_title("reward of each function")
+    ax = axes[1, 0]
+    ax.plot(*series(train, "kl"), label="KL to the reference")
+    ax.plot(*series(train, "entropy"), label="entropy")
+    ax.set_title("KL and entropy (per token)")
+    ax = axes[1, 1]
+    for key, label in (("completion_length", "mean"), ("completion_length_min", "min"), ("completion_length_max", "max")):
+        ax.plot(*series(train, key), label=label)
+    ax.set_title("completion length (tokens)")
+    for ax in axes.flat:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.suptitle(os.path.abspath(output_dir))
+    out = os.path.join(output_dir, "metrics.png")
+    fig.savefig(out + ".tmp.png", dpi=100)
+    plt.close(fig)
+    os.replace(out + ".tmp.png", out)  # a reader never sees half a picture
+    return out
+
+
+if __name__ == "__main__":
+    for folder in sys.argv[1:] or ["out"]:
+        print(plot_run(folder) or f"{folder}: no steps logged yet")

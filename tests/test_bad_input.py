@@ -1,0 +1,181 @@
+"""Bad input fails at start with a message that names what to change: flags, data, model, rewards,
+server, ports and the output folder. The last group runs the real train.py / vllm_server.py."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from config import Config, parse_config
+from conftest import ROOT, free_port, train_args
+from rewards import RewardScorer
+import utils
+
+GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--num_generations", "1"], "needs at least 2 completions"),
+    (["--reward_weights", "1,2,3"], "one weight per function"),
+    (["--reward_weights", "a,b"], "comma-separated numbers"),
+    (["--reward_funcs", ""], "name at least one reward function"),
+    (["--temperature", "0"], "--temperature must be > 0"),
+    (["--top_p", "0"], "--top_p must be in"),
+    (["--lr_scheduler_type", "step"], "constant, linear or cosine"),
+    (["--loss_type", "ppo"], "grpo, bnpo, dr_grpo or dapo"),
+    (["--scale_rewards", "std"], "group, batch or none"),
+    (["--max_completion_length", "0"], "--max_completion_length must be at least 1"),
+    (["--steps_per_generation", "3"], "must divide the completions per rank"),
+    (["--delta", "1.1"], "--delta 1.1 must be 0 (off) or above"),
+    (["--vllm_importance_sampling_cap", "0.5"], "--vllm_importance_sampling_cap must be > 1"),
+    (["--report_to", "tensorboard"], "use none or wandb"),
+    (["--lora_r", "8"], "only apply to LoRA training: add --use_peft"),
+    (["--use_peft", "--lora_dropout", "1"], "--lora_dropout in [0, 1)"),
+    (["--save_steps", "-1"], "--save_steps and --save_total_limit must be >= 0"),
+    (["--fsdp"], "launch with torchrun"),
+])
+def test_bad_flags_fail_with_a_message_naming_the_flag(args, message, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match="invalid configuration") as e:
+        parse_config(args).validate(world_size=1)
+    assert message in str(e.value)
+
+
+def test_prompts_must_divide_over_ranks():
+    with pytest.raises(ValueError, match="multiple of the number of processes"):
+        Config(prompts_per_step=3).validate(world_size=2)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lerning_rate", "1e-5"], "unrecognized arguments: --lerning_rate"),
+    (["--bf16", "maybe"], "expected true or false, got 'maybe'"),
+    (["--max_steps", "ten"], "invalid int value: 'ten'"),
+])
+def test_unparsable_command_lines_say_which_argument(args, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_config(args)
+    assert message in capsys.readouterr().err
+
+
+def rows_of(path, prompt="question", answer="answer"):
+    return utils.load_rows(str(path), "train", prompt, answer, 0, 0)
+
+
+def test_dataset_without_the_prompt_or_answer_column_names_the_flag():
+    with pytest.raises(ValueError, match="no column 'prompt'.*set --prompt_column"):
+        rows_of(GSM8K, prompt="prompt")
+    with pytest.raises(ValueError, match="no column 'solution'.*set --answer_column"):
+        rows_of(GSM8K, answer="solution")
+
+
+def test_dataset_file_missing_empty_malformed_or_of_unknown_type(tmp_path):
+    with pytest.raises(ValueError, match="no such file"):
+        rows_of(tmp_path / "nope.jsonl")
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match="is an empty file"):
+        rows_of(tmp_path / "empty.jsonl")
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"question": "q", "answer": "1"}) + "\n{not json\n")
+    with pytest.raises(ValueError, match="not a readable jsonl file.*one JSON object per line"):
+        rows_of(tmp_path / "bad.jsonl")
+    (tmp_path / "data.csv").write_text("question,answer\nq,1\n")
+    with pytest.raises(ValueError, match="unknown file type .csv; use .json, .jsonl or .parquet"):
+        rows_of(tmp_path / "data.csv")
+    (tmp_path / "one.jsonl").write_text(json.dumps({"question": "q", "answer": "1"}) + "\n")
+    assert rows_of(tmp_path / "one.jsonl") == [{"question": "q", "answer": "1"}]  # and a good file loads
+
+
+def test_hub_dataset_that_cannot_be_loaded_says_what_to_do(monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(ValueError, match="could not be loaded from the Hugging Face hub.*local .jsonl"):
+        utils.load_rows("nobody/no-such-dataset", "train", "question", "answer", 0, 0)
+
+
+def test_model_path_that_does_not_exist_or_is_not_a_model_folder(tmp_path):
+    with pytest.raises(ValueError, match="no such folder"):
+        utils.resolve_model(str(tmp_path / "missing-model"))
+    with pytest.raises(ValueError, match="without config.json"):
+        utils.resolve_model(str(tmp_path))
+    assert utils.resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_unknown_or_unimportable_reward_functions():
+    with pytest.raises(ValueError, match="unknown reward function 'acuracy'.*accuracy"):
+        RewardScorer(["acuracy"])
+    with pytest.raises(ValueError, match="no_such_module:fn.*could not load it.*ModuleNotFoundError"):
+        RewardScorer(["accuracy", "no_such_module:fn"])
+    with pytest.raises(ValueError, match="tests.helpers:nope.*AttributeError"):
+        RewardScorer(["tests.helpers:nope"])
+
+
+# ----------------------------------------------------------------------------- the real scripts
+
+def start_fails(args: list[str], *, timeout=300, python=(sys.executable,)) -> str:
+    """Run a script that must fail at start; its stderr."""
+    proc = subprocess.run([*python, *args], capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    return proc.stderr
+
+
+def offline_train_args(tiny_model, out, *args):
+    """train.py flags for a run whose server is nowhere: it must fail before it would need one."""
+    return train_args({"model": tiny_model, "port": free_port()}, out, "--vllm_server_timeout", "1", *args)
+
+
+@pytest.mark.slow
+def test_prompts_longer_than_max_prompt_length(tiny_model, tmp_path):
+    err = start_fails(offline_train_args(tiny_model, tmp_path / "out", "--max_prompt_length", "8"))
+    assert "tokens > --max_prompt_length 8: raise it" in err
+
+
+@pytest.mark.slow
+def test_no_server_at_the_address(tiny_model, tmp_path):
+    err = start_fails(offline_train_args(tiny_model, tmp_path / "out"))
+    assert "no vLLM server answered" in err and "--vllm_server_port" in err
+
+
+@pytest.mark.slow
+def test_output_dir_that_is_not_writable(tiny_model, tmp_path):
+    (tmp_path / "a_file").write_text("")
+    err = start_fails(offline_train_args(tiny_model, tmp_path / "a_file" / "out"))
+    assert "is not a writable folder" in err and "no vLLM server" not in err  # checked first, before the server
+
+
+@pytest.mark.slow
+def test_output_dir_with_an_earlier_runs_checkpoints(tiny_model, tmp_path):
+    old = tmp_path / "out" / "checkpoint-3"
+    old.mkdir(parents=True)
+    (old / "checkpoint.json").write_text(json.dumps({"step": 3}))
+    err = start_fails(offline_train_args(tiny_model, tmp_path / "out"))
+    assert "holds checkpoints of an earlier run (checkpoint-3)" in err and "--resume_from_checkpoint latest" in err
+    assert os.listdir(tmp_path / "out") == ["checkpoint-3"]  # and nothing was touched
+
+
+@pytest.mark.slow
+def test_fsdp_without_torchrun(tiny_model, tmp_path):
+    err = start_fails(offline_train_args(tiny_model, tmp_path / "out", "--fsdp"))
+    assert "--fsdp shards the model over processes: launch with torchrun" in err
+
+
+@pytest.mark.slow
+def test_weight_transfer_port_in_use(server, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        args = train_args(server, tmp_path / "out", "--max_steps", "1")
+        args[args.index("--vllm_group_port") + 1] = str(port)
+        err = start_fails(args)
+    assert f"--vllm_group_port {port}: the port is in use" in err
+
+
+@pytest.mark.slow
+def test_server_port_in_use(tiny_model):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        err = start_fails([os.path.join(ROOT, "vllm_server.py"), "--model", tiny_model, "--port", str(port)], timeout=120)
+    assert f"--port {port}: the port is in use" in err
