@@ -456,7 +456,8 @@ def main(cfg: Config):
         print0(f"step {step + 1}/{cfg.max_steps} | reward {metrics['reward']:.3f} ±{metrics['reward_std']:.3f} | "
                + " ".join(f"{name} {metrics[f'rewards/{name}']:.2f}" for name in names)
                + f" | kl {metrics['kl']:.4f} | len {metrics['completion_length']:.0f} | "
-               f"gen {t_gen - t0:.1f}s train {t_train - t_ref:.1f}s sync {t_sync - t_train:.1f}s | "
+               f"gen {t_gen - t0:.1f}s score {t_score - t_gen:.1f}s logp {t_ref - t_score:.1f}s train {t_train - t_ref:.1f}s "
+               f"sync {t_sync - t_train:.1f}s | "
                + progress(step + 1 - state["step"], cfg.max_steps - state["step"], time.perf_counter() - t_start))
         if "eval/reward" in metrics:
             log_eval(step + 1, metrics)
