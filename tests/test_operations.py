@@ -29,8 +29,8 @@ def test_resumed_run_continues_exactly(server, tmp_path, mode):
     """4 steps in one go vs 2 steps, then a new process resuming from checkpoint-2: the same prompts, the
     same samples (seeded server requests), the same updates; the metrics of steps 3 and 4 agree."""
     run_train(server, tmp_path / "a", *RUN, *mode, "--max_steps", "4", "--save_steps", "2", "--save_total_limit", "0")
-    assert set(os.listdir(tmp_path / "a")) == {"checkpoint-2", "checkpoint-4", "metrics.jsonl",
-                                               "adapter" if "--use_peft" in mode else "model"}
+    assert set(os.listdir(tmp_path / "a")) == {"checkpoint-2", "checkpoint-4", "metrics.jsonl", "rollouts.jsonl",
+                                               "metrics.png", "adapter" if "--use_peft" in mode else "model"}
     state = json.load(open(tmp_path / "a" / "checkpoint-2" / "checkpoint.json"))
     assert state["step"] == 2 and state["config"]["max_steps"] == 4 and state["world_size"] == 2 and state["git_revision"]
     run_train(server, tmp_path / "b", *RUN, *mode, "--max_steps", "2", "--save_steps", "2")
@@ -42,6 +42,9 @@ def test_resumed_run_continues_exactly(server, tmp_path, mode):
         for key in COMPARED:
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-4, abs=1e-6), (step, key, a[step][key], b[step][key])
     assert a[3]["loss"] != a[4]["loss"]  # the steps differ: the comparison can fail
+    ledger = {run: [(r["step"], r["rank"], r["prompt_index"], r["completion"], r["reward"])
+                    for r in map(json.loads, open(tmp_path / run / "rollouts.jsonl"))] for run in ("a", "b")}
+    assert ledger["b"] == ledger["a"] and len(ledger["a"]) == 4 * 16  # the same completions, none twice
 
 
 def test_resume_refuses_a_run_that_would_not_continue_exactly(server, tmp_path):
@@ -111,7 +114,7 @@ def test_full_disk_while_saving_keeps_the_earlier_checkpoint_and_says_so(server,
                      preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20)))
     assert proc.returncode != 0 and "could not write checkpoint" in proc.stderr and "intact" in proc.stderr
     assert complete_checkpoints_load(out) == ["checkpoint-1"]  # whole, and no half-written checkpoint-2 left behind
-    assert sorted(os.listdir(out)) == ["checkpoint-1", "metrics.jsonl", "model"]
+    assert sorted(os.listdir(out)) == ["checkpoint-1", "metrics.jsonl", "metrics.png", "model", "rollouts.jsonl"]
 
 
 def test_sigterm_saves_a_checkpoint_and_stops_every_rank(server, tmp_path):
