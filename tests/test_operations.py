@@ -82,14 +82,17 @@ def test_kill_9_while_saving_leaves_the_earlier_checkpoints_intact(server, tmp_p
                                                       "--save_total_limit", "3")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+    started = None
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and proc.poll() is None:  # wait for a save in progress after a complete one
-            if os.path.isdir(out) and any(n.endswith(".tmp") for n in os.listdir(out)) and \
-                    any(n.startswith("checkpoint-") and not n.endswith(".tmp") for n in os.listdir(out)):
-                started = children(proc.pid)  # the reward scorer (in a session of its own) and multiprocessing's tracker
-                os.killpg(proc.pid, signal.SIGKILL)
-                break
+            names = os.listdir(out) if os.path.isdir(out) else []
+            if any(n.startswith("checkpoint-") and not n.endswith(".tmp") for n in names):
+                if started is None:  # the reward scorer (in a session of its own) and multiprocessing's tracker
+                    started = children(proc.pid)
+                elif any(n.endswith(".tmp") for n in names):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    break
             time.sleep(0.002)
     finally:
         stop(proc)
