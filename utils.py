@@ -98,6 +98,18 @@ def progress(done: int, total: int, seconds: float, width: int = 20) -> str:
     return f"[{'#' * fill}{'-' * (width - fill)}] {100 * done / max(total, 1):.0f}% {clock(seconds)}<{clock(left)}"
 
 
+def stop_process_group(proc, timeout: float = 30):
+    """Stop exactly the process group we started as `proc` (start_new_session=True: a server with its engine
+    and workers, a torchrun with its ranks): SIGTERM, then SIGKILL after `timeout` seconds."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def print0(*args, **kwargs):
     if int(os.environ.get("RANK", 0)) == 0:
         print(*args, **kwargs, flush=True)
@@ -522,9 +534,10 @@ def prepare_output_dir(output_dir: str, resuming: bool):
             pass
     except OSError as e:
         raise ValueError(f"--output_dir {output_dir} is not a writable folder ({e.strerror}): choose another") from None
-    if not resuming and checkpoints(output_dir):
+    earlier = [] if resuming else checkpoints(output_dir)
+    if earlier:
         raise ValueError(f"--output_dir {output_dir} holds checkpoints of an earlier run "
-                         f"({', '.join(map(os.path.basename, checkpoints(output_dir)))}): continue that run with "
+                         f"({', '.join(map(os.path.basename, earlier))}): continue that run with "
                          "--resume_from_checkpoint latest, or choose another --output_dir (or delete them)")
 
 
@@ -727,7 +740,8 @@ def gather_lines(lines: list[str]) -> list[str]:
     CPU side of "cpu:gloo,cuda:nccl" carry."""
     if not dist.is_initialized():
         return lines
-    data = torch.tensor(list("".join(line + "\n" for line in lines).encode()), dtype=torch.uint8)
+    text = bytearray("".join(line + "\n" for line in lines).encode())
+    data = torch.frombuffer(text, dtype=torch.uint8) if text else torch.zeros(0, dtype=torch.uint8)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
     dist.all_gather(sizes, torch.tensor([len(data)]))
     longest = max(int(n) for n in sizes)
@@ -735,7 +749,7 @@ def gather_lines(lines: list[str]) -> list[str]:
     dist.all_gather(parts, torch.cat([data, torch.zeros(longest - len(data), dtype=torch.uint8)]))
     if dist.get_rank() != 0:
         return []
-    return [line for part, n in zip(parts, sizes) for line in bytes(part[:int(n)].tolist()).decode().splitlines()]
+    return [line for part, n in zip(parts, sizes) for line in part[:int(n)].numpy().tobytes().decode().splitlines()]
 
 
 def keep_steps_up_to(path: str, step: int):

@@ -9,7 +9,6 @@ together make train.py's time/step.
 import argparse
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -29,6 +28,7 @@ def free_port() -> int:
 
 def run(model: str, steps: int, prompts: int, G: int, length: int, nproc: int, train_flags: list[str], workdir: str) -> list[dict]:
     """The metrics of each step of a train.py run against a server of its own (stopped by its process group)."""
+    from utils import stop_process_group
     from vllm_server import VLLMClient
     port = free_port()
     log = open(os.path.join(workdir, "server.log"), "w")
@@ -47,11 +47,7 @@ def run(model: str, steps: int, prompts: int, G: int, length: int, nproc: int, t
         with open(os.path.join(out, "metrics.jsonl")) as f:
             return [json.loads(line) for line in f if line.strip()]
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        stop_process_group(server, timeout=60)
         log.close()
 
 

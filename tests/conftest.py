@@ -2,7 +2,6 @@
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -24,13 +23,8 @@ def free_port() -> int:
 
 def stop(proc: subprocess.Popen):
     """Stop exactly the process group we started (the server's workers included)."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    import utils
+    utils.stop_process_group(proc)
 
 
 def make_tiny_model(path, num_heads: int = 1) -> str:

@@ -1,5 +1,6 @@
 """Bad input fails at start with a message that names what to change: flags, data, model, rewards,
 server, ports and the output folder. The last group runs the real train.py / vllm_server.py."""
+import contextlib
 import json
 import os
 import socket
@@ -161,12 +162,18 @@ def test_fsdp_without_torchrun(tiny_model, tmp_path):
     assert "--fsdp shards the model over processes: launch with torchrun" in err
 
 
-@pytest.mark.slow
-def test_weight_transfer_port_in_use(server, tmp_path):
+@contextlib.contextmanager
+def busy_port():
+    """A loopback port something listens on, for as long as the block runs."""
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        port = busy.getsockname()[1]
+        yield busy.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_weight_transfer_port_in_use(server, tmp_path):
+    with busy_port() as port:
         args = train_args(server, tmp_path / "out", "--max_steps", "1")
         args[args.index("--vllm_group_port") + 1] = str(port)
         err = start_fails(args)
@@ -175,9 +182,6 @@ def test_weight_transfer_port_in_use(server, tmp_path):
 
 @pytest.mark.slow
 def test_server_port_in_use(tiny_model):
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
+    with busy_port() as port:
         err = start_fails([os.path.join(ROOT, "vllm_server.py"), "--model", tiny_model, "--port", str(port)], timeout=120)
     assert f"--port {port}: the port is in use" in err
