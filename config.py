@@ -31,6 +31,7 @@ class Config:
     top_k: int = -1  # sample from the k most likely tokens; -1 = off
     min_p: float = 0.0  # drop tokens less likely than min_p * the most likely one; 0 = off
     repetition_penalty: float = 1.0  # > 1 discourages repeated tokens; 1.0 = off
+    async_generation: bool = False  # sample step t+1 while training on step t, with the weights before (1 step stale)
     # GRPO
     beta: float = 0.0  # KL penalty coefficient (k3 estimator); 0 = no reference model is loaded
     epsilon: float = 0.2  # clip range of the ratio: [1 - epsilon, 1 + epsilon_high]
@@ -149,6 +150,9 @@ class Config:
         if self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
             errors.append(f"--vllm_importance_sampling_mode {self.vllm_importance_sampling_mode!r}: use token_truncate, "
                           "token_mask, sequence_truncate or sequence_mask")
+        if self.async_generation and not self.vllm_importance_sampling_correction:
+            errors.append("--async_generation trains on completions sampled by the previous weights, which needs the "
+                          "importance-sampling correction: drop --vllm_importance_sampling_correction false")
         if self.vllm_importance_sampling_cap <= 1:
             errors.append("--vllm_importance_sampling_cap must be > 1")
         if self.lr_scheduler_type not in ("constant", "linear", "cosine"):

@@ -28,7 +28,11 @@ What this implements, and the defaults we chose (README: "Loss choices" has the 
     pi_old / pi_vLLM, truncated at 2 (TIS), since vLLM never computes exactly our distribution
     (other kernels, bf16). The same log-prob difference is logged as a sync check.
   - beta = 0 by default (as in TRL, DAPO and Dr. GRPO): no reference model is loaded.
+  - --async_generation: the server samples the next step's batch, with the weights before this step's
+    update, while the trainer trains on this one; a step then costs about max(generate, train) instead
+    of their sum. Every batch is then one update stale, which the importance weights above correct.
 """
+import json
 import math
 import os
 import time
@@ -39,12 +43,12 @@ import torch
 from config import Config, parse_config
 from plot import plot_run
 from rewards import RewardScorer, postprocess_rewards
-from utils import (MetricsLogger, ServerGuard, ServerWeights, StopRequest, add_lora, barrier, collate,
+from utils import (MetricsLogger, Prefetch, ServerGuard, ServerWeights, StopRequest, add_lora, barrier, collate,
                    completion_logprobs, distribute, encode_prompt, extremes_over_ranks, find_checkpoint, full_tensor,
-                   gradient_sync, load_checkpoint, load_model, load_rows, merge_stats, named_rewards, no_grad_logprobs,
-                   pass_at_k, prepare_output_dir, print0, probe_logprob_diff, progress, reference_model, resolve_model,
-                   restore_training_state, save_checkpoint, save_model, setup_distributed, step_prompt_indices,
-                   sum_over_ranks, teardown_distributed)
+                   gather_lines, gradient_sync, length_sorted, load_checkpoint, load_model, load_rows, merge_stats,
+                   named_rewards, no_grad_logprobs, pass_at_k, prepare_output_dir, print0, probe_logprob_diff,
+                   progress, reference_model, resolve_model, restore_training_state, save_checkpoint, save_model,
+                   setup_distributed, step_prompt_indices, sum_over_ranks, teardown_distributed, trim_padding)
 from vllm_server import VLLMClient, WeightSync
 
 
@@ -147,39 +151,43 @@ def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autoca
     mask = data["loss_mask"]
     C = mask.shape[1]
     rows = torch.arange(len(mask))[data["keep"]] if data.get("keep") is not None else torch.arange(len(mask))
-    micro = [rows[i:i + cfg.micro_batch_size] for i in range(0, len(rows), cfg.micro_batch_size)]
+    if cfg.loss_type == "bnpo":  # its normalisation is per micro-batch: keep them a random draw
+        micro = [rows[i:i + cfg.micro_batch_size] for i in range(0, len(rows), cfg.micro_batch_size)]
+    else:  # similar lengths together, so little padding is computed (the order does not change the gradient)
+        micro = length_sorted(rows, data["attention_mask"].sum(dim=1), cfg.micro_batch_size)
     counts = sum_over_ranks({"seqs": len(mask), "tokens": mask.sum(), "micro": len(micro)})
     num_micro = int(extremes_over_ranks({"micro_max": len(micro)})["micro_max"])
     sums, logps = {}, torch.zeros(mask.shape)
     for j in range(num_micro):
         padding = j >= len(micro)  # this rank has run all its rows; keep in step with the others
         s = torch.arange(1) if padding else micro[j]
+        ids, attention, c = trim_padding(data["input_ids"][s], data["attention_mask"][s], C)  # only c of the C columns
+        part = {k: None if data[k] is None else data[k][s, :c].to(device) for k in ("old_logp", "ref_logp", "sampler_logp")}
         with gradient_sync(model, j == num_micro - 1), autocast:  # gradients are reduced on the last micro-batch only
-            logp, entropy = completion_logprobs(model, data["input_ids"][s].to(device), data["attention_mask"][s].to(device),
-                                                C, cfg.temperature, with_entropy=True)  # (b, C)
+            logp, entropy = completion_logprobs(model, ids.to(device), attention.to(device), c, cfg.temperature,
+                                                with_entropy=True)  # (b, c)
             # pi_old: the policy before this round's first update. On-policy it is the current policy,
             # whose detached log-probs are these; off-policy the loop computed them before updating.
-            old_logp = logp.detach() if data["old_logp"] is None else data["old_logp"][s].to(device)
-            m = mask[s].to(device)
-            weights = token_weights(mask[s], cfg.loss_type, counts["seqs"], counts["tokens"], cfg.max_completion_length,
+            old_logp = logp.detach() if part["old_logp"] is None else part["old_logp"]
+            m = mask[s, :c].to(device)
+            weights = token_weights(mask[s, :c], cfg.loss_type, counts["seqs"], counts["tokens"], cfg.max_completion_length,
                                     counts["micro"]).to(device) * world_size * (not padding)  # DDP/FSDP average over ranks
             extra = {}
-            if data["sampler_logp"] is not None:  # importance sampling against the sampler
-                is_weight, ratio = sampler_is_weights(old_logp.float(), data["sampler_logp"][s].to(device), m,
+            if part["sampler_logp"] is not None:  # importance sampling against the sampler
+                is_weight, ratio = sampler_is_weights(old_logp.float(), part["sampler_logp"], m,
                                                       cfg.vllm_importance_sampling_mode, cfg.vllm_importance_sampling_cap)
                 weights = weights * is_weight
                 r = ratio.expand_as(m) * m
                 extra = {"is_ratio": r.sum(), "is_ratio_max": r.max(), "is_ratio_min": torch.where(m > 0, r, torch.inf).min(),
                          "is_dropped": ((is_weight == 0) & (m > 0)).sum()}
-            ref = None if data["ref_logp"] is None else data["ref_logp"][s].to(device)
             loss, stats = grpo_loss(logp, old_logp, data["advantages"][s].to(device), m, weights,
-                                    cfg.epsilon, cfg.eps_high, cfg.delta, cfg.beta, ref)
+                                    cfg.epsilon, cfg.eps_high, cfg.delta, cfg.beta, part["ref_logp"])
             loss.backward()
         if padding:
             continue
         stats = {**stats, **extra, "entropy": (entropy * m).sum(), "tokens": m.sum(), "loss": loss.detach() / world_size}
         merge_stats(sums, {k: v.item() for k, v in stats.items()})
-        logps[s] = logp.detach().float().cpu()
+        logps[s, :c] = logp.detach().float().cpu()
     return sums, logps
 
 
@@ -260,9 +268,15 @@ def main(cfg: Config):
     logger = MetricsLogger(cfg.output_dir, is_main, cfg.report_to, vars(cfg), cfg.wandb_project, cfg.run_name, state["step"])
     stop = StopRequest()  # SIGTERM / Ctrl-C: save a checkpoint, then stop
 
+    # async generation: {step: (policy version, this rank's samples)} drawn while the step before trained;
+    # checkpoints keep it (a resumed run then trains on the same batch as an uninterrupted one)
+    ahead = json.loads(state["presampled"][rank]) if state.get("presampled") else None
+    presampled = {state["step"]: tuple(ahead)} if ahead else {}
+
     def checkpoint(steps_done: int) -> str:  # every rank: FSDP2 gathers; rank 0 writes
+        extra = {"presampled": gather_lines([json.dumps(presampled.get(steps_done))])} if cfg.async_generation else {}
         path = save_checkpoint(cfg.output_dir, steps_done, model, optimizer, scheduler, tokenizer, vars(cfg), is_main,
-                               cfg.save_total_limit, {"scorer_failures": scorer.failures})
+                               cfg.save_total_limit, {"scorer_failures": scorer.failures, **extra})
         print0(f"saved {path}")
         return path
     # If the server dies or restarts, wait for it, push the current weights and repeat the call; if it does
@@ -276,6 +290,15 @@ def main(cfg: Config):
            f"G={G} = {cfg.prompts_per_step * G} completions per step ({prompts_per_rank * G} per rank) | "
            f"rewards {names} x {reward_weights.tolist()} | loss {cfg.loss_type} | beta {cfg.beta} | bf16 {cfg.bf16} | "
            f"{'FSDP2' if cfg.fsdp else 'DDP' if world_size > 1 else 'single process'}{' + LoRA' if cfg.use_peft else ''}")
+
+    def request(step: int) -> tuple[list[int], dict]:
+        """This rank's prompts (row indices) of `step`, and the arguments of client.generate for them."""
+        indices = step_prompt_indices(step, len(rows), cfg.prompts_per_step, cfg.seed)
+        mine = indices[rank * prompts_per_rank:(rank + 1) * prompts_per_rank]
+        return mine, dict(prompts=[prompt_ids[i] for i in mine], n=G, max_tokens=cfg.max_completion_length,
+                          temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
+                          repetition_penalty=cfg.repetition_penalty,
+                          seed=(cfg.seed * 1_000_000 + step) * 1000 + rank)  # prompt-major: prompt i has [i*G, (i+1)*G)
 
     def evaluate() -> dict:
         """Mean rewards and pass@k on the evaluation prompts, through the server (each rank its share). The
@@ -315,14 +338,16 @@ def main(cfg: Config):
     for step in range(state["step"], cfg.max_steps):
         t0 = time.perf_counter()
         # ---------------------------------------------------------------------- sample
-        indices = step_prompt_indices(step, len(rows), cfg.prompts_per_step, cfg.seed)
-        mine = indices[rank * prompts_per_rank:(rank + 1) * prompts_per_rank]
-        batch, prompts = [rows[i] for i in mine], [prompt_ids[i] for i in mine]
-        version = scheduler.last_epoch  # the policy that samples: after this many optimizer steps
-        samples = server.run(client.generate, prompts, n=G, max_tokens=cfg.max_completion_length, temperature=cfg.temperature,
-                                  top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
-                                  repetition_penalty=cfg.repetition_penalty,
-                                  seed=(cfg.seed * 1_000_000 + step) * 1000 + rank)  # prompt-major: prompt i has [i*G, (i+1)*G)
+        mine, req = request(step)
+        batch, prompts = [rows[i] for i in mine], req["prompts"]
+        # version: the policy that samples, after this many optimizer steps. Async, the batch was sampled
+        # during the step before (by the weights before it), except the first one.
+        presampled = {step: presampled.get(step) or (scheduler.last_epoch, server.run(client.generate, **req))}
+        version, samples = presampled[step]
+        pending = None
+        if cfg.async_generation:  # the server samples the next batch while we train (after the last step too:
+            # the last checkpoint keeps it, so that a run continued from it goes on as if never stopped)
+            pending = Prefetch(client.generate, **request(step + 1)[1])
         prompt_of = [prompts[i // G] for i in range(len(samples))]
         completions = [s["token_ids"] for s in samples]
         t_gen = time.perf_counter()
@@ -365,13 +390,14 @@ def main(cfg: Config):
         data = dict(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask, advantages=advantages,
                     old_logp=old_logp, ref_logp=ref_logp, keep=~zero_std if cfg.drop_zero_std_groups else None,
                     sampler_logp=sampler_logp if cfg.vllm_importance_sampling_correction else None)
-        sums, grad_norms, skipped, first_pass_logp = {}, [], 0, torch.zeros(completion_mask.shape)
+        sums, grad_norms, skipped, first_pass_logp, t_optimizer = {}, [], 0, torch.zeros(completion_mask.shape), 0.0
         for iteration in range(cfg.num_iterations):
             order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(cfg.seed + step * 1000 + iteration))
             for part in order.chunk(cfg.steps_per_generation):  # one optimizer step on each part
                 part_sums, logp = accumulate_gradients(model, {k: None if v is None else v[part] for k, v in data.items()},
                                                        cfg, world_size, autocast)
                 merge_stats(sums, part_sums)
+                t_opt = time.perf_counter()
                 grad_norms.append(full_tensor(torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm or float("inf"))))
                 if grad_norms[-1].isfinite():  # the same on every rank: the norm is over the reduced gradient
                     optimizer.step()
@@ -379,6 +405,7 @@ def main(cfg: Config):
                     skipped += 1
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
+                t_optimizer += time.perf_counter() - t_opt
                 if iteration == 0:
                     first_pass_logp[part] = logp
         bad_rounds = bad_rounds + 1 if skipped else 0
@@ -395,9 +422,14 @@ def main(cfg: Config):
         t_train = time.perf_counter()
 
         # ---------------------------------------------------------------------- sync weights
+        if pending:  # the server samples the next batch with the weights before this update: wait for it
+            reconnects = server.reconnects
+            next_samples = server.run(pending.result)  # sampled again with the new weights if the server was lost
+            presampled[step + 1] = scheduler.last_epoch - updates_per_round * (server.reconnects == reconnects), next_samples
+        t_waited = time.perf_counter()
         server.run(sync.push)
         barrier()  # no rank samples again before the server has the new weights
-        probe = {}
+        t_pushed, probe = time.perf_counter(), {}
         if cfg.sync_check_steps and (step + 1) % cfg.sync_check_steps == 0:
             mean, top = server.run(probe_logprob_diff, client, model, probe_ids, autocast, is_main)
             probe = sum_over_ranks({"sync_probe_diff_mean": mean, "sync_probe_diff_max": top})  # rank 0's, on every rank
@@ -437,8 +469,9 @@ def main(cfg: Config):
                    "loss": t["loss"] / len(grad_norms), "skipped_updates": skipped, "grad_norm": sum(g.item() for g in grad_norms) / len(grad_norms),
                    "sampler_logprob_diff_mean": t["diff"] / max(t["compared"], 1.0), "sampler_logprob_diff_max": ext["diff_max"],
                    **probe, "server_reconnects": server.reconnects, "lr": scheduler.get_last_lr()[0], "optimizer_steps": scheduler.last_epoch, "old_logprob_pass": int(off_policy),
-                   "time/generate": t_gen - t0, "time/score": t_score - t_gen, "time/old_ref": t_ref - t_score,
-                   "time/train": t_train - t_ref, "time/sync": t_sync - t_train, "time/step": t_sync - t0}
+                   "time/generate": t_gen - t0 + t_waited - t_train, "time/score": t_score - t_gen,
+                   "time/old_ref": t_ref - t_score, "time/train": t_train - t_ref, "time/optimizer": t_optimizer,
+                   "time/sync": t_pushed - t_waited, "time/probe": t_sync - t_pushed, "time/step": t_sync - t0}
         if "is_ratio" in t:  # the raw pi_old / pi_sampler ratios, before truncation or masking
             metrics |= {"is_ratio/mean": t["is_ratio"] / T, "is_ratio/min": ext["is_ratio_min"],
                         "is_ratio/max": ext["is_ratio_max"], "is_ratio/dropped_frac": t["is_dropped"] / T}
@@ -456,8 +489,8 @@ def main(cfg: Config):
         print0(f"step {step + 1}/{cfg.max_steps} | reward {metrics['reward']:.3f} ±{metrics['reward_std']:.3f} | "
                + " ".join(f"{name} {metrics[f'rewards/{name}']:.2f}" for name in names)
                + f" | kl {metrics['kl']:.4f} | len {metrics['completion_length']:.0f} | "
-               f"gen {t_gen - t0:.1f}s score {t_score - t_gen:.1f}s logp {t_ref - t_score:.1f}s train {t_train - t_ref:.1f}s "
-               f"sync {t_sync - t_train:.1f}s | "
+               f"gen {metrics['time/generate']:.1f}s score {t_score - t_gen:.1f}s logp {t_ref - t_score:.1f}s "
+               f"train {t_train - t_ref:.1f}s sync {t_pushed - t_waited:.1f}s | "
                + progress(step + 1 - state["step"], cfg.max_steps - state["step"], time.perf_counter() - t_start))
         if "eval/reward" in metrics:
             log_eval(step + 1, metrics)

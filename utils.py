@@ -4,6 +4,7 @@ log-prob computation, models (LoRA, DDP, FSDP2), the weights as the server sees 
 probe, saving), and logging helpers.
 """
 import collections
+import functools
 import glob
 import json
 import math
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zipfile
 from contextlib import contextmanager, nullcontext
@@ -259,6 +261,25 @@ def collate(prompts: list[list[int]], completions: list[list[int]], pad_id: int)
     return input_ids, attention_mask, attention_mask[:, P:].clone()
 
 
+def trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int):
+    """A micro-batch of collated rows without the columns none of its rows uses: the left padding
+    common to all its prompts and the right padding past its longest completion. Positions count
+    from each row's first token, so the log-probs are those of the full width. Returns input_ids,
+    attention_mask, and the number of completion columns kept (the first ones)."""
+    P = input_ids.shape[1] - num_completion_tokens
+    used = attention_mask.bool().any(dim=0)  # (P + C,)
+    first = int(used.int().argmax())  # every prompt has a token, so first <= P - 1
+    c = max(1, int(used[P:].sum()))  # completions are right-padded: the used completion columns come first
+    return input_ids[:, first:P + c], attention_mask[:, first:P + c], c
+
+
+def length_sorted(rows: torch.Tensor, lengths: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """`rows` in chunks of `size`, longest first, so each chunk pads to lengths close to its own (and
+    the first one shows the peak memory)."""
+    rows = rows[torch.argsort(lengths[rows], descending=True, stable=True)]
+    return [rows[i:i + size] for i in range(0, len(rows), size)]
+
+
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log softmax(logits / temperature) at the target ids: (B, T, V), (B, T) -> (B, T), in fp32."""
     logits = logits.float() / temperature
@@ -321,17 +342,20 @@ def has_plain_lm_head(model) -> bool:
 
 def no_grad_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float,
                      micro_batch_size: int, autocast) -> torch.Tensor:
-    """completion_logprobs of a whole batch in micro-batches, without grad and without dropout (eval
-    mode: these are the fixed pi_old / reference / probe values), on the CPU: (N, C). The lm_head runs
-    in chunks of positions where that is exact, which keeps peak memory down."""
+    """completion_logprobs of a whole batch in micro-batches of similar lengths, each without its padding,
+    without grad and without dropout (eval mode: these are the fixed pi_old / reference / probe values),
+    on the CPU: (N, C), meaningless past each completion. The lm_head runs in chunks of positions where that is
+    exact, which keeps peak memory down."""
     device, training = next(model.parameters()).device, model.training
     fn = chunked_completion_logprobs if has_plain_lm_head(model) else completion_logprobs
+    out = torch.zeros(len(input_ids), num_completion_tokens)
     model.eval()
     try:
         with torch.no_grad(), autocast:
-            return torch.cat([fn(model, input_ids[i:i + micro_batch_size].to(device), attention_mask[i:i + micro_batch_size].to(device),
-                                 num_completion_tokens, temperature).float().cpu()
-                              for i in range(0, len(input_ids), micro_batch_size)])
+            for s in length_sorted(torch.arange(len(input_ids)), attention_mask.sum(dim=1), micro_batch_size):
+                ids, mask, c = trim_padding(input_ids[s], attention_mask[s], num_completion_tokens)
+                out[s, :c] = fn(model, ids.to(device), mask.to(device), c, temperature).float().cpu()
+        return out
     finally:
         model.train(training)
 
@@ -657,6 +681,32 @@ class StopRequest:
     def requested(self) -> bool:
         self.stopping = sum_over_ranks({"stop": self.flag})["stop"] > 0
         return self.stopping
+
+
+class Prefetch:
+    """`fn(*args, **kwargs)` started on a thread now (a request to the server while the trainer trains);
+    `result()` waits for it. If it failed, `result()` raises that error once and then runs `fn` again,
+    in the caller's thread: ServerGuard.run(prefetch.result) repeats the request after a reconnect."""
+
+    def __init__(self, fn, *args, **kwargs):
+        self.call, self.value, self.error = functools.partial(fn, *args, **kwargs), None, None
+        self.thread = threading.Thread(target=self._run, daemon=True)  # a run that stops does not wait for it
+        self.thread.start()
+
+    def _run(self):
+        try:
+            self.value = self.call()
+        except BaseException as e:  # raised in the caller's thread by result()
+            self.error = e
+
+    def result(self):
+        if self.thread is None:  # the threaded call failed before: call again
+            return self.call()
+        self.thread.join()
+        self.thread, error, self.error = None, self.error, None
+        if error is not None:
+            raise error
+        return self.value
 
 
 class ServerGone(RuntimeError):

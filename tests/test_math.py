@@ -272,3 +272,26 @@ def test_embedded_task_holds_out_a_test_split():
     assert len(test) == len({r["question"] for r in test}) == 52  # 1 pair in 8 of the 400, each once
     assert not {r["question"] for r in train} & {r["question"] for r in test}
     assert len({r["question"] for r in train}) == 400 - 52  # every other pair shows up in training
+
+
+def test_trimmed_length_sorted_micro_batches_give_the_full_width_logprobs():
+    """no_grad_logprobs runs micro-batches of similar lengths without their padding columns; each
+    completion's log-probs must be those of the whole collated batch."""
+    from contextlib import nullcontext
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from utils import completion_logprobs, no_grad_logprobs, trim_padding
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2, head_dim=16)).double()
+    prompts = [[5, 6, 7, 8], [9], [10, 11], [12, 13, 14], [15]]
+    completions = [[1], [2, 3, 4, 16, 17, 18], [19, 20], [21, 22, 23], [24, 25, 26, 27]]
+    ids, attn, cmask = collate(prompts, completions, pad_id=0)
+    with torch.no_grad():
+        full = completion_logprobs(model, ids, attn, 6, 0.7).float() * cmask
+    for size in (1, 2, 3, 5):
+        assert ((no_grad_logprobs(model, ids, attn, 6, 0.7, size, nullcontext()) - full) * cmask).abs().max() < 1e-6, size
+    # the widths kept: rows 0 and 4 need 4 prompt columns (row 0's) and 4 completion columns (row 4's)
+    t_ids, t_attn, c = trim_padding(ids[[0, 4]], attn[[0, 4]], 6)
+    assert c == 4 and t_ids.shape == (2, 8) and torch.equal(t_attn.sum(dim=1), attn[[0, 4]].sum(dim=1))
+    t_ids, t_attn, c = trim_padding(ids[[1, 2]], attn[[1, 2]], 6)
+    assert c == 6 and t_ids.shape == (2, 8)  # prompts of 1 and 2 tokens: 2 of the 4 prompt columns

@@ -23,11 +23,13 @@ def metrics_of(out) -> dict[int, dict]:
     return {m["step"]: m for m in map(json.loads, open(out / "metrics.jsonl"))}
 
 
-@pytest.mark.parametrize("mode", [["--beta", "0.04"], ["--fsdp", "--use_peft", "--lora_dropout", "0.2", "--lora_r", "4"]],
-                         ids=["ddp", "fsdp_lora_dropout"])
+@pytest.mark.parametrize("mode", [["--beta", "0.04", "--async_generation"],
+                                  ["--fsdp", "--use_peft", "--lora_dropout", "0.2", "--lora_r", "4"]],
+                         ids=["ddp_async", "fsdp_lora_dropout"])
 def test_resumed_run_continues_exactly(server, tmp_path, mode):
     """4 steps in one go vs 2 steps, then a new process resuming from checkpoint-2: the same prompts, the
-    same samples (seeded server requests), the same updates; the metrics of steps 3 and 4 agree."""
+    same samples (seeded server requests), the same updates; the metrics of steps 3 and 4 agree. With async
+    generation the checkpoint holds the batch sampled ahead, by the weights of step 1."""
     run_train(server, tmp_path / "a", *RUN, *mode, "--max_steps", "4", "--save_steps", "2", "--save_total_limit", "0")
     assert set(os.listdir(tmp_path / "a")) == {"checkpoint-2", "checkpoint-4", "metrics.jsonl", "rollouts.jsonl",
                                                "metrics.png", "adapter" if "--use_peft" in mode else "model"}
@@ -42,9 +44,15 @@ def test_resumed_run_continues_exactly(server, tmp_path, mode):
         for key in COMPARED:
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-4, abs=1e-6), (step, key, a[step][key], b[step][key])
     assert a[3]["loss"] != a[4]["loss"]  # the steps differ: the comparison can fail
-    ledger = {run: [(r["step"], r["rank"], r["prompt_index"], r["completion"], r["reward"])
+    ledger = {run: [(r["step"], r["rank"], r["prompt_index"], r["completion"], r["reward"], r["policy_version"])
                     for r in map(json.loads, open(tmp_path / run / "rollouts.jsonl"))] for run in ("a", "b")}
     assert ledger["b"] == ledger["a"] and len(ledger["a"]) == 4 * 16  # the same completions, none twice
+    # the policy that sampled each step: the one before it, or async (after the first step) the one before that
+    stale = "--async_generation" in mode
+    assert {(r[0], r[5]) for r in ledger["a"]} == {(s, max(s - 1 - stale, 0)) for s in range(1, 5)}
+    if stale:  # trained on samples of older weights: the sampler's log-probs differ from ours, the fixed probe does not
+        assert min(a[s]["sampler_logprob_diff_max"] for s in (2, 3, 4)) > 1e-3 > a[1]["sampler_logprob_diff_max"]
+        assert max(m["sync_probe_diff_max"] for m in a.values()) < 1e-4
 
 
 def test_resume_refuses_a_run_that_would_not_continue_exactly(server, tmp_path):
