@@ -1,0 +1,88 @@
+"""nanogrpo against TRL's GRPOTrainer on the same configuration, one after the other in one invocation:
+SmolLM2-135M, the embedded arithmetic task and its two rewards, 8 prompts x G=8, up to 128 completion
+tokens, micro-batches of 16, learning rate 3e-5 (constant), AdamW betas (0.9, 0.99), beta 0, loss dapo,
+bf16, the same number of steps. TRL runs in its own virtual environment (bench/.venv-trl, made on first
+use from PyPI: trl 1.16.0 with the torch and transformers of requirements.txt) and generates with
+transformers (its vLLM modes need CUDA); by default with gradient checkpointing (TRL's default) and
+without. nanogrpo runs against its own vLLM server, as is and with --async_generation.
+
+Prints the mean step time over the steps after the first, the peak resident memory of each run (all its
+processes; nanogrpo's trainer and server apart), and each nanogrpo run's step time over TRL's.
+
+    .venv/bin/python bench/vs_trl.py [--steps 4] [--trl_gradient_checkpointing true,false] [--nanogrpo "" "--async_generation"]
+"""
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+
+from common import ROOT, PeakRSS, mean, serving, steady, train
+
+VENV = os.path.join(ROOT, "bench", ".venv-trl")
+TRL_PACKAGES = ["trl==1.16.0", "torch==2.13.0", "transformers==5.19.0", "datasets==5.2.0", "math-verify==0.9.0"]
+
+
+def trl_python() -> str:
+    python = os.path.join(VENV, "bin", "python")
+    if subprocess.run([python, "-c", "import trl"], capture_output=True).returncode if os.path.exists(python) else True:
+        print(f"making {VENV} ({' '.join(TRL_PACKAGES)}) ...", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", VENV], check=True)
+        subprocess.run([python, "-m", "pip", "install", "-q", *TRL_PACKAGES], check=True)
+    return python
+
+
+def run_trl(model: str, a, checkpointing: str) -> tuple[dict, float]:
+    from utils import stop_process_group
+    proc = subprocess.Popen([trl_python(), os.path.join(ROOT, "bench", "trl_grpo.py"), "--model", model, "--steps", str(a.steps),
+                             "--prompts", str(a.prompts), "--G", str(a.G), "--length", str(a.length),
+                             "--gradient_checkpointing", checkpointing],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    memory = PeakRSS(proc.pid)
+    try:
+        out, err = proc.communicate()
+    finally:
+        peak = memory.stop()
+        stop_process_group(proc)
+    if proc.returncode:
+        raise RuntimeError(f"TRL failed ({proc.returncode}):\n{err[-4000:]}")
+    return json.loads(out.strip().splitlines()[-1]), peak
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--G", type=int, default=8)
+    p.add_argument("--length", type=int, default=128)
+    p.add_argument("--trl_gradient_checkpointing", default="true,false")
+    p.add_argument("--nanogrpo", nargs="*", default=["", "--async_generation"], help="train.py flags of each nanogrpo run")
+    a = p.parse_args()
+    from utils import resolve_model
+    model = resolve_model("smollm2-135m")
+    results = []  # (name, step seconds, peak GiB, note)
+    for checkpointing in a.trl_gradient_checkpointing.split(","):
+        trl, peak = run_trl(model, a, checkpointing)
+        times = trl["step_times"][1:] or trl["step_times"]
+        results.append((f"TRL 1.16.0, gradient checkpointing {checkpointing}", sum(times) / len(times), peak,
+                        f"reward {' '.join(f'{r:.2f}' for r in trl['reward'])}"))
+        print(results[-1], flush=True)
+    with tempfile.TemporaryDirectory() as tmp, serving(model, tmp) as server:
+        for i, flags in enumerate(a.nanogrpo):
+            metrics, peak = train(model, server["port"], os.path.join(tmp, f"run{i}"), a.steps, a.prompts, a.G, a.length,
+                                  flags=tuple(shlex.split(flags)))
+            results.append((f"nanogrpo {flags or '(defaults)'}", mean(steady(metrics), "time/step"), peak,
+                            f"reward {' '.join(f'{m['reward']:.2f}' for m in metrics)}"))
+            print(results[-1], flush=True)
+        server_peak = server["memory"].peak
+    print(f"\nSmolLM2-135M | {a.prompts} prompts x G={a.G}, up to {a.length} tokens | {a.steps} steps, mean over steps 2-{a.steps}"
+          f" | bf16 | {os.cpu_count()} CPUs")
+    print(f"  {'run':52s} {'s/step':>7s} {'peak GiB':>8s}")
+    for name, step, peak, note in results:
+        print(f"  {name:52s} {step:7.1f} {peak:8.1f}   {note}")
+    print(f"  (nanogrpo's vLLM server: peak {server_peak:.1f} GiB, of which 2 GiB KV cache)")
+    for name, step, _, _ in results:
+        if name.startswith("nanogrpo"):
+            print(f"  {name} / " + ", ".join(f"{t[0].split(', ')[1]}: {step / t[1]:.2f}" for t in results if t[0].startswith("TRL")))
