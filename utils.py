@@ -281,9 +281,43 @@ def length_sorted(rows: torch.Tensor, lengths: torch.Tensor, size: int) -> list[
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log softmax(logits / temperature) at the target ids: (B, T, V), (B, T) -> (B, T), in fp32."""
-    logits = logits.float() / temperature
+    """log softmax(logits / temperature) at the target ids: (B, T, V), (B, T) -> (B, T), in fp32 (fp64 for fp64)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     return torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+class SampledLogprobs(torch.autograd.Function):
+    """log softmax(logits / temperature) at the target ids, and the entropy of each softmax (no grad), of
+    (B, T, V) logits and (B, T) targets, in fp32 (fp64 for fp64 logits), `rows` positions at a time: no
+    fp32 (B, T, V) copy of the logits is ever made. The backward builds the logits' gradient the same
+    way: d logp / d z = (onehot(target) - softmax(z)) / temperature."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature: float, rows: int = 16):
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        logp, entropy, lse = (torch.empty(targets.shape, dtype=dtype) for _ in range(3))
+        for b in range(targets.shape[0]):
+            for i in range(0, targets.shape[1], rows):
+                z = logits[b, i:i + rows].to(dtype) / temperature  # (rows, V): fits in cache
+                s = torch.logsumexp(z, dim=-1)
+                logp[b, i:i + rows] = z.gather(-1, targets[b, i:i + rows, None]).squeeze(-1) - s
+                entropy[b, i:i + rows] = s - (torch.softmax(z, dim=-1) * z).sum(dim=-1)  # H = lse - sum_v p_v z_v
+                lse[b, i:i + rows] = s
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temperature, ctx.rows = temperature, rows
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        logits, targets, lse = ctx.saved_tensors
+        rows, grad = ctx.rows, torch.zeros_like(logits)
+        for b in range(targets.shape[0]):
+            for i in range(0, targets.shape[1], rows):
+                g = grad_logp[b, i:i + rows, None]
+                d = torch.exp(logits[b, i:i + rows].to(lse.dtype) / ctx.temperature - lse[b, i:i + rows, None]).mul_(-g)
+                grad[b, i:i + rows] = d.scatter_add_(-1, targets[b, i:i + rows, None], g) / ctx.temperature
+        return grad, None, None, None
 
 
 def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float,
@@ -293,15 +327,9 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens:
     C = num_completion_tokens
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # positions count from each sequence's first token, as in vLLM
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=C + 1, use_cache=False).logits[:, :-1]  # (B, C, V)
-    if not with_entropy:
-        return token_logprobs(logits, input_ids[:, -C:], temperature)
-    z = logits.float() / temperature  # one fp32 copy of the logits serves both
-    lse = torch.logsumexp(z, dim=-1)  # (B, C)
-    logp = torch.gather(z, -1, input_ids[:, -C:].unsqueeze(-1)).squeeze(-1) - lse
-    with torch.no_grad():  # H = lse - sum_v p_v z_v
-        entropy = lse - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
-    return logp, entropy
+                   logits_to_keep=C + 1, use_cache=False).logits  # (B, C + 1, V): the last one predicts past the end
+    logp, entropy = SampledLogprobs.apply(logits[:, :-1], input_ids[:, -C:], temperature)
+    return (logp, entropy) if with_entropy else logp
 
 
 class _ChunkedLogprobHead(torch.nn.Module):

@@ -295,3 +295,23 @@ def test_trimmed_length_sorted_micro_batches_give_the_full_width_logprobs():
     assert c == 4 and t_ids.shape == (2, 8) and torch.equal(t_attn.sum(dim=1), attn[[0, 4]].sum(dim=1))
     t_ids, t_attn, c = trim_padding(ids[[1, 2]], attn[[1, 2]], 6)
     assert c == 6 and t_ids.shape == (2, 8)  # prompts of 1 and 2 tokens: 2 of the 4 prompt columns
+
+
+def test_sampled_logprobs_and_their_gradient_match_the_plain_log_softmax():
+    """The chunked autograd function against log_softmax + gather and autograd through them, in fp64,
+    with a temperature, chunks that do not divide the length, and a non-contiguous (sliced) input."""
+    from utils import SampledLogprobs
+    torch.manual_seed(0)
+    logits = torch.randn(3, 8, 50, dtype=torch.float64, requires_grad=True)
+    targets, w = torch.randint(0, 50, (3, 7)), torch.randn(3, 7, dtype=torch.float64)
+    z = logits[:, :-1] / 0.7
+    plain = torch.log_softmax(z, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+    (expected,) = torch.autograd.grad((plain * w).sum(), logits)
+    for rows in (1, 3, 16):
+        logp, entropy = SampledLogprobs.apply(logits[:, :-1], targets, 0.7, rows)
+        (grad,) = torch.autograd.grad((logp * w).sum(), logits)
+        assert logp.dtype == torch.float64 and not entropy.requires_grad
+        assert (logp - plain).abs().max() < 1e-12 and (grad - expected).abs().max() < 1e-12, rows
+        p = torch.softmax(z, dim=-1)
+        assert (entropy - -(p * p.log()).sum(-1)).abs().max() < 1e-12
+    assert torch.autograd.gradcheck(lambda x: SampledLogprobs.apply(x, targets[:1, :3], 1.3, 2)[0], logits[:1, :3].detach().clone().requires_grad_())
