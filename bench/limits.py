@@ -104,8 +104,11 @@ def sync_limit(model: str, repeats: int = 3) -> float:
 def in_subprocess(part: str, model: str, workload_file: str) -> dict:
     """Each limit in a fresh process: nothing of one (vLLM's engine, autograd buffers) slows the next."""
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--part", part, "--model", model, "--workload",
-                          workload_file], check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+                          workload_file], capture_output=True, text=True)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if out.returncode or not lines:
+        raise RuntimeError(f"the {part} limit failed ({out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
 
 
 if __name__ == "__main__":
@@ -121,7 +124,7 @@ if __name__ == "__main__":
     if a.part:
         work = {int(k): v for k, v in json.load(open(a.workload)).items()}
         result = {"generate": generation_limit, "train": training_limit}.get(a.part, lambda m, w: sync_limit(m))(a.model, work)
-        print(json.dumps(result))
+        print("RESULT " + json.dumps(result))
         sys.exit(0)
 
     sys.path.insert(0, ROOT)

@@ -7,7 +7,7 @@ server, and the ratio of their step times.
 
     .venv/bin/python bench/step_breakdown.py                              # SmolLM2, 8 prompts x G=8, 128 tokens, bf16
     .venv/bin/python bench/step_breakdown.py --nproc 2 -- --beta 0.04     # after --: any train.py flags
-    .venv/bin/python bench/step_breakdown.py --compare "--async_generation"
+    .venv/bin/python bench/step_breakdown.py --compare=--async_generation    # "=": the value starts with --
 """
 import argparse
 import os

@@ -74,7 +74,7 @@ if __name__ == "__main__":
             metrics, peak = train(model, server["port"], os.path.join(tmp, f"run{i}"), a.steps, a.prompts, a.G, a.length,
                                   flags=tuple(shlex.split(flags)))
             results.append((f"nanogrpo {flags or '(defaults)'}", mean(steady(metrics), "time/step"), peak,
-                            f"reward {' '.join(f'{m['reward']:.2f}' for m in metrics)}"))
+                            "reward " + " ".join(f"{m['reward']:.2f}" for m in metrics)))
             print(results[-1], flush=True)
         server_peak = server["memory"].peak
     print(f"\nSmolLM2-135M | {a.prompts} prompts x G={a.G}, up to {a.length} tokens | {a.steps} steps, mean over steps 2-{a.steps}"
