@@ -288,14 +288,16 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 
 class SampledLogprobs(torch.autograd.Function):
     """log softmax(logits / temperature) at the target ids, and the entropy of each softmax (no grad), of
-    (B, T, V) logits and (B, T) targets, in fp32 (fp64 for fp64 logits), `rows` positions at a time: no
-    fp32 (B, T, V) copy of the logits is ever made. The backward builds the logits' gradient the same
-    way: d logp / d z = (onehot(target) - softmax(z)) / temperature."""
+    (B, T, V) logits and (B, T) targets, in fp32 (fp64 for fp64 logits), `rows` positions at a time (by
+    default ~2^20 numbers on a CPU, whose cache they fit, ~2^26 on a GPU): no fp32 (B, T, V) copy of the
+    logits is ever made. The backward builds the logits' gradient the same way:
+    d logp / d z = (onehot(target) - softmax(z)) / temperature."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature: float, rows: int = 16):
+    def forward(ctx, logits, targets, temperature: float, rows: int | None = None):
         dtype = torch.promote_types(logits.dtype, torch.float32)
-        logp, entropy, lse = (torch.empty(targets.shape, dtype=dtype) for _ in range(3))
+        rows = rows or max(1, (2 ** 26 if logits.is_cuda else 2 ** 20) // logits.shape[-1])
+        logp, entropy, lse = (torch.empty(targets.shape, dtype=dtype, device=logits.device) for _ in range(3))
         for b in range(targets.shape[0]):
             for i in range(0, targets.shape[1], rows):
                 z = logits[b, i:i + rows].to(dtype) / temperature  # (rows, V): fits in cache
