@@ -43,13 +43,13 @@ import torch
 from config import Config, parse_config
 from plot import plot_run
 from rewards import RewardScorer, postprocess_rewards
-from utils import (MetricsLogger, Prefetch, ServerGuard, ServerWeights, StopRequest, add_lora, barrier, collate,
+from utils import (MetricsLogger, ServerGuard, ServerWeights, StopRequest, add_lora, barrier, collate,
                    completion_logprobs, distribute, encode_prompt, extremes_over_ranks, find_checkpoint, full_tensor,
                    gather_lines, gradient_sync, length_sorted, load_checkpoint, load_model, load_rows, merge_stats,
                    named_rewards, no_grad_logprobs, pass_at_k, prepare_output_dir, print0, probe_logprob_diff,
                    progress, reference_model, resolve_model, restore_training_state, save_checkpoint, save_model,
                    setup_distributed, step_prompt_indices, sum_over_ranks, teardown_distributed, trim_padding)
-from vllm_server import VLLMClient, WeightSync
+from vllm_server import InThread, VLLMClient, WeightSync
 
 
 MAX_NONFINITE_ROUNDS = 3  # stop after this many steps in a row with a NaN/inf loss (each one's update is skipped)
@@ -270,7 +270,7 @@ def main(cfg: Config):
 
     # async generation: {step: (policy version, this rank's samples)} drawn while the step before trained;
     # checkpoints keep it (a resumed run then trains on the same batch as an uninterrupted one)
-    ahead = json.loads(state["presampled"][rank]) if state.get("presampled") else None
+    ahead = json.loads(state["presampled"][rank]) if cfg.async_generation and state.get("presampled") else None
     presampled = {state["step"]: tuple(ahead)} if ahead else {}
 
     def checkpoint(steps_done: int) -> str:  # every rank: FSDP2 gathers; rank 0 writes
@@ -347,7 +347,7 @@ def main(cfg: Config):
         pending = None
         if cfg.async_generation:  # the server samples the next batch while we train (after the last step too:
             # the last checkpoint keeps it, so that a run continued from it goes on as if never stopped)
-            pending = Prefetch(client.generate, **request(step + 1)[1])
+            pending = InThread(client.generate, **request(step + 1)[1])
         prompt_of = [prompts[i // G] for i in range(len(samples))]
         completions = [s["token_ids"] for s in samples]
         t_gen = time.perf_counter()

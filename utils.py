@@ -4,7 +4,6 @@ log-prob computation, models (LoRA, DDP, FSDP2), the weights as the server sees 
 probe, saving), and logging helpers.
 """
 import collections
-import functools
 import glob
 import json
 import math
@@ -16,7 +15,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import zipfile
 from contextlib import contextmanager, nullcontext
@@ -711,32 +709,6 @@ class StopRequest:
     def requested(self) -> bool:
         self.stopping = sum_over_ranks({"stop": self.flag})["stop"] > 0
         return self.stopping
-
-
-class Prefetch:
-    """`fn(*args, **kwargs)` started on a thread now (a request to the server while the trainer trains);
-    `result()` waits for it. If it failed, `result()` raises that error once and then runs `fn` again,
-    in the caller's thread: ServerGuard.run(prefetch.result) repeats the request after a reconnect."""
-
-    def __init__(self, fn, *args, **kwargs):
-        self.call, self.value, self.error = functools.partial(fn, *args, **kwargs), None, None
-        self.thread = threading.Thread(target=self._run, daemon=True)  # a run that stops does not wait for it
-        self.thread.start()
-
-    def _run(self):
-        try:
-            self.value = self.call()
-        except BaseException as e:  # raised in the caller's thread by result()
-            self.error = e
-
-    def result(self):
-        if self.thread is None:  # the threaded call failed before: call again
-            return self.call()
-        self.thread.join()
-        self.thread, error, self.error = None, self.error, None
-        if error is not None:
-            raise error
-        return self.value
 
 
 class ServerGone(RuntimeError):

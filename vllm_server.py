@@ -28,6 +28,7 @@ The wire protocol of a gloo weight push (trainer rank 0 = gloo rank 0, vLLM work
      `names` order, concatenated as raw bytes and cut into buckets by `bucket_plan`.
   3. POST /finish_weight_update, then POST /reset_prefix_cache (cached KV of old weights is stale).
 """
+import functools
 import gc
 import hmac
 import json
@@ -198,16 +199,16 @@ class GlooWeightSender:
         self.client, self.source, self.bucket_bytes = client, source, bucket_bytes
         init_info = dict(master_address=address, master_port=port, rank_offset=1, world_size=world_size)
         # the workers block inside the request until the group forms, so the request runs on a thread
-        thread = _call_in_thread(client.init_weight_transfer_engine, init_info)
+        thread = InThread(client.init_weight_transfer_engine, init_info)
         self.group = gloo_group(address, port, 0, world_size)
-        thread.join_or_raise()
+        thread.result()
 
     def send_weights(self):
         meta = self.source.metadata()
         update_info = dict(names=[m.name for m in meta], dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
                            shapes=[list(m.shape) for m in meta], bucket_bytes=self.bucket_bytes)
         self.client.start_weight_update()
-        thread = _call_in_thread(self.client.update_weights, update_info)
+        thread = InThread(self.client.update_weights, update_info)
         weights = iter(self.source)  # one tensor at a time: a bucket is the most this process holds
         for bucket in bucket_plan([tensor_nbytes(list(m.shape), m.dtype) for m in meta], self.bucket_bytes):
             parts = []
@@ -221,7 +222,7 @@ class GlooWeightSender:
                 self.group.broadcast(torch.cat(parts), 0).wait()
             except RuntimeError as e:  # gloo: a worker went away
                 raise ServerLost(f"weight transfer: {e}") from e
-        thread.join_or_raise()
+        thread.result()
         self.client.finish_weight_update()
 
 
@@ -296,22 +297,31 @@ class _Resumable:
             pass
 
 
-class _call_in_thread(threading.Thread):
-    def __init__(self, fn, *args):
-        super().__init__(daemon=True)
-        self.fn, self.args, self.error = fn, args, None
-        self.start()
+class InThread:
+    """`fn(*args, **kwargs)` started on a thread now (a request that blocks while this process does other
+    work); `result()` waits for it and returns its value. If it failed, `result()` raises that error once
+    and then runs `fn` again, in the caller's thread: ServerGuard.run(call.result) repeats a request after
+    a reconnect."""
 
-    def run(self):
+    def __init__(self, fn, *args, **kwargs):
+        self.call, self.value, self.error = functools.partial(fn, *args, **kwargs), None, None
+        self.thread = threading.Thread(target=self._run, daemon=True)  # a run that stops does not wait for it
+        self.thread.start()
+
+    def _run(self):
         try:
-            self.fn(*self.args)
-        except BaseException as e:  # surfaced by join_or_raise in the caller's thread
+            self.value = self.call()
+        except BaseException as e:  # raised in the caller's thread by result()
             self.error = e
 
-    def join_or_raise(self):
-        self.join()
-        if self.error is not None:
-            raise self.error
+    def result(self):
+        if self.thread is None:  # the threaded call failed before: call again
+            return self.call()
+        self.thread.join()
+        self.thread, error, self.error = None, self.error, None
+        if error is not None:
+            raise error
+        return self.value
 
 
 # -----------------------------------------------------------------------------

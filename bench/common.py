@@ -14,6 +14,15 @@ sys.path.insert(0, ROOT)
 PHASES = ("generate", "score", "old_ref", "train", "sync", "probe")  # train.py's time/<phase>, within time/step
 
 
+def workload_arguments(parser, steps: int = 4):
+    """The flags every comparison shares: the model and one step's work."""
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--G", type=int, default=8)
+    parser.add_argument("--length", type=int, default=128)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

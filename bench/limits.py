@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 
-from common import ROOT, mean, serving, steady, timed, train
+from common import ROOT, mean, serving, steady, timed, train, workload_arguments
 
 MICRO_BATCH_SIZE = 16  # train.py's default
 BUCKET_MB = 64  # train.py's --weight_sync_bucket_mb default
@@ -113,11 +113,7 @@ def in_subprocess(part: str, model: str, workload_file: str) -> dict:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--G", type=int, default=8)
-    p.add_argument("--length", type=int, default=128)
+    workload_arguments(p)
     p.add_argument("--part", choices=["generate", "train", "sync"], help=argparse.SUPPRESS)  # a limit's own process
     p.add_argument("--workload", help=argparse.SUPPRESS)
     a = p.parse_args()

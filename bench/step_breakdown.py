@@ -14,7 +14,7 @@ import os
 import shlex
 import tempfile
 
-from common import PHASES, mean, serving, steady, train
+from common import PHASES, mean, serving, steady, train, workload_arguments
 
 
 def report(title: str, metrics: list[dict], peak: float, prompts: int, G: int):
@@ -33,11 +33,7 @@ def report(title: str, metrics: list[dict], peak: float, prompts: int, G: int):
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--G", type=int, default=8)
-    p.add_argument("--length", type=int, default=128)
+    workload_arguments(p)
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--compare", default=None, help="train.py flags of a second run, compared with the first")
     p.add_argument("train_flags", nargs="*", help="more train.py flags for every run, after --")

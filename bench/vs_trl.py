@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 
-from common import ROOT, PeakRSS, mean, serving, steady, train
+from common import ROOT, PeakRSS, mean, serving, steady, train, workload_arguments
 
 VENV = os.path.join(ROOT, "bench", ".venv-trl")
 TRL_PACKAGES = ["trl==1.16.0", "torch==2.13.0", "transformers==5.19.0", "datasets==5.2.0", "math-verify==0.9.0"]
@@ -53,15 +53,12 @@ def run_trl(model: str, a, checkpointing: str) -> tuple[dict, float]:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--G", type=int, default=8)
-    p.add_argument("--length", type=int, default=128)
+    workload_arguments(p)
     p.add_argument("--trl_gradient_checkpointing", default="true,false")
     p.add_argument("--nanogrpo", nargs="*", default=["", "--async_generation"], help="train.py flags of each nanogrpo run")
     a = p.parse_args()
     from utils import resolve_model
-    model = resolve_model("smollm2-135m")
+    model = resolve_model(a.model)
     results = []  # (name, step seconds, peak GiB, note)
     for checkpointing in a.trl_gradient_checkpointing.split(","):
         trl, peak = run_trl(model, a, checkpointing)
@@ -77,7 +74,7 @@ if __name__ == "__main__":
                             "reward " + " ".join(f"{m['reward']:.2f}" for m in metrics)))
             print(results[-1], flush=True)
         server_peak = server["memory"].peak
-    print(f"\nSmolLM2-135M | {a.prompts} prompts x G={a.G}, up to {a.length} tokens | {a.steps} steps, mean over steps 2-{a.steps}"
+    print(f"\n{a.model} | {a.prompts} prompts x G={a.G}, up to {a.length} tokens | {a.steps} steps, mean over steps 2-{a.steps}"
           f" | bf16 | {os.cpu_count()} CPUs")
     print(f"  {'run':52s} {'s/step':>7s} {'peak GiB':>8s}")
     for name, step, peak, note in results:
