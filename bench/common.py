@@ -30,25 +30,31 @@ def free_port() -> int:
 
 
 class PeakRSS(threading.Thread):
-    """Samples the summed resident memory of a process group every `interval` s; `.peak` in GiB."""
+    """Samples the summed resident memory of a process and all its descendants every `interval` s (by
+    parent, not by process group: torchrun starts its workers in sessions of their own); `.peak` in GiB."""
 
-    def __init__(self, pgid: int, interval: float = 0.5):
+    def __init__(self, pid: int, interval: float = 0.5):
         super().__init__(daemon=True)
-        self.pgid, self.interval, self.peak, self.done = pgid, interval, 0.0, threading.Event()
+        self.pid, self.interval, self.peak, self.done = pid, interval, 0.0, threading.Event()
         self.start()
 
     def run(self):
         page = os.sysconf("SC_PAGE_SIZE")
         while not self.done.is_set():
-            total = 0
+            parent, rss = {}, {}
             for pid in filter(str.isdigit, os.listdir("/proc")):
                 try:
-                    if os.getpgid(int(pid)) == self.pgid:
-                        with open(f"/proc/{pid}/statm") as f:
-                            total += int(f.read().split()[1]) * page
+                    with open(f"/proc/{pid}/stat") as f:
+                        parent[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
+                    with open(f"/proc/{pid}/statm") as f:
+                        rss[int(pid)] = int(f.read().split()[1]) * page
                 except (OSError, ValueError, IndexError):  # the process ended meanwhile
                     pass
-            self.peak = max(self.peak, total / 2 ** 30)
+            tree, grew = {self.pid}, True
+            while grew:
+                found = {pid for pid, ppid in parent.items() if ppid in tree} - tree
+                tree, grew = tree | found, bool(found)
+            self.peak = max(self.peak, sum(rss.get(pid, 0) for pid in tree) / 2 ** 30)
             self.done.wait(self.interval)
 
     def stop(self) -> float:
@@ -57,16 +63,34 @@ class PeakRSS(threading.Thread):
         return self.peak
 
 
+def on_cores(cores: set[int] | None) -> dict:
+    """Popen arguments that keep a process tree on `cores` (None: anywhere), its OpenMP threads one per core."""
+    if cores is None:
+        return {}
+    return dict(preexec_fn=lambda: os.sched_setaffinity(0, cores),
+                env={**os.environ, "OMP_NUM_THREADS": str(len(cores)),
+                     "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(cores)))})
+
+
+def split_cores() -> tuple[set[int], set[int]]:
+    """This machine's cores in two halves: the server's and the trainer's."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("--split_cores needs at least 2 cores")
+    return set(cores[:len(cores) // 2]), set(cores[len(cores) // 2:])
+
+
 @contextlib.contextmanager
-def serving(model: str, workdir: str, *flags: str):
-    """vllm_server.py on `model` (bf16, eager) on a free port; yields {"port", "memory": PeakRSS}."""
+def serving(model: str, workdir: str, *flags: str, cores: set[int] | None = None):
+    """vllm_server.py on `model` (bf16, eager) on a free port, on `cores` (None: all);
+    yields {"port", "memory": PeakRSS}."""
     from utils import stop_process_group
     from vllm_server import VLLMClient
     port = free_port()
     log = open(os.path.join(workdir, "server.log"), "w")
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "vllm_server.py"), "--model", model, "--port", str(port),
                              "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "2048", *flags],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **on_cores(cores))
     memory = PeakRSS(proc.pid)
     try:
         VLLMClient(port=port).wait_for_health(900)
@@ -78,9 +102,9 @@ def serving(model: str, workdir: str, *flags: str):
 
 
 def train(model: str, port: int, out: str, steps: int, prompts: int, G: int, length: int, nproc: int = 1,
-          flags: tuple = ()) -> tuple[list[dict], float]:
-    """train.py against the server on `port`: the metrics of each step and the trainer's peak memory (GiB,
-    all ranks). Raises with the end of its output if it fails."""
+          flags: tuple = (), cores: set[int] | None = None) -> tuple[list[dict], float]:
+    """train.py against the server on `port`, on `cores` (None: all): the metrics of each step and the
+    trainer's peak memory (GiB, all ranks). Raises with the end of its output if it fails."""
     from utils import stop_process_group
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
                  str(free_port())] if nproc > 1 else [sys.executable])
@@ -89,7 +113,7 @@ def train(model: str, port: int, out: str, steps: int, prompts: int, G: int, len
                                  "--vllm_group_port", str(free_port()), "--output_dir", out, "--max_steps", str(steps),
                                  "--prompts_per_step", str(prompts), "--num_generations", str(G), "--max_completion_length",
                                  str(length), "--no_save_model", *flags],
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **on_cores(cores))
         memory = PeakRSS(proc.pid)
         try:
             proc.wait()

@@ -3,18 +3,20 @@ steps, and prints the mean time of each phase over the steps after the first (wh
 generate, score, old/ref log-probs, train (forward + backward, and the optimizer within it), weight
 sync (the push) and the sync probe, which with the rest of the loop ("other": batching, logging,
 waiting for other ranks) make train.py's time/step. With --compare FLAGS, a second run with those flags against the same
-server, and the ratio of their step times.
+server, and the ratio of their step times. With --split_cores the server runs on one half of the cores
+and the trainer on the other, as when each has devices of its own (async generation can overlap them).
 
     .venv/bin/python bench/step_breakdown.py                              # SmolLM2, 8 prompts x G=8, 128 tokens, bf16
     .venv/bin/python bench/step_breakdown.py --nproc 2 -- --beta 0.04     # after --: any train.py flags
     .venv/bin/python bench/step_breakdown.py --compare=--async_generation    # "=": the value starts with --
+    .venv/bin/python bench/step_breakdown.py --split_cores --compare=--async_generation
 """
 import argparse
 import os
 import shlex
 import tempfile
 
-from common import PHASES, mean, serving, steady, train, workload_arguments
+from common import PHASES, mean, serving, split_cores, steady, train, workload_arguments
 
 
 def report(title: str, metrics: list[dict], peak: float, prompts: int, G: int):
@@ -36,18 +38,22 @@ if __name__ == "__main__":
     workload_arguments(p)
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--compare", default=None, help="train.py flags of a second run, compared with the first")
+    p.add_argument("--split_cores", action="store_true", help="server and trainer on separate halves of the cores")
     p.add_argument("train_flags", nargs="*", help="more train.py flags for every run, after --")
     a = p.parse_args()
     from utils import resolve_model
     model = resolve_model(a.model)
     print(f"{a.model} | {a.nproc} process(es) | {a.prompts} prompts x G={a.G}, up to {a.length} tokens | {a.steps} steps "
           f"| flags {' '.join(a.train_flags) or '(defaults)'}")
-    with tempfile.TemporaryDirectory() as tmp, serving(model, tmp) as server:
+    server_cores, trainer_cores = split_cores() if a.split_cores else (None, None)
+    if a.split_cores:
+        print(f"server on cores {sorted(server_cores)}, trainer on cores {sorted(trainer_cores)}")
+    with tempfile.TemporaryDirectory() as tmp, serving(model, tmp, cores=server_cores) as server:
         runs = [("base", a.train_flags)] + ([(a.compare, a.train_flags + shlex.split(a.compare))] if a.compare else [])
         steps = []
         for i, (title, flags) in enumerate(runs):
             metrics, peak = train(model, server["port"], os.path.join(tmp, f"run{i}"), a.steps, a.prompts, a.G, a.length,
-                                  a.nproc, tuple(flags))
+                                  a.nproc, tuple(flags), trainer_cores)
             steps.append(report(title, metrics, peak, a.prompts, a.G))
         print(f"server peak RSS {server['memory'].peak:.1f} GiB")
     if a.compare:

@@ -1,4 +1,7 @@
 """The real vllm_server.py on a tiny random model: generation, weight pushes, restoring weights."""
+import os
+import time
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -90,3 +93,28 @@ def test_seeded_requests_are_reproducible_whatever_else_the_server_runs(setup):
     busy.join()
     assert [s["token_ids"] for s in together] == [s["token_ids"] for s in alone]
     assert client.generate(prompts[:1], n=4, max_tokens=12, seed=4321) != alone[:4]  # another seed, other samples
+
+
+def cpu_seconds_of_group(pgid: int) -> float:
+    """User + system CPU time of every process in a process group (all their threads)."""
+    total = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getpgid(int(pid)) == pgid:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])  # utime, stime
+        except (OSError, ValueError):  # the process ended meanwhile
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_server_without_work_waits_instead_of_spinning(setup, server):
+    # vLLM's engine and worker processes poll their message queues in a busy loop for 1 s after each
+    # message (about a core each); on CPUs vllm_server.py makes them wait, in every process it starts
+    client, _, prompts, *_ = setup
+    client.generate(prompts, n=1, max_tokens=4)
+    before = cpu_seconds_of_group(server["proc"].pid)
+    time.sleep(1.0)
+    used = cpu_seconds_of_group(server["proc"].pid) - before
+    assert used < 0.3, f"the server used {used:.2f} s of CPU in the 1 s after a request, with nothing to do"
