@@ -29,7 +29,8 @@ def metrics_of(out) -> dict[int, dict]:
 def test_resumed_run_continues_exactly(server, tmp_path, mode):
     """4 steps in one go vs 2 steps, then a new process resuming from checkpoint-2: the same prompts, the
     same samples (seeded server requests), the same updates; the metrics of steps 3 and 4 agree. With async
-    generation the checkpoint holds the batch sampled ahead, by the weights of step 1."""
+    generation the checkpoint holds the batch sampled ahead, by the weights of step 1; resumed without async
+    generation, the run samples afresh instead."""
     run_train(server, tmp_path / "a", *RUN, *mode, "--max_steps", "4", "--save_steps", "2", "--save_total_limit", "0")
     assert set(os.listdir(tmp_path / "a")) == {"checkpoint-2", "checkpoint-4", "metrics.jsonl", "rollouts.jsonl",
                                                "metrics.png", "adapter" if "--use_peft" in mode else "model"}
@@ -53,6 +54,16 @@ def test_resumed_run_continues_exactly(server, tmp_path, mode):
     if stale:  # trained on samples of older weights: the sampler's log-probs differ from ours, the fixed probe does not
         assert min(a[s]["sampler_logprob_diff_max"] for s in (2, 3, 4)) > 1e-3 > a[1]["sampler_logprob_diff_max"]
         assert max(m["sync_probe_diff_max"] for m in a.values()) < 1e-4
+        # the same checkpoint resumed without async generation: steps 3 and 4 sample on-policy, the batch
+        # sampled ahead (by older weights) is not used
+        mode_sync = [f for f in mode if f != "--async_generation"]
+        run_train(server, tmp_path / "c", *RUN, *mode_sync, "--max_steps", "4",
+                  "--resume_from_checkpoint", str(tmp_path / "a" / "checkpoint-2"))
+        c = metrics_of(tmp_path / "c")
+        rows = [r for r in map(json.loads, open(tmp_path / "c" / "rollouts.jsonl")) if r["step"] >= 3]
+        assert {(r["step"], r["policy_version"]) for r in rows} == {(3, 2), (4, 3)} and len(rows) == 2 * 16
+        assert {r["completion"] for r in rows if r["step"] == 3} != {r[3] for r in ledger["a"] if r[0] == 3}
+        assert max(c[s]["sampler_logprob_diff_max"] for s in (3, 4)) < 1e-3
 
 
 def test_resume_refuses_a_run_that_would_not_continue_exactly(server, tmp_path):
