@@ -1,4 +1,5 @@
-"""The real vllm_server.py on a tiny random model: generation, weight pushes, restoring weights."""
+"""The real vllm_server.py on a tiny random model: generation, weight pushes, restoring weights, and what
+an idle server costs."""
 import os
 import time
 
