@@ -449,13 +449,11 @@ def wait_instead_of_spinning():
     SpinCondition.__init__ = waiting_init
 
 
-if "vllm" in sys.modules or __name__ == "__mp_main__":
-    # imported inside a vLLM process (a worker loads it as its extension; processes that vLLM spawns
-    # re-import the server's script): make the backend available there, and on CPUs wait, not spin
-    if os.environ.get("NANOGRPO_WAIT_NOT_SPIN") == "1":
-        wait_instead_of_spinning()
-    if "vllm" in sys.modules:
-        register_gloo_backend()
+if os.environ.get("NANOGRPO_WAIT_NOT_SPIN") == "1":
+    # a process of a CPU server started by main(): processes that vLLM spawns re-import the server's script
+    wait_instead_of_spinning()
+if "vllm" in sys.modules:  # imported inside a vLLM process (a worker loads it as its extension)
+    register_gloo_backend()
 
 
 def flag_value(argv: list[str], *flags: str, default: str | None = None) -> str | None:
