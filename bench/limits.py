@@ -7,10 +7,16 @@ one after the other (never two at once: they share the CPU):
   3. the training limit: the model's forward and backward on the same sequences in the same
      micro-batches (longest first, padding trimmed), bf16 autocast, loss = the sum of the logits:
      no log-softmax, no GRPO loss, no optimizer (train.py's optimizer time is taken out of its phase);
+     and, alternating with it in the same process, train.py's accumulate_gradients on the same batches
+     (a side-by-side ratio: the run and the limit are minutes apart on a shared machine);
   4. the sync limit: the weights cast to the server's dtype, packed into buckets of the push's size,
-     copied once, and unpacked into a second copy of the model (serialize + copy + load).
+     copied once, and unpacked into a second copy of the model (serialize + copy + load);
+  5. vLLM's own reload of the same weights, handed over in memory (the engine in this process, no
+     transport): the part of a push that the server does whatever the transport (its CPU kernels
+     repack every linear layer).
 
-It prints, for the steps after the first, each phase's mean time, its limit's and the ratio.
+Each limit runs in a process tuned as nanogrpo's are (utils.keep_freed_memory; the server's settings for
+vLLM). It prints, for the steps after the first, each phase's mean time, its limit's and the ratio.
 
     .venv/bin/python bench/limits.py [--steps 4 --prompts 8 --G 8 --length 128]
 """
@@ -43,13 +49,22 @@ def workloads(rollouts: str, model: str, steps: list[int]) -> dict[int, list[tup
     return out
 
 
-def generation_limit(model: str, work: dict) -> dict[int, float]:
-    import vllm_server  # noqa: F401  the server's CPU settings (threads on all cores, KV cache size)
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+def offline_engine(model: str, **kwargs):
+    """vllm.LLM on `model` with the CPU settings of vllm_server.py (threads on all cores, KV cache size, its
+    processes tuned: the worker imports vllm_server)."""
+    os.environ["NANOGRPO_CPU_SERVER"] = "1"
+    import vllm_server
+    from vllm import LLM
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", vllm_server.cpu_binding(os.cpu_count(), 1))
-    llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, max_model_len=2048, enable_chunked_prefill=False, seed=0)
+    return LLM(model=model, dtype="bfloat16", enforce_eager=True, max_model_len=2048, enable_chunked_prefill=False, seed=0,
+               worker_extension_cls="vllm_server.WorkerExtension", **kwargs)
+
+
+def generation_limit(model: str, work: dict) -> dict[int, float]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    llm = offline_engine(model)
 
     def generate(batch):
         return llm.generate([TokensPrompt(prompt_token_ids=p) for p, _ in batch],
@@ -60,29 +75,49 @@ def generation_limit(model: str, work: dict) -> dict[int, float]:
     return {s: timed(generate, batch)[0] for s, batch in work.items()}
 
 
-def training_limit(model: str, work: dict) -> dict[int, float]:
+def training_limit(model: str, work: dict) -> dict[str, dict[int, float]]:
+    """The bare forward+backward of each step's batch, and next to it (alternating, in this one process) the
+    same batch through train.py's accumulate_gradients (its defaults: loss, importance sampling, entropy) on
+    the same model: {"bare": {step: s}, "nanogrpo": {step: s}}."""
     import torch
-    from utils import collate, length_sorted, load_model, trim_padding
+    from config import Config
+    from train import accumulate_gradients
+    from utils import collate, keep_freed_memory, length_sorted, load_model, trim_padding
+    keep_freed_memory()
     policy = load_model(model, torch.device("cpu"))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
 
-    def forward_backward(batch):
+    def bare(batch):
         ids, attention, completion = collate([p for p, _ in batch], [c for _, c in batch], 0)
         C = completion.shape[1]
         for s in length_sorted(torch.arange(len(batch)), attention.sum(dim=1), MICRO_BATCH_SIZE):
             x, m, c = trim_padding(ids[s], attention[s], C)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with autocast:
                 logits = policy(input_ids=x, attention_mask=m, position_ids=(m.cumsum(-1) - 1).clamp(min=0),
                                 logits_to_keep=c + 1, use_cache=False).logits
                 logits.sum().backward()
         policy.zero_grad(set_to_none=True)
 
-    forward_backward(next(iter(work.values())))  # warm-up
-    return {s: timed(forward_backward, batch)[0] for s, batch in work.items()}
+    def nanogrpo(batch):
+        ids, attention, completion = collate([p for p, _ in batch], [c for _, c in batch], 0)
+        data = dict(input_ids=ids, attention_mask=attention, loss_mask=completion, advantages=torch.randn(len(batch)),
+                    old_logp=None, ref_logp=None, sampler_logp=-torch.rand(completion.shape), keep=None)
+        accumulate_gradients(policy, data, Config(micro_batch_size=MICRO_BATCH_SIZE), 1, autocast)
+        policy.zero_grad(set_to_none=True)
+
+    first = next(iter(work.values()))
+    bare(first), nanogrpo(first)  # warm-up
+    out = {"bare": {}, "nanogrpo": {}}
+    for i, (step, batch) in enumerate(work.items()):  # alternating which goes first
+        for name, fn in ((("bare", bare), ("nanogrpo", nanogrpo)) if i % 2 == 0 else (("nanogrpo", nanogrpo), ("bare", bare))):
+            out[name][step] = timed(fn, batch)[0]
+    return out
 
 
 def sync_limit(model: str, repeats: int = 3) -> float:
     import torch
-    from utils import load_model
+    from utils import keep_freed_memory, load_model
+    keep_freed_memory()
     from vllm_server import bucket_plan
     source = list(load_model(model, torch.device("cpu")).parameters())
     target = [p.detach().to(torch.bfloat16) for p in source]  # the server's copy
@@ -101,6 +136,24 @@ def sync_limit(model: str, repeats: int = 3) -> float:
     return min(timed(push)[0] for _ in range(repeats))
 
 
+def reload_floor(model: str, repeats: int = 3) -> float:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: tensors handed over as they are
+    import torch
+    from utils import load_model
+    llm = offline_engine(model)
+    weights = [(name, p.detach().to(torch.bfloat16)) for name, p in load_model(model, torch.device("cpu")).named_parameters()]
+
+    def reload(worker):  # what the gloo backend's start/update/finish do once the bytes have arrived
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+        runner = worker.model_runner
+        initialize_layerwise_reload(runner.model)
+        runner.model.load_weights(weights)
+        finalize_layerwise_reload(runner.model, runner.model_config)
+
+    timed(llm.collective_rpc, reload)  # warm-up
+    return min(timed(llm.collective_rpc, reload)[0] for _ in range(repeats))
+
+
 def in_subprocess(part: str, model: str, workload_file: str) -> dict:
     """Each limit in a fresh process: nothing of one (vLLM's engine, autograd buffers) slows the next."""
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--part", part, "--model", model, "--workload",
@@ -114,12 +167,13 @@ def in_subprocess(part: str, model: str, workload_file: str) -> dict:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     workload_arguments(p)
-    p.add_argument("--part", choices=["generate", "train", "sync"], help=argparse.SUPPRESS)  # a limit's own process
+    p.add_argument("--part", choices=["generate", "train", "sync", "reload"], help=argparse.SUPPRESS)  # a limit's own process
     p.add_argument("--workload", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.part:
         work = {int(k): v for k, v in json.load(open(a.workload)).items()}
-        result = {"generate": generation_limit, "train": training_limit}.get(a.part, lambda m, w: sync_limit(m))(a.model, work)
+        result = {"generate": generation_limit, "train": training_limit, "sync": lambda m, w: sync_limit(m),
+                  "reload": lambda m, w: reload_floor(m)}[a.part](a.model, work)
         print("RESULT " + json.dumps(result))
         sys.exit(0)
 
@@ -134,14 +188,20 @@ if __name__ == "__main__":
         workload_file = os.path.join(tmp, "workload.json")
         with open(workload_file, "w") as f:
             json.dump(workloads(os.path.join(tmp, "out", "rollouts.jsonl"), model, steps), f)
-        limits = {part: in_subprocess(part, model, workload_file) for part in ("generate", "train", "sync")}
+        limits = {part: in_subprocess(part, model, workload_file) for part in ("generate", "train", "sync", "reload")}
     ours = {"generate": mean(rows, "time/generate"), "train": mean(rows, "time/train") - mean(rows, "time/optimizer"),
             "sync": mean(rows, "time/sync")}
+    ours["reload"] = ours["sync"]
     best = {"generate": sum(limits["generate"][str(s)] for s in steps) / len(steps),
-            "train": sum(limits["train"][str(s)] for s in steps) / len(steps), "sync": limits["sync"]}
+            "train": sum(limits["train"]["bare"][str(s)] for s in steps) / len(steps), "sync": limits["sync"],
+            "reload": limits["reload"]}
+    ours["train, side by side"] = sum(limits["train"]["nanogrpo"][str(s)] for s in steps) / len(steps)
+    best["train, side by side"] = best["train"]
     print(f"{a.model} | 1 process | {a.prompts} prompts x G={a.G}, up to {a.length} tokens (mean "
           f"{mean(rows, 'completion_length'):.0f}) | steps {steps[0]}-{steps[-1]} | bf16")
-    print(f"  {'phase':28s} {'nanogrpo':>9s} {'limit':>9s} {'ratio':>6s}")
-    names = {"generate": "generate (vs vllm.LLM)", "train": "forward+backward (vs bare)", "sync": "weight push (vs copy)"}
-    for phase in ("generate", "train", "sync"):
-        print(f"  {names[phase]:28s} {ours[phase]:8.2f}s {best[phase]:8.2f}s {ours[phase] / best[phase]:6.2f}")
+    print(f"  {'phase':31s} {'nanogrpo':>9s} {'limit':>9s} {'ratio':>6s}")
+    names = {"generate": "generate (vs vllm.LLM)", "train": "forward+backward (vs bare)",
+             "train, side by side": "  the same, side by side", "sync": "weight push (vs copy)",
+             "reload": "weight push (vs vLLM's reload)"}
+    for phase in names:
+        print(f"  {names[phase]:31s} {ours[phase]:8.2f}s {best[phase]:8.2f}s {ours[phase] / best[phase]:6.2f}")

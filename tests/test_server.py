@@ -1,13 +1,15 @@
 """The real vllm_server.py on a tiny random model: generation, weight pushes, restoring weights, and what
 an idle server costs."""
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import free_port
+from conftest import ROOT, free_port
 from utils import ServerWeights, collate, completion_logprobs
 from vllm_server import VLLMClient, WeightSync
 
@@ -119,3 +121,39 @@ def test_a_server_without_work_waits_instead_of_spinning(setup, server):
     time.sleep(1.0)
     used = cpu_seconds_of_group(server["proc"].pid) - before
     assert used < 0.3, f"the server used {used:.2f} s of CPU in the 1 s after a request, with nothing to do"
+
+
+FAULTS_PER_CYCLE = """
+import resource, sys, torch
+sys.path.insert(0, sys.argv[1])
+import vllm_server  # in a process of a CPU server (NANOGRPO_CPU_SERVER=1) this tunes it as the server's own are
+
+def cycle():  # a push's pattern: a 64 MB bucket filled by a cast, some layer-sized blocks
+    source = torch.ones(32 * 2**20, dtype=torch.float32)
+    bucket = torch.empty(64 * 2**20, dtype=torch.uint8)
+    bucket.view(torch.bfloat16).copy_(source)
+    layers = [torch.empty(k * 2**20, dtype=torch.uint8).fill_(1) for k in (3, 17, 40)]
+
+for _ in range(8):
+    cycle()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(4):
+    cycle()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 4)
+"""
+
+
+def page_faults_per_cycle(**env) -> int:
+    out = subprocess.run([sys.executable, "-c", FAULTS_PER_CYCLE, ROOT], capture_output=True, text=True, check=True,
+                         env={k: v for k, v in {**os.environ, **env}.items() if v is not None})
+    return int(out.stdout.split()[-1])
+
+
+def test_a_cpu_servers_processes_reuse_freed_memory():
+    # glibc gives blocks over 32 MB back to the kernel when they are freed, so each push would fault in
+    # every bucket and layer afresh (one fault per 4 KiB page: ~60k per cycle here)
+    plain = page_faults_per_cycle(NANOGRPO_CPU_SERVER=None)
+    tuned = page_faults_per_cycle(NANOGRPO_CPU_SERVER="1")
+    users = page_faults_per_cycle(NANOGRPO_CPU_SERVER="1", MALLOC_MMAP_THRESHOLD_=str(32 * 2**20))  # theirs wins
+    assert plain > 10_000 and users > 10_000, (plain, users)
+    assert tuned < 1_000, f"{tuned} page faults per cycle in a tuned process, {plain} in a plain one"
