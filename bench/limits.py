@@ -15,8 +15,9 @@ one after the other (never two at once: they share the CPU):
      transport): the part of a push that the server does whatever the transport (its CPU kernels
      repack every linear layer).
 
-Each limit runs in a process tuned as nanogrpo's are (utils.keep_freed_memory; the server's settings for
-vLLM). It prints, for the steps after the first, each phase's mean time, its limit's and the ratio.
+Each limit runs in a process tuned as nanogrpo's are: vLLM's with the server's settings, and the copy with
+freed memory kept for reuse, as the server's processes keep it (vllm_server.keep_freed_memory). It prints,
+for the steps after the first, each phase's mean time, its limit's and the ratio.
 
     .venv/bin/python bench/limits.py [--steps 4 --prompts 8 --G 8 --length 128]
 """
@@ -82,8 +83,7 @@ def training_limit(model: str, work: dict) -> dict[str, dict[int, float]]:
     import torch
     from config import Config
     from train import accumulate_gradients
-    from utils import collate, keep_freed_memory, length_sorted, load_model, trim_padding
-    keep_freed_memory()
+    from utils import collate, length_sorted, load_model, trim_padding
     policy = load_model(model, torch.device("cpu"))
     autocast = torch.autocast("cpu", dtype=torch.bfloat16)
 
@@ -116,7 +116,8 @@ def training_limit(model: str, work: dict) -> dict[str, dict[int, float]]:
 
 def sync_limit(model: str, repeats: int = 3) -> float:
     import torch
-    from utils import keep_freed_memory, load_model
+    from utils import load_model
+    from vllm_server import keep_freed_memory
     keep_freed_memory()
     from vllm_server import bucket_plan
     source = list(load_model(model, torch.device("cpu")).parameters())
