@@ -1,5 +1,5 @@
-"""The real vllm_server.py on a tiny random model: generation, weight pushes, restoring weights, and what
-an idle server costs."""
+"""The real vllm_server.py on a tiny random model: generation, weight pushes, restoring weights, what an
+idle server costs, and its processes' reuse of freed memory."""
 import os
 import subprocess
 import sys
