@@ -527,13 +527,13 @@ def main(argv: list[str] | None = None):
         # ~1.4x faster (measured, 2 cores), and the trainer is idle while the server generates.
         # With tensor/pipeline parallelism each worker gets its own share of the cores ("0|1").
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(os.cpu_count(), num_workers_of(argv)))
+    if not torch.cuda.is_available():
+        os.environ["NANOGRPO_CPU_SERVER"] = "1"  # read by this module in every process of the server
+        tune_cpu_server_process()
     here = os.path.dirname(os.path.abspath(__file__))
     os.environ["PYTHONPATH"] = here + os.pathsep + os.environ.get("PYTHONPATH", "")  # workers import this module
     sys.path.insert(0, here)
     import utils
-    if not torch.cuda.is_available():
-        os.environ["NANOGRPO_CPU_SERVER"] = "1"  # read by this module in every process of the server
-        tune_cpu_server_process()
 
     def has(flag):
         return any(a == flag or a.startswith(flag + "=") for a in argv)

@@ -117,9 +117,8 @@ def training_limit(model: str, work: dict) -> dict[str, dict[int, float]]:
 def sync_limit(model: str, repeats: int = 3) -> float:
     import torch
     from utils import load_model
-    from vllm_server import keep_freed_memory
+    from vllm_server import bucket_plan, keep_freed_memory
     keep_freed_memory()
-    from vllm_server import bucket_plan
     source = list(load_model(model, torch.device("cpu")).parameters())
     target = [p.detach().to(torch.bfloat16) for p in source]  # the server's copy
     plan = bucket_plan([p.numel() * 2 for p in source], BUCKET_MB * 2 ** 20)
