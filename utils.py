@@ -110,6 +110,20 @@ def stop_process_group(proc, timeout: float = 30):
             proc.wait()
 
 
+def cpu_seconds_of_group(pgid: int) -> float:
+    """User + system CPU time so far of every process in process group `pgid` (all their threads)."""
+    total = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getpgid(int(pid)) == pgid:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])  # utime, stime
+        except (OSError, ValueError):  # the process ended meanwhile
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def print0(*args, **kwargs):
     if int(os.environ.get("RANK", 0)) == 0:
         print(*args, **kwargs, flush=True)

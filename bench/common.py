@@ -83,7 +83,7 @@ def split_cores() -> tuple[set[int], set[int]]:
 @contextlib.contextmanager
 def serving(model: str, workdir: str, *flags: str, cores: set[int] | None = None):
     """vllm_server.py on `model` (bf16, eager) on a free port, on `cores` (None: all);
-    yields {"port", "memory": PeakRSS}."""
+    yields {"port", "pid" (of its process group), "memory": PeakRSS}."""
     from utils import stop_process_group
     from vllm_server import VLLMClient
     port = free_port()
@@ -93,8 +93,15 @@ def serving(model: str, workdir: str, *flags: str, cores: set[int] | None = None
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **on_cores(cores))
     memory = PeakRSS(proc.pid)
     try:
-        VLLMClient(port=port).wait_for_health(900)
-        yield {"port": port, "memory": memory}
+        client, deadline = VLLMClient(port=port), time.monotonic() + 900
+        while True:  # healthy, or a clear error if the server exits or never answers
+            try:
+                client.wait_for_health(timeout=5)
+                break
+            except TimeoutError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"vllm_server.py did not start; see {log.name}") from None
+        yield {"port": port, "pid": proc.pid, "memory": memory}
     finally:
         memory.stop()
         stop_process_group(proc, timeout=60)

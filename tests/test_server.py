@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import ROOT, free_port
-from utils import ServerWeights, collate, completion_logprobs
+from utils import ServerWeights, collate, completion_logprobs, cpu_seconds_of_group
 from vllm_server import VLLMClient, WeightSync
 
 pytestmark = pytest.mark.slow
@@ -98,20 +98,6 @@ def test_seeded_requests_are_reproducible_whatever_else_the_server_runs(setup):
     assert client.generate(prompts[:1], n=4, max_tokens=12, seed=4321) != alone[:4]  # another seed, other samples
 
 
-def cpu_seconds_of_group(pgid: int) -> float:
-    """User + system CPU time of every process in a process group (all their threads)."""
-    total = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.getpgid(int(pid)) == pgid:
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                total += int(fields[11]) + int(fields[12])  # utime, stime
-        except (OSError, ValueError):  # the process ended meanwhile
-            pass
-    return total / os.sysconf("SC_CLK_TCK")
-
-
 def test_a_server_without_work_waits_instead_of_spinning(setup, server):
     # vLLM's engine and worker processes poll their message queues in a busy loop for 1 s after each
     # message (about a core each); on CPUs vllm_server.py makes them wait, in every process it starts
@@ -121,6 +107,66 @@ def test_a_server_without_work_waits_instead_of_spinning(setup, server):
     time.sleep(1.0)
     used = cpu_seconds_of_group(server["proc"].pid) - before
     assert used < 0.3, f"the server used {used:.2f} s of CPU in the 1 s after a request, with nothing to do"
+
+
+def read_pairs(handle, pairs: int, answers):
+    """A reader of vLLM's shared-memory message queue in a process of its own, tuned as a CPU server's workers
+    are. After each pair of messages it answers how long they waited, as a worker answers a step."""
+    import vllm_server
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+    vllm_server.tune_cpu_server_process()
+    queue = MessageQueue.create_from_handle(handle, 0)
+    queue.wait_until_ready()
+    for _ in range(pairs):
+        first_sent = queue.dequeue()
+        first_waited = time.perf_counter() - first_sent
+        second_sent = queue.dequeue()
+        answers.send(max(first_waited, time.perf_counter() - second_sent))
+
+
+def test_a_waiting_queue_reader_finds_a_message_whose_notification_was_lost():
+    # vLLM's queue announces each message on a socket that drops an announcement sent within ~1 ms of the one
+    # before; a reader waiting on that socket found such a message only at vLLM's 5 s re-check, while its
+    # writer waited for an answer: a server's requests stalled in multiples of 5 s
+    import multiprocessing
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+    spawn, pairs = multiprocessing.get_context("spawn"), 60
+    queue, (answers, answer) = MessageQueue(n_reader=1, n_local_reader=1), spawn.Pipe(duplex=False)
+    reader = spawn.Process(target=read_pairs, args=(queue.export_handle(), pairs, answer))
+    reader.start()
+    waits = []
+    try:
+        queue.wait_until_ready()
+        for k in range(pairs):
+            time.sleep(0.005)  # the reader is past its short spin: it waits on the socket
+            queue.enqueue(time.perf_counter())
+            gap = time.perf_counter() + (k % 10) * 100e-6  # 0-1 ms later: the reader may have looked already,
+            while time.perf_counter() < gap:  # and the second announcement is dropped
+                pass
+            queue.enqueue(time.perf_counter())
+            assert answers.poll(30), "the reader did not answer"
+            waits.append(answers.recv())
+    finally:
+        reader.kill()
+        reader.join()
+    assert max(waits) < 1.0, f"a message waited {max(waits):.2f} s for a reader with nothing else to do ({waits})"
+
+
+def test_small_requests_and_pushes_never_wait_for_a_lost_notification(setup):
+    # a waiting reader of vLLM's message queues can miss the notification of a message; vLLM finds it
+    # again only after 5 s, so an idle-waiting server would stall requests in multiples of 5 s
+    client, _, prompts, sync, _ = setup
+    requests, pushes = [], []
+    for i in range(30):
+        t = time.perf_counter()
+        client.generate(prompts[:1], n=4, max_tokens=16, seed=i)
+        requests.append(time.perf_counter() - t)
+    for _ in range(10):
+        t = time.perf_counter()
+        sync.push()
+        pushes.append(time.perf_counter() - t)
+    assert max(requests) < 2.5 and max(pushes) < 2.5, (
+        f"slowest request {max(requests):.2f} s, slowest push {max(pushes):.2f} s: a stall (each is ~0.1 s)")
 
 
 FAULTS_PER_CYCLE = """

@@ -1,0 +1,100 @@
+"""How long a small request and a weight push take on the CPU server, and what an idle server costs, with
+vllm_server.py's polling (as shipped) against vLLM's own (NANOGRPO_VLLM_POLLING=1: 1 s of busy polling after
+each message). One invocation runs, one server after the other (never two at once: they share the CPU):
+
+  for each model (the tests' tiny random Llama, SmolLM2-135M) and each polling:
+    - `--requests` sequential small requests (one prompt, n=4, 16 tokens), each timed;
+    - `--pushes` sequential weight pushes of the model's own weights (gloo, the server's dtype), each timed;
+    - the CPU the server's processes use in the `--idle` seconds after a request, with nothing to do.
+
+It prints median, p90 and max of each, in seconds, and the idle CPU in cores.
+
+    .venv/bin/python bench/request_latency.py [--requests 50 --pushes 20 --idle 5]
+"""
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+from common import ROOT, free_port, serving
+
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+POLLINGS = {"shipped": {}, "vLLM's": {"NANOGRPO_VLLM_POLLING": "1"}}  # the server's environment for each
+
+
+def summary(times: list[float]) -> str:
+    ordered = sorted(times)
+    p90 = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+    return f"median {statistics.median(ordered):6.3f}  p90 {p90:6.3f}  max {ordered[-1]:6.3f}"
+
+
+def measure(model: str, flags: tuple, workdir: str, requests: int, pushes: int, idle: float) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from utils import ServerWeights, cpu_seconds_of_group
+    from vllm_server import VLLMClient, WeightSync
+    with serving(model, workdir, *flags) as server:
+        client = VLLMClient(port=server["port"])
+        dtype, _ = client.server_dtype_and_max_len()
+        prompt = AutoTokenizer.from_pretrained(model)("What is 12 + 7?")["input_ids"]
+        client.generate([prompt], n=4, max_tokens=16)  # warm-up
+        request_times = []
+        for i in range(requests):
+            t = time.perf_counter()
+            client.generate([prompt], n=4, max_tokens=16, seed=i)
+            request_times.append(time.perf_counter() - t)
+        policy = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+        sync = WeightSync(client, ServerWeights(policy, dtype), 0, "127.0.0.1", free_port())
+        sync.push()  # warm-up: the first push builds the transfer group
+        push_times = []
+        for _ in range(pushes):
+            t = time.perf_counter()
+            sync.push()
+            push_times.append(time.perf_counter() - t)
+        client.generate([prompt], n=1, max_tokens=4)
+        pgid = server["pid"]
+        before = cpu_seconds_of_group(pgid)
+        time.sleep(idle)
+        idle_cores = (cpu_seconds_of_group(pgid) - before) / idle
+        del sync
+    return {"requests": request_times, "pushes": push_times, "idle": idle_cores}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="tiny,smollm2-135m", help="comma-separated; 'tiny' = the tests' model")
+    parser.add_argument("--requests", type=int, default=50)
+    parser.add_argument("--pushes", type=int, default=20)
+    parser.add_argument("--idle", type=float, default=5.0, help="seconds of idle CPU measured")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from utils import resolve_model
+    with tempfile.TemporaryDirectory() as workdir:
+        results = []
+        for name in args.models.split(","):
+            if name == "tiny":
+                from conftest import make_tiny_model
+                model = make_tiny_model(os.path.join(workdir, "tiny"))
+                flags = ("--dtype", "float32", "--max-model-len", "1024")  # as the tests serve it
+            else:
+                model, flags = resolve_model(name), ()
+            for polling, env in POLLINGS.items():
+                saved = {k: os.environ.get(k) for k in env}
+                os.environ.update(env)
+                try:
+                    print(f"{name}, {polling} polling ...", flush=True)
+                    results.append((name, polling, measure(model, flags, workdir, args.requests, args.pushes, args.idle)))
+                finally:
+                    for k, v in saved.items():
+                        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    print(f"\n{'model':<14} {'polling':<9} {'what':<22} seconds")
+    for name, polling, r in results:
+        for what in ("requests", "pushes"):
+            label = f"{len(r[what])} {what}"
+            print(f"{name:<14} {polling:<9} {label:<22} {summary(r[what])}")
+        print(f"{name:<14} {polling:<9} {'idle server, CPU':<22} {r['idle']:.3f} cores")
+
+
+if __name__ == "__main__":
+    main()
