@@ -540,6 +540,9 @@ def main(argv: list[str] | None = None):
         # ~1.4x faster (measured, 2 cores), and the trainer is idle while the server generates.
         # With tensor/pipeline parallelism each worker gets its own share of the cores ("0|1").
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(os.cpu_count(), num_workers_of(argv)))
+    if os.environ.get("NANOGRPO_VLLM_POLLING", "0") not in ("0", "1"):
+        raise ValueError(f"NANOGRPO_VLLM_POLLING={os.environ['NANOGRPO_VLLM_POLLING']}: set it to 1 (vLLM's own "
+                         "polling of its message queues) or 0 / leave it unset (vllm_server.py's, on CPUs)")
     if not torch.cuda.is_available():
         os.environ["NANOGRPO_CPU_SERVER"] = "1"  # read by this module in every process of the server
         tune_cpu_server_process()
