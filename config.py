@@ -59,7 +59,7 @@ class Config:
     max_grad_norm: float = 1.0  # gradient clipping; 0 = off
     micro_batch_size: int = 16  # completions per forward/backward pass (memory knob; never changes the math)
     gradient_checkpointing: bool = False  # recompute activations in the backward: ~40% less memory, slower
-    bf16: bool = True  # bf16 autocast for forward/backward (fp32 master weights); CPU needs avx512_bf16
+    bf16: bool | str = "auto"  # bf16 autocast, fp32 master weights: true | false | auto = where native (GPU, avx512_bf16)
     seed: int = 42  # data order, and the server's sampling: each request carries a seed derived from it
     # scale-out and LoRA
     fsdp: bool = False  # shard the policy (and reference) with FSDP2 per decoder layer instead of DDP copies; needs torchrun
@@ -204,6 +204,15 @@ def _parse_bool(s: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
 
 
+def _parse_bool_or_auto(s: str) -> bool | str:
+    if s.lower() == "auto":
+        return "auto"
+    try:
+        return _parse_bool(s)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected true, false or auto, got {s!r}") from None
+
+
 def _field_comments() -> dict[str, str]:
     """The trailing comment of each field above, used as its --help text."""
     comments = {}
@@ -223,9 +232,9 @@ def parse_config(argv: list[str] | None = None) -> Config:
     hints = typing.get_type_hints(Config)
     for f in dataclasses.fields(Config):
         kind = hints[f.name]
-        if kind is bool:
-            parser.add_argument(f"--{f.name}", type=_parse_bool, nargs="?", const=True, default=f.default,
-                                help=comments.get(f.name, ""))
+        if kind is bool or kind == bool | str:  # bool | str: true, false or "auto"
+            parser.add_argument(f"--{f.name}", type=_parse_bool if kind is bool else _parse_bool_or_auto, nargs="?",
+                                const=True, default=f.default, help=comments.get(f.name, ""))
             parser.add_argument(f"--no_{f.name}", dest=f.name, action="store_false", help=argparse.SUPPRESS)
         else:
             parser.add_argument(f"--{f.name}", type=kind, default=f.default, help=comments.get(f.name, ""))

@@ -20,7 +20,7 @@ MODEL=smollm2-135m
 for ((i = 1; i <= $#; i++)); do [ "${!i}" = "--model" ] && { j=$((i + 1)); MODEL=${!j}; }; done
 
 echo "starting the vLLM server on 127.0.0.1:$PORT (log: $OUT/server.log)"
-setsid $PY vllm_server.py --model "$MODEL" --port "$PORT" --dtype bfloat16 --enforce-eager --max-model-len 2048 \
+setsid $PY vllm_server.py --model "$MODEL" --port "$PORT" --enforce-eager --max-model-len 2048 \
   ${SERVER_ARGS:-} > "$OUT/server.log" 2>&1 &
 SERVER_PID=$!
 trap 'kill -TERM -- -$SERVER_PID 2>/dev/null || true; wait $SERVER_PID 2>/dev/null || true' EXIT

@@ -46,9 +46,10 @@ from rewards import RewardScorer, postprocess_rewards
 from utils import (MetricsLogger, ServerGuard, ServerWeights, StopRequest, add_lora, barrier, collate,
                    completion_logprobs, distribute, encode_prompt, extremes_over_ranks, find_checkpoint, full_tensor,
                    gather_lines, gradient_sync, length_sorted, load_checkpoint, load_model, load_rows, merge_stats,
-                   named_rewards, no_grad_logprobs, pass_at_k, prepare_output_dir, print0, probe_logprob_diff,
-                   progress, reference_model, resolve_model, restore_training_state, save_checkpoint, save_model,
-                   setup_distributed, step_prompt_indices, sum_over_ranks, teardown_distributed, trim_padding)
+                   named_rewards, native_bf16, no_grad_logprobs, pass_at_k, prepare_output_dir, print0,
+                   probe_logprob_diff, progress, reference_model, resolve_model, restore_training_state,
+                   save_checkpoint, save_model, setup_distributed, step_prompt_indices, sum_over_ranks,
+                   teardown_distributed, trim_padding)
 from vllm_server import InThread, VLLMClient, WeightSync
 
 
@@ -204,6 +205,7 @@ def main(cfg: Config):
     # -------------------------------------------------------------------------- setup
     rank, local_rank, world_size, device, is_main = setup_distributed()
     cfg.validate(world_size)
+    cfg.bf16 = native_bf16(device) if cfg.bf16 == "auto" else cfg.bf16  # fp32 where bf16 is emulated (slow)
     torch.manual_seed(cfg.seed + rank)
     G = cfg.num_generations
     prompts_per_rank = cfg.prompts_per_step // world_size

@@ -51,6 +51,15 @@ def setup_distributed():
     return rank, local_rank, world_size, device, rank == 0
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` computes in bf16 at full speed: CUDA GPUs with bf16 (Ampere on), CPUs with
+    avx512_bf16/AMX or ARM's bf16. Elsewhere bf16 is emulated: ~100x slower than fp32 on an AVX2-only
+    CPU (measured), so `--bf16 auto` and the server's default dtype use fp32 there."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def teardown_distributed():
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -2,7 +2,7 @@
 
 The server is vLLM's own OpenAI-compatible server, started with the same flags as `vllm serve`:
 
-    python vllm_server.py --model smollm2-135m --port 8000 --dtype bfloat16 --enforce-eager
+    python vllm_server.py --model smollm2-135m --port 8000 --enforce-eager
     python vllm_server.py --model Qwen/Qwen2.5-1.5B-Instruct --tensor-parallel-size 2   # GPUs
 
 What this file adds to plain `vllm serve`, and nothing else:
@@ -531,6 +531,39 @@ def cpu_binding(num_cpus: int, num_workers: int) -> str:
     return "|".join(f"{w * per}-{w * per + per - 1}" for w in range(num_workers))
 
 
+def serve_args(argv: list[str]) -> list[str]:
+    """`vllm serve` flags completed with nanogrpo's defaults (the user's flags win)."""
+    import utils
+    argv = list(argv)
+
+    def has(flag):
+        return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+    if not has("--model") and not (argv and not argv[0].startswith("-")):
+        argv += ["--model", utils.DEFAULT_MODEL]
+    for i, a in enumerate(argv):  # the embedded model's name -> its converted folder
+        if a == "--model" and i + 1 < len(argv):
+            argv[i + 1] = utils.resolve_model(argv[i + 1])
+        elif a.startswith("--model="):
+            argv[i] = "--model=" + utils.resolve_model(a.split("=", 1)[1])
+    defaults = {"--host": "127.0.0.1", "--port": str(DEFAULT_PORT), "--logprobs-mode": "processed_logprobs",
+                "--worker-extension-cls": "vllm_server.WorkerExtension",
+                # GPUs: vLLM's nccl (GPU to GPU); CPUs: our gloo
+                "--weight-transfer-config": json.dumps({"backend": "nccl" if torch.cuda.is_available() else "gloo"})}
+    if not torch.cuda.is_available():
+        # vLLM's "auto" computes a float32 model in bf16 on every x86 CPU, also where bf16 is emulated (~100x slower)
+        defaults["--dtype"] = "bfloat16" if utils.native_bf16(torch.device("cpu")) else "float32"
+    for flag, value in defaults.items():
+        if not has(flag):
+            argv += [flag, value]
+    if not torch.cuda.is_available() and not has("--enable-chunked-prefill") and not has("--no-enable-chunked-prefill"):
+        # A prompt prefilled in chunks "un-draws" its seeded random numbers by rewinding the generator's
+        # offset, which CPU generators do not have: the engine dies. Seeded requests (the trainer's) need
+        # whole prefills on CPU.
+        argv.append("--no-enable-chunked-prefill")
+    return argv
+
+
 def main(argv: list[str] | None = None):
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # enables the weight-transfer and cache routes
@@ -549,31 +582,8 @@ def main(argv: list[str] | None = None):
     here = os.path.dirname(os.path.abspath(__file__))
     os.environ["PYTHONPATH"] = here + os.pathsep + os.environ.get("PYTHONPATH", "")  # workers import this module
     sys.path.insert(0, here)
-    import utils
-
-    def has(flag):
-        return any(a == flag or a.startswith(flag + "=") for a in argv)
-
-    if not has("--model") and not (argv and not argv[0].startswith("-")):
-        argv += ["--model", utils.DEFAULT_MODEL]
-    for i, a in enumerate(argv):  # the embedded model's name -> its converted folder
-        if a == "--model" and i + 1 < len(argv):
-            argv[i + 1] = utils.resolve_model(argv[i + 1])
-        elif a.startswith("--model="):
-            argv[i] = "--model=" + utils.resolve_model(a.split("=", 1)[1])
-    defaults = {"--host": "127.0.0.1", "--port": str(DEFAULT_PORT), "--logprobs-mode": "processed_logprobs",
-                "--worker-extension-cls": "vllm_server.WorkerExtension",
-                # GPUs: vLLM's nccl (GPU to GPU); CPUs: our gloo
-                "--weight-transfer-config": json.dumps({"backend": "nccl" if torch.cuda.is_available() else "gloo"})}
-    for flag, value in defaults.items():
-        if not has(flag):
-            argv += [flag, value]
+    argv = serve_args(argv)
     check_port_free(flag_value(argv, "--host"), int(flag_value(argv, "--port")), "--port")
-    if not torch.cuda.is_available() and not has("--enable-chunked-prefill") and not has("--no-enable-chunked-prefill"):
-        # A prompt prefilled in chunks "un-draws" its seeded random numbers by rewinding the generator's
-        # offset, which CPU generators do not have: the engine dies. Seeded requests (the trainer's) need
-        # whole prefills on CPU.
-        argv.append("--no-enable-chunked-prefill")
 
     import uvloop
     from vllm.entrypoints.launchers.api_server.entry import run_server

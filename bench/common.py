@@ -82,14 +82,15 @@ def split_cores() -> tuple[set[int], set[int]]:
 
 @contextlib.contextmanager
 def serving(model: str, workdir: str, *flags: str, cores: set[int] | None = None):
-    """vllm_server.py on `model` (bf16, eager) on a free port, on `cores` (None: all);
+    """vllm_server.py on `model` (eager; its default dtype: bf16 where the CPU has it, else fp32) on a free port, on
+    `cores` (None: all);
     yields {"port", "pid" (of its process group), "memory": PeakRSS}."""
     from utils import stop_process_group
     from vllm_server import VLLMClient
     port = free_port()
     log = open(os.path.join(workdir, "server.log"), "w")
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "vllm_server.py"), "--model", model, "--port", str(port),
-                             "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "2048", *flags],
+                             "--enforce-eager", "--max-model-len", "2048", *flags],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **on_cores(cores))
     memory = PeakRSS(proc.pid)
     try:

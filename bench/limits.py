@@ -1,11 +1,11 @@
 """nanogrpo's phases against what this machine can do at best on the same work. One invocation runs,
 one after the other (never two at once: they share the CPU):
 
-  1. train.py against its own server (bf16), which records each step's prompts and completion lengths;
+  1. train.py against its own server, which records each step's prompts and completion lengths;
   2. the generation limit: vLLM's offline engine (vllm.LLM, no HTTP server, no trainer) on the same
      prompts, each completion forced to the length it had (ignore_eos, min_tokens = max_tokens);
   3. the training limit: the model's forward and backward on the same sequences in the same
-     micro-batches (longest first, padding trimmed), bf16 autocast, loss = the sum of the logits:
+     micro-batches (longest first, padding trimmed), bf16 autocast if native, loss = the sum of the logits:
      no log-softmax, no GRPO loss, no optimizer (train.py's optimizer time is taken out of its phase);
      and, alternating with it in the same process, train.py's accumulate_gradients on the same batches
      (a side-by-side ratio: the run and the limit are minutes apart on a shared machine);
@@ -15,7 +15,8 @@ one after the other (never two at once: they share the CPU):
      transport): the part of a push that the server does whatever the transport (its CPU kernels
      repack every linear layer).
 
-Each limit runs in a process tuned as nanogrpo's are: vLLM's with the server's settings, and the copy with
+Everything computes in bf16 where the CPU has it natively (avx512_bf16, AMX), else in fp32, as train.py and
+vllm_server.py do by default. Each limit runs in a process tuned as nanogrpo's are: vLLM's with the server's settings, and the copy with
 freed memory kept for reuse, as the server's processes keep it (vllm_server.keep_freed_memory). It prints,
 for the steps after the first, each phase's mean time, its limit's and the ratio.
 
@@ -27,11 +28,18 @@ import os
 import subprocess
 import sys
 import tempfile
+from contextlib import nullcontext
 
 from common import ROOT, mean, serving, steady, timed, train, workload_arguments
 
 MICRO_BATCH_SIZE = 16  # train.py's default
 BUCKET_MB = 64  # train.py's --weight_sync_bucket_mb default
+
+
+def compute_dtype():
+    import torch
+    from utils import native_bf16
+    return torch.bfloat16 if native_bf16(torch.device("cpu")) else torch.float32
 
 
 def workloads(rollouts: str, model: str, steps: list[int]) -> dict[int, list[tuple[list[int], list[int]]]]:
@@ -58,7 +66,7 @@ def offline_engine(model: str, **kwargs):
     from vllm import LLM
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", vllm_server.cpu_binding(os.cpu_count(), 1))
-    return LLM(model=model, dtype="bfloat16", enforce_eager=True, max_model_len=2048, enable_chunked_prefill=False, seed=0,
+    return LLM(model=model, dtype=str(compute_dtype()).removeprefix("torch."), enforce_eager=True, max_model_len=2048, enable_chunked_prefill=False, seed=0,
                worker_extension_cls="vllm_server.WorkerExtension", **kwargs)
 
 
@@ -85,7 +93,7 @@ def training_limit(model: str, work: dict) -> dict[str, dict[int, float]]:
     from train import accumulate_gradients
     from utils import collate, length_sorted, load_model, trim_padding
     policy = load_model(model, torch.device("cpu"))
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if compute_dtype() == torch.bfloat16 else nullcontext()
 
     def bare(batch):
         ids, attention, completion = collate([p for p, _ in batch], [c for _, c in batch], 0)
@@ -119,17 +127,19 @@ def sync_limit(model: str, repeats: int = 3) -> float:
     from utils import load_model
     from vllm_server import bucket_plan, keep_freed_memory
     keep_freed_memory()
+    dtype = compute_dtype()
     source = list(load_model(model, torch.device("cpu")).parameters())
-    target = [p.detach().to(torch.bfloat16) for p in source]  # the server's copy
-    plan = bucket_plan([p.numel() * 2 for p in source], BUCKET_MB * 2 ** 20)
+    target = [p.detach().to(dtype) for p in source]  # the server's copy
+    size = target[0].element_size()
+    plan = bucket_plan([p.numel() * size for p in source], BUCKET_MB * 2 ** 20)
 
     def push():
         for bucket in plan:
-            packed = torch.cat([source[i].detach().to(torch.bfloat16).flatten().view(torch.uint8) for i in bucket])
+            packed = torch.cat([source[i].detach().to(dtype).flatten().view(torch.uint8) for i in bucket])
             received, offset = packed.clone(), 0
             for i in bucket:
-                n = target[i].numel() * 2
-                target[i].copy_(received[offset:offset + n].view(torch.bfloat16).view(target[i].shape))
+                n = target[i].numel() * size
+                target[i].copy_(received[offset:offset + n].view(dtype).view(target[i].shape))
                 offset += n
 
     push()  # warm-up
@@ -141,7 +151,7 @@ def reload_floor(model: str, repeats: int = 3) -> float:
     import torch
     from utils import load_model
     llm = offline_engine(model)
-    weights = [(name, p.detach().to(torch.bfloat16)) for name, p in load_model(model, torch.device("cpu")).named_parameters()]
+    weights = [(name, p.detach().to(compute_dtype())) for name, p in load_model(model, torch.device("cpu")).named_parameters()]
 
     def reload(worker):  # what the gloo backend's start/update/finish do once the bytes have arrived
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
@@ -198,7 +208,8 @@ if __name__ == "__main__":
     ours["train, side by side"] = sum(limits["train"]["nanogrpo"][str(s)] for s in steps) / len(steps)
     best["train, side by side"] = best["train"]
     print(f"{a.model} | 1 process | {a.prompts} prompts x G={a.G}, up to {a.length} tokens (mean "
-          f"{mean(rows, 'completion_length'):.0f}) | steps {steps[0]}-{steps[-1]} | bf16")
+          f"{mean(rows, 'completion_length'):.0f}) | steps {steps[0]}-{steps[-1]} | "
+          f"{str(compute_dtype()).removeprefix('torch.')} | {os.cpu_count()} CPUs")
     print(f"  {'phase':31s} {'nanogrpo':>9s} {'limit':>9s} {'ratio':>6s}")
     names = {"generate": "generate (vs vllm.LLM)", "train": "forward+backward (vs bare)",
              "train, side by side": "  the same, side by side", "sync": "weight push (vs copy)",

@@ -54,7 +54,8 @@ def test_prompts_must_divide_over_ranks():
 
 @pytest.mark.parametrize("args, message", [
     (["--lerning_rate", "1e-5"], "unrecognized arguments: --lerning_rate"),
-    (["--bf16", "maybe"], "expected true or false, got 'maybe'"),
+    (["--bf16", "maybe"], "expected true, false or auto, got 'maybe'"),
+    (["--save_model", "maybe"], "expected true or false, got 'maybe'"),
     (["--max_steps", "ten"], "invalid int value: 'ten'"),
 ])
 def test_unparsable_command_lines_say_which_argument(args, message, capsys):

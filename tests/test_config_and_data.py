@@ -18,6 +18,24 @@ def test_cli_sets_every_kind_of_field():
     assert parse_config([]) == Config()  # defaults survive the parser unchanged (no None -> 'None', no inverted bools)
 
 
+def test_bf16_is_auto_unless_told():
+    assert Config().bf16 == "auto"
+    told = [["--bf16"], ["--bf16", "AUTO"], ["--bf16", "false"], ["--no_bf16"], ["--bf16", "yes"]]
+    assert [parse_config(argv).bf16 for argv in told] == [True, "auto", False, False, True]
+
+
+def test_cpu_server_computes_in_bf16_only_where_the_cpu_has_it():
+    """vLLM's own default would be bf16 on any x86 CPU (emulated, ~100x slower than fp32 without avx512_bf16)."""
+    import torch
+    from vllm_server import flag_value, serve_args
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert utils.native_bf16(torch.device("cpu")) == native
+    assert flag_value(serve_args(["--model", "org/name"]), "--dtype") == ("bfloat16" if native else "float32")
+    for told, dtype in ((["--dtype", "bfloat16"], "bfloat16"), (["--dtype=float16"], "float16")):
+        completed = serve_args(["--model", "org/name", *told])  # the user's choice is kept, and the only one
+        assert flag_value(completed, "--dtype") == dtype and sum(a.startswith("--dtype") for a in completed) == 1
+
+
 def test_train_help_lists_the_flags():
     out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--help"], capture_output=True, text=True, check=True)
     for flag in ("--num_generations", "--max_completion_length", "--learning_rate", "--beta", "--epsilon", "--temperature"):
