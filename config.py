@@ -17,8 +17,8 @@ class Config:
     model: str = "smollm2-135m"  # "smollm2-135m" (embedded), a Hugging Face model id, or a local folder
     dataset: str = "arithmetic"  # "arithmetic" (embedded), a hub dataset name, or a local .json/.jsonl/.parquet file
     dataset_split: str = "train"  # split of a hub dataset
-    prompt_column: str = "question"  # column with the user prompt (hub/file datasets)
-    answer_column: str = "answer"  # column with the reference answer; GSM8K's "... #### 42" is understood
+    prompt_column: str = ""  # column with the prompt: text or chat messages; "" = "prompt", else "question"
+    answer_column: str = "answer"  # column of the reference answer, optional; reaches rewards as `answer` ("#### 42" -> 42)
     system_prompt: str = ""  # optional system message before every prompt; "" = the model's default
     max_prompt_length: int = 512  # tokens; longer prompts are an error at start (say which to change)
     num_arithmetic_problems: int = 5000  # size of the embedded task's training set

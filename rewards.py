@@ -1,41 +1,70 @@
 """Reward functions, by name, and a scorer that runs them safely.
 
-A reward function takes the completions (decoded text) and the reference answers of a batch and
-returns one float per completion, or NaN for "not scored". Add your own to REWARD_FUNCS, or keep
-it in your own module and pass --reward_funcs accuracy,my_module:my_reward. The scorer runs them in a separate process so that a function that hangs
-(math-verify on pathological input) or raises never hangs or kills training: its samples get NaN.
+A reward function has the signature of TRL's GRPOTrainer, so one written for TRL runs unchanged:
+
+    def my_reward(prompts, completions, completion_ids, **kwargs) -> list[float | None]
+
+one call per batch, one value per completion. `prompts[i]` is the prompt of completion i as the dataset
+has it (text, or a list of chat messages); `completions[i]` is the completion: text for a text prompt,
+[{"role": "assistant", "content": text}] for a chat prompt; `completion_ids[i]` its token ids. Every
+other column of the dataset arrives as a keyword list of the same length (`answer=[...]`,
+`solution=[...]`), and so do `trainer_state` (`.global_step`, `.max_steps`), `log_metric(name, value)`
+and `log_extra(column, values)` as in TRL. A function names the arguments it needs and takes the rest
+with `**kwargs`; it returns None for a completion it does not score (it then adds nothing to the
+reward). `async def` functions run concurrently.
+
+--reward_funcs names them: the built-ins in REWARD_FUNCS, your own as module:function (importable from
+the working folder), or a reward model as the path of a local Hugging Face sequence-classification
+folder, written with a slash (./my_rm): it scores prompt + completion as TRL does.
+
+Functions run in a separate process, so that one that hangs (math-verify on pathological input) cannot
+hang training: a call that outlives its time-out is abandoned and its samples are not scored. A call
+that raises is retried one completion at a time; the completions that still raise are not scored.
+Either way the lost scores are counted (`scorer_failures`) and the first traceback of each function is
+printed; a function that fails on every completion of its first batch stops the run with its error.
 """
+import asyncio
 import importlib
+import inspect
 import math
 import multiprocessing as mp
 import os
 import re
+import sys
+import traceback
+from types import SimpleNamespace
 
 MATH_TIMEOUT = 2  # seconds math-verify may spend parsing or comparing one completion (pathological input)
 BOXED_NUMBER = re.compile(r"\\boxed\{\s*-?[\d,]*\.?\d+\s*\}")
 
 
-def accuracy(completions: list[str], answers: list[str]) -> list[float]:
-    """1.0 if the completion's final answer is mathematically equal to the reference (math-verify:
-    a \\boxed{} answer first, else the last expression), else 0.0."""
+def completion_text(completion) -> str:
+    """A completion's text: the completion itself, or its last message's content (chat datasets)."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
+def accuracy(completions, answer, **kwargs) -> list[float]:
+    """1.0 if the completion's final answer is mathematically equal to the reference in the `answer`
+    column (math-verify: a \\boxed{} answer first, else the last expression), else 0.0."""
     from math_verify import parse, verify
     out = []
-    for completion, answer in zip(completions, answers):  # math-verify gives up on a sample after its timeouts (s)
-        gold = parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$", parsing_timeout=MATH_TIMEOUT)
-        out.append(float(bool(gold) and verify(gold, parse(completion, parsing_timeout=MATH_TIMEOUT),
+    for completion, ref in zip(completions, answer):  # math-verify gives up on a sample after its timeouts (s)
+        ref = str(ref)
+        gold = parse(ref if "$" in ref or "\\boxed" in ref else f"${ref}$", parsing_timeout=MATH_TIMEOUT)
+        out.append(float(bool(gold) and verify(gold, parse(completion_text(completion), parsing_timeout=MATH_TIMEOUT),
                                                timeout_seconds=MATH_TIMEOUT)))
     return out
 
 
-def format(completions: list[str], answers: list[str]) -> list[float]:  # noqa: A001 - TRL's name for it
+def format(completions, **kwargs) -> list[float]:  # noqa: A001 - TRL's name for it
     """1.0 if the completion gives a number in \\boxed{} exactly once."""
-    return [float(len(BOXED_NUMBER.findall(c)) == 1) for c in completions]
+    return [float(len(BOXED_NUMBER.findall(completion_text(c))) == 1) for c in completions]
 
 
-def tag_count(completions: list[str], answers: list[str]) -> list[float]:
+def tag_count(completions, **kwargs) -> list[float]:
     """0.25 for each of <think>, </think>, <answer>, </answer> that appears exactly once."""
     tags = ("<think>", "</think>", "<answer>", "</answer>")
-    return [sum(0.25 for t in tags if c.count(t) == 1) for c in completions]
+    return [sum(0.25 for t in tags if completion_text(c).count(t) == 1) for c in completions]
 
 
 def postprocess_rewards(matrix, names: list[str]):
@@ -48,6 +77,12 @@ def postprocess_rewards(matrix, names: list[str]):
 
 
 REWARD_FUNCS = {"accuracy": accuracy, "format": format, "tag_count": tag_count}
+EXTRA_ARGUMENTS = ("trainer_state", "log_metric", "log_extra")  # TRL's, besides the dataset's columns
+
+
+def is_reward_model(name: str) -> bool:
+    """A path (it has a slash), never a built-in or module:function (module names are dotted)."""
+    return "/" in name or os.sep in name
 
 
 def get_reward_func(name: str):
@@ -58,6 +93,94 @@ def get_reward_func(name: str):
     return REWARD_FUNCS[name]
 
 
+def load_reward_func(name: str, columns: list[str]):
+    """The function named `name`, checked to accept what the scorer passes it; ValueError saying what to change."""
+    try:
+        fn = get_reward_func(name)
+    except KeyError:
+        raise ValueError(f"unknown reward function {name!r} in --reward_funcs: use one of {sorted(REWARD_FUNCS)}, your "
+                         "own as module:function, or a reward model folder as a path (./my_rm)") from None
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"--reward_funcs {name}: could not load it ({type(e).__name__}: {e}); give module:function "
+                         "with the module importable from the working folder") from None
+    passed = ["prompts", "completions", "completion_ids", *[c for c in columns if c != "prompt"], *EXTRA_ARGUMENTS]
+    try:
+        inspect.signature(fn).bind(**dict.fromkeys(passed))
+    except TypeError as e:
+        raise ValueError(f"--reward_funcs {name}: {fn.__name__}{inspect.signature(fn)} cannot be called with the arguments "
+                         f"a reward function gets ({e}): keyword lists {', '.join(passed)}. Write it as "
+                         f"{fn.__name__}(prompts, completions, **kwargs), naming the dataset columns it needs") from None
+    except ValueError:  # no signature to inspect (a builtin); it will be called and judged by its results
+        pass
+    return fn
+
+
+def _checked(out, n: int) -> list[float]:
+    """A function's result as n floats (None -> NaN = not scored); TypeError if it is not that."""
+    if isinstance(out, (str, bytes)) or not hasattr(out, "__len__") or len(out) != n:
+        raise TypeError(f"returned {type(out).__name__}{f' of length {len(out)}' if hasattr(out, '__len__') else ''} for "
+                        f"{n} completions; return a list with one float (or None) per completion")
+    try:
+        return [math.nan if v is None else float(v) for v in out]
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"returned a value that is not a number or None ({e}); return one float (or None) per "
+                        "completion") from None
+
+
+class BadOutput(Exception):
+    """A function ran but returned something that cannot be a reward: a bug to fix, never to skip."""
+
+
+async def _score_one(fn, batch: dict, n: int, logs: dict) -> tuple[list[float], int, str]:
+    """(scores, completions that raised, first traceback or ""): the whole batch in one call, and one
+    completion at a time if that raises."""
+    def call(kwargs):
+        return fn(**kwargs, trainer_state=batch["trainer_state"], log_metric=logs["log_metric"],
+                  log_extra=logs["log_extra"])
+
+    lists = {k: v for k, v in batch.items() if k != "trainer_state"}
+    try:
+        out = call(lists)
+        out = await out if inspect.isawaitable(out) else out
+    except Exception:
+        first = traceback.format_exc()
+    else:
+        try:
+            return _checked(out, n), 0, ""
+        except TypeError as e:
+            raise BadOutput(str(e)) from None
+    scores, failed = [], 0
+    for i in range(n):
+        try:
+            out = call({k: v[i:i + 1] for k, v in lists.items()})
+            scores += _checked(await out if inspect.isawaitable(out) else out, 1)
+        except Exception:
+            scores.append(math.nan)
+            failed += 1
+    return scores, failed, first if failed else ""
+
+
+def _score(names: list[str], batch: dict) -> list[dict]:
+    """Runs in the scorer's process: the functions named (one sync function, or every async one, which
+    run concurrently) on one batch: per function {scores, failed, traceback, metrics, extra} or {error}."""
+    n = len(batch["completions"])
+
+    async def one(name):
+        metrics, extra = {}, {}
+        logs = {"log_metric": lambda key, value: metrics.setdefault(key, []).append(float(value)),
+                "log_extra": lambda column, values: extra.setdefault(column, []).extend(values)}
+        try:
+            scores, failed, tb = await _score_one(get_reward_func(name), batch, n, logs)
+        except BadOutput as e:
+            return {"error": f"reward function {name} {e}"}
+        return {"scores": scores, "failed": failed, "traceback": tb,
+                "metrics": {k: sum(v) / len(v) for k, v in metrics.items()}, "extra": extra}
+
+    async def all_of():
+        return await asyncio.gather(*[one(name) for name in names])
+    return asyncio.run(all_of())
+
+
 def _own_session():
     """The scorer process leaves the trainer's process group: Ctrl-C in the terminal and torchrun's SIGTERM
     (sent to each worker's group) are for the trainer, which finishes scoring, saves and stops. The process
@@ -65,55 +188,113 @@ def _own_session():
     os.setsid()
 
 
-def _score_one(name: str, completions: list[str], answers: list[str]) -> list[float]:
-    """Runs in the scorer's process: per-sample errors become NaN, the rest of the batch is kept."""
-    fn = get_reward_func(name)
-    try:
-        return [float(x) for x in fn(completions, answers)]
-    except Exception:
+class RewardModel:
+    """A local sequence-classification folder as a reward function: the first logit of the prompt and
+    completion as one text (chat prompts through the model's chat template), as TRL scores them."""
+
+    def __init__(self, path: str, device, batch_size: int = 16):
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"--reward_funcs {path}: no config.json there; a path names a reward model, a local Hugging "
+                             "Face sequence-classification folder")
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModelForSequenceClassification.from_pretrained(path).to(device).eval()
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id  # it scores each text at its last real token
+        self.device, self.batch_size, self.torch = device, batch_size, torch
+
+    def __call__(self, prompts, completions, **kwargs) -> list[float]:
+        texts = [p + c if isinstance(p, str) else self.tokenizer.apply_chat_template(p + c, tokenize=False)
+                 for p, c in zip(prompts, completions)]
         out = []
-        for c, a in zip(completions, answers):
-            try:
-                out.append(float(fn([c], [a])[0]))
-            except Exception:
-                out.append(math.nan)
+        with self.torch.no_grad():
+            for i in range(0, len(texts), self.batch_size):
+                inputs = self.tokenizer(texts[i:i + self.batch_size], return_tensors="pt", padding=True,
+                                        padding_side="right", add_special_tokens=False).to(self.device)
+                out += self.model(**inputs).logits[:, 0].float().tolist()
         return out
 
 
 class RewardScorer:
-    """scores(completions, answers) -> list of k lists (one per function) of N floats, NaN = not scored."""
+    """scorer(rows, completions, completion_ids, step) -> k lists (one per function) of N floats, NaN = not
+    scored. rows[i] is the dataset row of completion i; `columns`, the dataset's, are checked against
+    every function's signature at start."""
 
-    def __init__(self, names: list[str], timeout: float = 60.0):
-        for name in names:
-            try:
-                get_reward_func(name)
-            except KeyError:
-                raise ValueError(f"unknown reward function {name!r} in --reward_funcs: use one of {sorted(REWARD_FUNCS)} "
-                                 "or your own as module:function") from None
-            except (ImportError, AttributeError) as e:
-                raise ValueError(f"--reward_funcs {name}: could not load it ({type(e).__name__}: {e}); give "
-                                 "module:function with the module importable from the working folder") from None
-        self.names, self.timeout = names, timeout
-        self.failures = 0  # function calls that hung or crashed the scorer process
+    def __init__(self, names: list[str], columns: list[str], device="cpu", max_steps: int = 0, timeout: float = 60.0):
+        taken = [c for c in columns if c in ("prompts", "completions", "completion_ids", *EXTRA_ARGUMENTS)]
+        if taken:
+            raise ValueError(f"the dataset has a column named {taken[0]!r}, the name of an argument every reward function "
+                             "gets from nanogrpo (as in TRL); rename the column")
+        self.names, self.timeout, self.max_steps = names, timeout, max_steps
+        self.models = {name: RewardModel(name, device) for name in names if is_reward_model(name)}
+        self.is_async = {name: inspect.iscoroutinefunction(load_reward_func(name, columns))
+                         for name in names if name not in self.models}
+        self.failures = 0  # (function, completion) scores lost: the function raised, or hung
+        self.calls, self.reported = dict.fromkeys(names, 0), set()
+        self.metrics, self.extra = {}, {}  # what functions logged with log_metric / log_extra in the last call
         self._pool = None
 
     def _start(self):
         # spawn, not fork: math-verify's timeouts use signals, which work in a process's main thread
         self._pool = mp.get_context("spawn").Pool(1, initializer=_own_session)
 
-    def __call__(self, completions: list[str], answers: list[str]) -> list[list[float]]:
-        scores = []
+    def _run(self, names: list[str], batch: dict) -> list[dict]:
+        if self._pool is None:
+            self._start()
+        try:
+            return self._pool.apply_async(_score, (names, batch)).get(timeout=self.timeout)
+        except Exception as e:  # hung, or the process died: these functions' batch is unscored; a fresh process
+            self._pool.terminate()
+            self._pool = None
+            why = (f"did not finish within {self.timeout:g} s" if isinstance(e, mp.TimeoutError)
+                   else f"crashed the scorer process ({type(e).__name__}: {e})")
+            n = len(batch["completions"])
+            return [{"scores": [math.nan] * n, "failed": n, "traceback": f"{why}\n", "metrics": {}, "extra": {}}
+                    for _ in names]
+
+    def __call__(self, rows: list[dict], completions: list[str], completion_ids: list[list[int]], step: int = 0):
+        prompts = [r["prompt"] for r in rows]
+        completions = [c if isinstance(p, str) else [{"role": "assistant", "content": c}] for p, c in zip(prompts, completions)]
+        batch = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids,
+                 **{k: [r.get(k) for r in rows] for k in rows[0] if k != "prompt"},
+                 "trainer_state": SimpleNamespace(global_step=step, max_steps=self.max_steps)}
+        results = {}
+        sync = [n for n in self.names if n not in self.models and not self.is_async[n]]
+        for names in [[n] for n in sync] + [[n for n in self.names if self.is_async.get(n)]]:
+            if names:
+                results |= dict(zip(names, self._run(names, batch)))
+        for name, model in self.models.items():
+            results[name] = self._score_model(name, model, batch)
+        self.metrics, self.extra = {}, {}
         for name in self.names:
-            if self._pool is None:
-                self._start()
-            try:
-                scores.append(self._pool.apply_async(_score_one, (name, completions, answers)).get(timeout=self.timeout))
-            except Exception:  # hung or crashed: this function's batch is unscored; start a fresh process
-                self.failures += 1
-                scores.append([math.nan] * len(completions))
-                self._pool.terminate()
-                self._pool = None
-        return scores
+            self._account(name, results[name], len(completions))
+        return [results[name]["scores"] for name in self.names]
+
+    def _score_model(self, name: str, model: RewardModel, batch: dict) -> dict:
+        try:
+            scores = _checked(model(**batch), len(batch["completions"]))
+            return {"scores": scores, "failed": 0, "traceback": "", "metrics": {}, "extra": {}}
+        except Exception:
+            n = len(batch["completions"])
+            return {"scores": [math.nan] * n, "failed": n, "traceback": traceback.format_exc(), "metrics": {}, "extra": {}}
+
+    def _account(self, name: str, result: dict, n: int):
+        """Count and report a function's failures; stop on a bug (bad output, or nothing scored in its first batch)."""
+        if "error" in result:
+            raise ValueError(result["error"])
+        self.calls[name] += 1
+        self.failures += result["failed"]
+        self.metrics |= result["metrics"]
+        self.extra |= result["extra"]
+        if result["failed"] == n and self.calls[name] == 1:
+            raise RuntimeError(f"reward function {name} failed on every completion of its first batch, so it would "
+                               f"never score anything; its error:\n{result['traceback']}")
+        if result["failed"] and name not in self.reported:
+            self.reported.add(name)
+            print(f"reward function {name} failed on {result['failed']} of {n} completions (not scored; counted in "
+                  f"scorer_failures; only its first error is shown):\n{result['traceback']}", file=sys.stderr, flush=True)
 
     def close(self):
         if self._pool is not None:

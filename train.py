@@ -43,13 +43,13 @@ import torch
 from config import Config, parse_config
 from plot import plot_run
 from rewards import RewardScorer, postprocess_rewards
-from utils import (MetricsLogger, ServerGuard, ServerWeights, StopRequest, add_lora, barrier, collate,
+from utils import (MetricsLogger, ServerGuard, ServerWeights, StopRequest, add_lora, barrier, collate, columns_of,
                    completion_logprobs, distribute, encode_prompt, extremes_over_ranks, find_checkpoint, full_tensor,
-                   gather_lines, gradient_sync, length_sorted, load_checkpoint, load_model, load_rows, merge_stats,
-                   named_rewards, native_bf16, no_grad_logprobs, pass_at_k, prepare_output_dir, print0,
-                   probe_logprob_diff, progress, reference_model, resolve_model, restore_training_state,
-                   save_checkpoint, save_model, setup_distributed, step_prompt_indices, sum_over_ranks,
-                   teardown_distributed, trim_padding)
+                   gather_lines, gradient_sync, length_sorted, load_checkpoint, load_model, load_rows,
+                   mean_over_ranks, merge_stats, named_rewards, native_bf16, no_grad_logprobs, pass_at_k,
+                   prepare_output_dir, print0, probe_logprob_diff, progress, reference_model, resolve_model,
+                   restore_training_state, save_checkpoint, save_model, setup_distributed, step_prompt_indices,
+                   sum_over_ranks, teardown_distributed, trim_padding)
 from vllm_server import InThread, VLLMClient, WeightSync
 
 
@@ -216,10 +216,10 @@ def main(cfg: Config):
     model_path = resolve_model(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     rows = load_rows(cfg.dataset, cfg.dataset_split, cfg.prompt_column, cfg.answer_column, cfg.num_arithmetic_problems, cfg.seed)
-    prompt_ids = [encode_prompt(tokenizer, r["question"], cfg.system_prompt) for r in rows]  # chat template applied
+    prompt_ids = [encode_prompt(tokenizer, r["prompt"], cfg.system_prompt) for r in rows]  # chat template applied
     eval_rows = load_rows(cfg.eval_dataset or cfg.dataset, cfg.eval_split, cfg.prompt_column, cfg.answer_column,
                           cfg.num_arithmetic_problems, cfg.seed)[:cfg.eval_num_prompts] if cfg.eval_steps else []
-    eval_ids = [encode_prompt(tokenizer, r["question"], cfg.system_prompt) for r in eval_rows]
+    eval_ids = [encode_prompt(tokenizer, r["prompt"], cfg.system_prompt) for r in eval_rows]
     longest = max(map(len, prompt_ids + eval_ids))
     if longest > cfg.max_prompt_length:
         raise ValueError(f"the longest prompt has {longest} tokens > --max_prompt_length {cfg.max_prompt_length}: raise "
@@ -231,7 +231,7 @@ def main(cfg: Config):
         raise ValueError(f"the longest prompt ({longest} tokens) + --max_completion_length {cfg.max_completion_length} "
                          f"exceeds the server's max model length {max_model_len}: lower them or restart the server "
                          "with a larger --max-model-len")
-    scorer = RewardScorer(cfg.reward_names())
+    scorer = RewardScorer(cfg.reward_names(), list(rows[0]), device, cfg.max_steps)  # signatures checked now
     names, reward_weights = cfg.reward_names(), torch.tensor(cfg.reward_weight_list())  # k functions, (k,) weights
 
     resume = find_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir) if cfg.resume_from_checkpoint else None
@@ -309,13 +309,15 @@ def main(cfg: Config):
         samples = server.run(client.generate, [eval_ids[i] for i in mine], n=n, max_tokens=cfg.max_completion_length,
                              temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
                              repetition_penalty=cfg.repetition_penalty, seed=(cfg.seed * 1_000_000 + 999_999) * 1000 + rank)
-        texts = tokenizer.batch_decode([s["token_ids"] for s in samples], skip_special_tokens=True)
-        matrix = postprocess_rewards(torch.tensor(scorer(texts, [eval_rows[mine[i // n]]["answer"] for i in range(len(texts))]),
-                                                  dtype=torch.float32).T.reshape(len(texts), len(names)), names)  # (N, k)
+        ids = [s["token_ids"] for s in samples]
+        texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+        scores = scorer([eval_rows[mine[i // n]] for i in range(len(texts))], texts, ids, scheduler.last_epoch)
+        matrix = postprocess_rewards(torch.tensor(scores, dtype=torch.float32).T.reshape(len(texts), len(names)), names)
         correct = (matrix[:, 0] >= 1).view(-1, n).sum(dim=1).tolist()  # per prompt: completions the first function passes
         logger.log_rollouts([{"step": scheduler.last_epoch // updates_per_round, "split": "eval",
                               "policy_version": scheduler.last_epoch, "rank": rank, "prompt_index": mine[i // n],
-                              "prompt": eval_rows[mine[i // n]]["question"], "answer": eval_rows[mine[i // n]]["answer"],
+                              "prompt": tokenizer.decode(eval_ids[mine[i // n]]),
+                              "columns": columns_of(eval_rows[mine[i // n]]),
                               "completion": texts[i], "rewards": named_rewards(matrix[i], names),
                               "reward": (matrix[i] * reward_weights).nansum().item(),
                               "finish_reason": samples[i]["finish_reason"], "completion_tokens": len(samples[i]["token_ids"])}
@@ -356,8 +358,8 @@ def main(cfg: Config):
 
         # ---------------------------------------------------------------------- score
         texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-        answers = [batch[i // G]["answer"] for i in range(len(samples))]
-        reward_matrix = postprocess_rewards(torch.tensor(scorer(texts, answers)).T, names)  # (N, k), NaN = skipped
+        scores = scorer([batch[i // G] for i in range(len(samples))], texts, completions, scheduler.last_epoch)
+        reward_matrix = postprocess_rewards(torch.tensor(scores).T, names)  # (N, k), NaN = not scored
         rewards = (reward_matrix * reward_weights).nansum(dim=1)  # (N,) a skipped function adds nothing
         t_score = time.perf_counter()
 
@@ -453,7 +455,8 @@ def main(cfg: Config):
                             **{f"sq/{name}": reward_matrix[:, i].nan_to_num(0.0).pow(2).sum() for i, name in enumerate(names)},
                             **{f"n/{name}": (~reward_matrix[:, i].isnan()).sum() for i, name in enumerate(names)},
                             "groups": len(batch), "zero_std": zero_std.sum() / G, "length": lengths.sum(),
-                            "truncated": truncated.sum(), "diff": diff.sum(), "compared": compared.sum(), **sums})
+                            "truncated": truncated.sum(), "diff": diff.sum(), "compared": compared.sum(),
+                            "scorer_failures": scorer.failures, **sums})
         N, T = t["n"], max(t["tokens"], 1.0)  # T: completion tokens of all training forwards of the round
         per_fn = {}
         for name in names:
@@ -461,9 +464,9 @@ def main(cfg: Config):
             mean = t[f"r/{name}"] / n_scored
             per_fn |= {f"rewards/{name}": mean, f"rewards/{name}_std": math.sqrt(max(t[f"sq/{name}"] / n_scored - mean ** 2, 0.0)),
                        f"rewards/{name}_nan_frac": 1 - t[f"n/{name}"] / N}
-        metrics = {"step": step + 1, "reward": t["reward"] / N,
+        metrics = {**mean_over_ranks(scorer.metrics), "step": step + 1, "reward": t["reward"] / N,  # log_metric's first
                    "reward_std": math.sqrt(max(t["reward_sq"] / N - (t["reward"] / N) ** 2, 0.0)), **per_fn,
-                   "scorer_failures": scorer.failures, "frac_zero_std_groups": t["zero_std"] / t["groups"],
+                   "scorer_failures": t["scorer_failures"], "frac_zero_std_groups": t["zero_std"] / t["groups"],
                    "completion_length": t["length"] / N, "completion_length_min": ext["length_min"],
                    "completion_length_max": ext["length_max"], "truncated_frac": t["truncated"] / N,
                    "kl": t["kl"] / T, "entropy": t["entropy"] / T, "clip_ratio/low": t["clip_low"] / T,
@@ -478,10 +481,12 @@ def main(cfg: Config):
             metrics |= {"is_ratio/mean": t["is_ratio"] / T, "is_ratio/min": ext["is_ratio_min"],
                         "is_ratio/max": ext["is_ratio_max"], "is_ratio/dropped_frac": t["is_dropped"] / T}
         logger.log_rollouts([{"step": step + 1, "split": "train", "policy_version": version, "rank": rank,
-                              "prompt_index": mine[i // G], "prompt": batch[i // G]["question"], "answer": answers[i],
-                              "completion": texts[i], "rewards": named_rewards(reward_matrix[i], names),
+                              "prompt_index": mine[i // G], "prompt": tokenizer.decode(prompts[i // G]),
+                              "columns": columns_of(batch[i // G]), "completion": texts[i],
+                              "rewards": named_rewards(reward_matrix[i], names),
                               "reward": rewards[i].item(), "advantage": advantages[i].item(),
-                              "finish_reason": samples[i]["finish_reason"], "completion_tokens": len(completions[i])}
+                              "finish_reason": samples[i]["finish_reason"], "completion_tokens": len(completions[i]),
+                              **{column: values[i] for column, values in scorer.extra.items() if i < len(values)}}
                              for i in range(len(samples))])  # rollouts.jsonl, and a table in wandb
         if cfg.eval_steps and ((step + 1) % cfg.eval_steps == 0 or step + 1 == cfg.max_steps):
             t_eval = time.perf_counter()

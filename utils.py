@@ -190,7 +190,7 @@ def arithmetic_problems(n: int, seed: int, split: str = "train") -> list[dict]:
     in reward and GRPO has a signal from the first step. One pair in eight is held out: "test" gives
     those (each once, in a seeded order; `n` is ignored), "train" draws n problems from the others."""
     def question(a, b):
-        return {"question": f"What is {a} + {b}? Put the final answer in \\boxed{{}}.", "answer": str(a + b)}
+        return {"prompt": f"What is {a} + {b}? Put the final answer in \\boxed{{}}.", "answer": str(a + b)}
     pairs = [(a, b) for a in range(1, 21) for b in range(1, 21)]
     held_out = [p for p in pairs if (7 * p[0] + p[1]) % 8 == 0]
     rng = random.Random(seed)
@@ -201,14 +201,33 @@ def arithmetic_problems(n: int, seed: int, split: str = "train") -> list[dict]:
     return [question(*rng.choice(train)) for _ in range(n)]
 
 
-def gold_answer(text) -> str:
-    """The reference answer of a row; GSM8K writes the final one after '####'."""
+def gold_answer(text):
+    """The reference answer of a row; GSM8K writes the final one after '####'. None stays None."""
+    if text is None:
+        return None
     text = str(text)
     return text.split("####")[-1].strip().replace(",", "") if "####" in text else text.strip()
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_prompt(prompt, where: str):
+    """A prompt is text or a list of chat messages ({"role", "content"}); ValueError naming the row otherwise."""
+    if isinstance(prompt, str) and prompt:
+        return
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and m.get("role") in CHAT_ROLES and "content" in m
+                                                   for m in prompt):
+        return
+    raise ValueError(f"{where}: the prompt is {type(prompt).__name__} {repr(prompt)[:80]}; a prompt is non-empty text, or "
+                     f"a list of chat messages like [{{\"role\": \"user\", \"content\": \"...\"}}] (roles: "
+                     f"{', '.join(CHAT_ROLES)})")
+
+
 def load_rows(dataset: str, split: str, prompt_column: str, answer_column: str, num_arithmetic: int, seed: int) -> list[dict]:
-    """[{"question", "answer"}] from the embedded task, a local json/jsonl/parquet file, or a hub dataset."""
+    """The rows of the embedded task, a local json/jsonl/parquet file or a hub dataset, every column kept,
+    with the prompt under "prompt" (text, or a list of chat messages) and the reference answer, if the
+    dataset has one, under "answer" (GSM8K's "... #### 42" reduced to "42")."""
     if dataset == DEFAULT_DATASET:
         return arithmetic_problems(num_arithmetic, seed, "test" if split == "test" else "train")
     import datasets
@@ -233,13 +252,26 @@ def load_rows(dataset: str, split: str, prompt_column: str, answer_column: str, 
             raise ValueError(f"--dataset {dataset} (split {split}) could not be loaded from the Hugging Face hub: {e}. "
                              "Check the name, --dataset_split and the connection, or give a local .jsonl/.json/.parquet "
                              "file") from e
-    for col, flag in ((prompt_column, "--prompt_column"), (answer_column, "--answer_column")):
-        if col not in data.column_names:
-            raise ValueError(f"dataset {dataset} has no column {col!r} (it has {data.column_names}); set {flag}")
-    rows = [{"question": str(q), "answer": gold_answer(a)} for q, a in zip(data[prompt_column], data[answer_column])]
+    columns = data.column_names
+    prompt_column = prompt_column or ("prompt" if "prompt" in columns else "question")
+    if prompt_column not in columns:
+        raise ValueError(f"dataset {dataset} has no column {prompt_column!r} (it has {columns}); set --prompt_column")
+    if answer_column and answer_column not in columns and answer_column != "answer":  # "answer", the default, is optional
+        raise ValueError(f"dataset {dataset} has no column {answer_column!r} (it has {columns}); set --answer_column, or "
+                         "--answer_column '' for a dataset without reference answers")
+    rows = []
+    for i, row in enumerate(data):
+        check_prompt(row[prompt_column], f"dataset {dataset}, row {i}, column {prompt_column!r}")
+        rows.append({**row, "prompt": row[prompt_column]} | (
+            {"answer": gold_answer(row[answer_column])} if answer_column in row else {}))
     if not rows:
         raise ValueError(f"dataset {dataset} (split {split}) is empty")
     return rows
+
+
+def columns_of(row: dict) -> dict:
+    """A row's columns besides its prompt, as they reach reward functions and rollouts.jsonl."""
+    return {k: v for k, v in row.items() if k != "prompt"}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -248,12 +280,21 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def encode_prompt(tokenizer, question: str, system_prompt: str = "") -> list[int]:
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [{"role": "user", "content": question}]
+def encode_prompt(tokenizer, prompt, system_prompt: str = "") -> list[int]:
+    """Token ids of a prompt, text or chat messages, through the chat template (a last assistant message
+    is continued, as a forced start of the completion); --system_prompt goes first unless it has its own."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
     if tokenizer.chat_template:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        go_on = messages[-1]["role"] == "assistant"
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=not go_on, continue_final_message=go_on,
+                                            tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    return tokenizer((system_prompt + "\n\n" if system_prompt else "") + question)["input_ids"]
+    if not isinstance(prompt, str):
+        raise ValueError("the dataset's prompts are chat messages, but the model's tokenizer has no chat template; use "
+                         "text prompts or a model with a chat template")
+    return tokenizer((system_prompt + "\n\n" if system_prompt else "") + prompt)["input_ids"]
 
 
 def step_prompt_indices(step: int, num_rows: int, prompts_per_step: int, seed: int) -> list[int]:
@@ -808,6 +849,13 @@ class ServerGuard:
 def named_rewards(row: torch.Tensor, names: list[str]) -> dict:
     """One completion's rewards as {function name: value}, None for not scored (NaN is not JSON)."""
     return {name: None if math.isnan(v) else v for name, v in zip(names, row.tolist())}
+
+
+def mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
+    """On rank 0, each key's mean over the ranks that have it (ranks may have different keys); {} elsewhere."""
+    parts = [json.loads(line) for line in gather_lines([json.dumps(values)])]
+    keys = dict.fromkeys(k for part in parts for k in part)
+    return {k: sum(p[k] for p in parts if k in p) / sum(k in p for p in parts) for k in keys}
 
 
 def gather_lines(lines: list[str]) -> list[str]:

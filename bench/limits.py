@@ -46,7 +46,6 @@ def workloads(rollouts: str, model: str, steps: list[int]) -> dict[int, list[tup
     """{step: [(prompt ids, completion ids of the recorded length)]} from train.py's rollouts.jsonl. The
     completion's ids are its text re-encoded, cut or padded to the length it had: the cost is the same."""
     from transformers import AutoTokenizer
-    from utils import encode_prompt
     tokenizer = AutoTokenizer.from_pretrained(model)
     out = {s: [] for s in steps}
     with open(rollouts) as f:
@@ -54,7 +53,8 @@ def workloads(rollouts: str, model: str, steps: list[int]) -> dict[int, list[tup
             if r["split"] == "train" and r["step"] in out:
                 ids = tokenizer(r["completion"], add_special_tokens=False)["input_ids"][:r["completion_tokens"]]
                 ids += [tokenizer.eos_token_id] * (r["completion_tokens"] - len(ids))
-                out[r["step"]].append((encode_prompt(tokenizer, r["prompt"]), ids))
+                prompt = tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]  # logged as the model saw it
+                out[r["step"]].append((prompt, ids))
     return out
 
 

@@ -12,16 +12,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import rewards  # noqa: E402
+from rewards import accuracy, format  # noqa: E402 - TRL's signature: they run in TRL as they are
 from utils import arithmetic_problems  # noqa: E402
-
-
-def accuracy(completions, answer, **kwargs):  # TRL passes conversational completions and the dataset's columns
-    return rewards.accuracy([c[0]["content"] for c in completions], answer)
-
-
-def format(completions, answer, **kwargs):  # noqa: A001 - the reward's name in TRL's logs
-    return rewards.format([c[0]["content"] for c in completions], answer)
 
 
 if __name__ == "__main__":
@@ -39,7 +31,7 @@ if __name__ == "__main__":
     from trl import GRPOConfig, GRPOTrainer
 
     rows = arithmetic_problems(5000, 42)
-    data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["question"]}], "answer": r["answer"]} for r in rows])
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows])
 
     class StepTimes(TrainerCallback):
         def __init__(self):

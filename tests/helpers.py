@@ -1,24 +1,39 @@
-"""Reward functions for tests, passed as --reward_funcs tests.helpers:NAME."""
+"""Reward functions for tests, passed as --reward_funcs tests.helpers:NAME (TRL's signature)."""
 import math
 import os
 import time
 
 
-def raises(completions, answers):
+def raises(completions, **kwargs):
     raise RuntimeError("a broken reward function")
 
 
-def raises_on_x(completions, answers):
+def raises_on_x(completions, **kwargs):
     if any("BAD" in c for c in completions):
         raise ValueError("BAD")
     return [1.0] * len(completions)
 
 
-def hangs(completions, answers):
-    time.sleep(3600)
+def hangs_on_x(completions, **kwargs):
+    if any("HANG" in c for c in completions):
+        time.sleep(3600)
+    return [1.0] * len(completions)
 
 
-def brevity(completions, answers):
+def old_style(completions, answers):
+    """The signature nanogrpo used before it took TRL's: refused at start."""
+    return [0.0] * len(completions)
+
+
+def returns_one(completions, **kwargs):
+    return [1.0]
+
+
+def returns_text(completions, **kwargs):
+    return ["high"] * len(completions)
+
+
+def brevity(completions, **kwargs):
     """1 for an empty completion, falling to 0 at 80 characters: learnable by the tiny test model,
     which ends a completion with probability ~0.1 per token."""
     return [max(0.0, 1 - len(c) / 80) for c in completions]
@@ -27,11 +42,11 @@ def brevity(completions, answers):
 _calls = 0
 
 
-def inf_on_calls(completions, answers):
+def inf_on_calls(completions, **kwargs):
     """brevity, but +inf on the calls listed in NANOGRPO_TEST_INF_CALLS (1-based; the scorer process keeps
     the count, so with one trainer process call k is step k): a reward bug that makes the loss NaN."""
     global _calls
     _calls += 1
     if str(_calls) in os.environ.get("NANOGRPO_TEST_INF_CALLS", "").split(","):
         return [math.inf] * len(completions)
-    return brevity(completions, answers)
+    return brevity(completions)

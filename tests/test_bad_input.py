@@ -88,7 +88,7 @@ def test_dataset_file_missing_empty_malformed_or_of_unknown_type(tmp_path):
     with pytest.raises(ValueError, match="unknown file type .csv; use .json, .jsonl or .parquet"):
         rows_of(tmp_path / "data.csv")
     (tmp_path / "one.jsonl").write_text(json.dumps({"question": "q", "answer": "1"}) + "\n")
-    assert rows_of(tmp_path / "one.jsonl") == [{"question": "q", "answer": "1"}]  # and a good file loads
+    assert rows_of(tmp_path / "one.jsonl") == [{"question": "q", "answer": "1", "prompt": "q"}]  # and a good file loads
 
 
 def test_hub_dataset_that_cannot_be_loaded_says_what_to_do(monkeypatch):
@@ -107,11 +107,11 @@ def test_model_path_that_does_not_exist_or_is_not_a_model_folder(tmp_path):
 
 def test_unknown_or_unimportable_reward_functions():
     with pytest.raises(ValueError, match="unknown reward function 'acuracy'.*accuracy"):
-        RewardScorer(["acuracy"])
+        RewardScorer(["acuracy"], ["prompt"])
     with pytest.raises(ValueError, match="no_such_module:fn.*could not load it.*ModuleNotFoundError"):
-        RewardScorer(["accuracy", "no_such_module:fn"])
+        RewardScorer(["accuracy", "no_such_module:fn"], ["prompt", "answer"])
     with pytest.raises(ValueError, match="tests.helpers:nope.*AttributeError"):
-        RewardScorer(["tests.helpers:nope"])
+        RewardScorer(["tests.helpers:nope"], ["prompt"])
 
 
 # ----------------------------------------------------------------------------- the real scripts

@@ -46,7 +46,7 @@ def test_embedded_task_is_seeded_and_answers_are_right():
     rows = utils.arithmetic_problems(50, seed=1)
     assert rows == utils.arithmetic_problems(50, seed=1) != utils.arithmetic_problems(50, seed=2)
     for r in rows:
-        a, b = r["question"].removeprefix("What is ").split("?")[0].split(" + ")
+        a, b = r["prompt"].removeprefix("What is ").split("?")[0].split(" + ")
         assert int(r["answer"]) == int(a) + int(b)
 
 

@@ -269,9 +269,9 @@ def test_pass_at_k_is_the_chance_that_k_draws_include_a_correct_one():
 
 def test_embedded_task_holds_out_a_test_split():
     train, test = arithmetic_problems(5000, seed=0), arithmetic_problems(0, seed=0, split="test")
-    assert len(test) == len({r["question"] for r in test}) == 52  # 1 pair in 8 of the 400, each once
-    assert not {r["question"] for r in train} & {r["question"] for r in test}
-    assert len({r["question"] for r in train}) == 400 - 52  # every other pair shows up in training
+    assert len(test) == len({r["prompt"] for r in test}) == 52  # 1 pair in 8 of the 400, each once
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    assert len({r["prompt"] for r in train}) == 400 - 52  # every other pair shows up in training
 
 
 def test_trimmed_length_sorted_micro_batches_give_the_full_width_logprobs():

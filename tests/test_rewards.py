@@ -1,9 +1,8 @@
-import math
 import time
 
 import pytest
 
-from rewards import RewardScorer, accuracy, format, tag_count
+from rewards import accuracy, format, tag_count
 
 
 def test_accuracy_uses_math_verify_on_the_final_answer():
@@ -29,25 +28,9 @@ def test_accuracy_survives_pathological_input_in_bounded_time():
 
 
 def test_format_wants_exactly_one_boxed_number():
-    assert format(["\\boxed{12}", "\\boxed{ -3.5 }", "12", "\\boxed{1} \\boxed{2}", "\\boxed{x}"], [""] * 5) == [1, 1, 0, 0, 0]
+    assert format(["\\boxed{12}", "\\boxed{ -3.5 }", "12", "\\boxed{1} \\boxed{2}", "\\boxed{x}"]) == [1, 1, 0, 0, 0]
+    assert format([[{"role": "assistant", "content": "\\boxed{12}"}]]) == [1]  # a chat completion: its message
 
 
 def test_tag_count():
-    assert tag_count(["<think>a</think><answer>1</answer>", "<think>", "none"], [""] * 3) == [1.0, 0.25, 0.0]
-
-
-def test_scorer_turns_errors_and_hangs_into_nan_and_keeps_going():
-    scorer = RewardScorer(["accuracy", "tests.helpers:raises", "tests.helpers:raises_on_x", "tests.helpers:hangs"],
-                          timeout=5)
-    try:
-        t = time.monotonic()
-        acc, err, partial, hang = scorer(["\\boxed{3}", "BAD"], ["3", "3"])
-        assert time.monotonic() - t < 60  # the hanging function was abandoned, not waited for
-        assert acc == [1.0, 0.0]
-        assert all(math.isnan(v) for v in err + hang)
-        assert partial[0] == 1.0 and math.isnan(partial[1])  # only the sample that raised is lost
-        assert scorer.failures == 1
-        assert scorer(["\\boxed{4}"], ["4"])[0] == [1.0]  # the scorer works again after the hang
-    finally:
-        scorer.close()
-
+    assert tag_count(["<think>a</think><answer>1</answer>", "<think>", "none"]) == [1.0, 0.25, 0.0]

@@ -1,0 +1,190 @@
+"""What users train on: datasets as TRL has them (text or chat prompts, any columns, answers optional),
+reward functions with TRL's signature, reward models, and loud failures of the user's functions."""
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from conftest import ROOT, run_train
+from rewards import RewardScorer, load_reward_func
+import utils
+
+GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
+SYSTEM = "You answer in as few words as you can."
+
+
+def chat_dataset(path, n: int = 16) -> str:
+    """A TRL conversational dataset: a system and a user turn, no answer column, two extra columns."""
+    with open(path, "w") as f:
+        for i in range(n):
+            target = 10 + 5 * (i % 4)
+            f.write(json.dumps({"prompt": [{"role": "system", "content": SYSTEM},
+                                           {"role": "user", "content": f"Say hello in about {target} characters."}],
+                                "target_len": target, "kind": "count" if i % 2 else "chat"}) + "\n")
+    return str(path)
+
+
+def rows_of(path, prompt="", answer="answer"):
+    return utils.load_rows(str(path), "train", prompt, answer, 0, 0)
+
+
+# ----------------------------------------------------------------------------- datasets
+
+def test_chat_prompts_keep_their_messages_and_every_column(tmp_path):
+    rows = rows_of(chat_dataset(tmp_path / "chat.jsonl"))
+    assert rows[1]["prompt"][0] == {"role": "system", "content": SYSTEM} and rows[1]["kind"] == "count"
+    assert rows[1]["target_len"] == 15 and "answer" not in rows[1]  # no answer column: none made up
+
+
+def test_prompt_column_defaults_to_prompt_then_question(tmp_path):
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "Hi?", "question": "no", "solution": "x #### 7"}) + "\n")
+    rows = rows_of(tmp_path / "p.jsonl", answer="solution")
+    assert (rows[0]["prompt"], rows[0]["answer"], rows[0]["solution"]) == ("Hi?", "7", "x #### 7")
+    assert rows_of(GSM8K)[0]["prompt"] == rows_of(GSM8K)[0]["question"]  # GSM8K has question/answer
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([{"content": "no role"}], "a list of chat messages"),
+    (42, "the prompt is int 42"),
+    ("", "non-empty text"),
+])
+def test_a_prompt_that_is_neither_text_nor_messages_names_the_row(tmp_path, prompt, message):
+    (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"prompt": prompt}) + "\n")
+    with pytest.raises(ValueError, match="row 1, column 'prompt'") as e:
+        rows_of(tmp_path / "d.jsonl")
+    assert message in str(e.value)
+
+
+def test_chat_prompts_go_through_the_chat_template_with_the_system_prompt():
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(utils.default_model_path())
+    user = [{"role": "user", "content": "What is 2 + 2?"}]
+    text = tokenizer.decode(utils.encode_prompt(tokenizer, user, "Be brief."))
+    assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>") and text.endswith("<|im_start|>assistant\n")
+    assert utils.encode_prompt(tokenizer, user) == utils.encode_prompt(tokenizer, "What is 2 + 2?")  # text = one user turn
+    own = [{"role": "system", "content": "Mine."}] + user  # a conversation's own system turn wins
+    assert tokenizer.decode(utils.encode_prompt(tokenizer, own, "Be brief.")).count("system") == 1
+    forced = user + [{"role": "assistant", "content": "The answer is"}]  # a last assistant turn is continued
+    assert tokenizer.decode(utils.encode_prompt(tokenizer, forced)).endswith("<|im_start|>assistant\nThe answer is")
+
+
+# ----------------------------------------------------------------------------- reward functions
+
+def test_a_function_that_cannot_take_the_arguments_is_refused_at_start():
+    with pytest.raises(ValueError, match=r"tests.helpers:old_style: old_style\(completions, answers\) cannot be called"):
+        load_reward_func("tests.helpers:old_style", ["prompt", "answer"])
+    with pytest.raises(ValueError, match="missing a required argument: 'answer'"):
+        load_reward_func("accuracy", ["prompt", "target_len"])  # a dataset without answers
+    assert load_reward_func("accuracy", ["prompt", "answer", "more"])
+
+
+def test_scorer_passes_trls_arguments_and_turns_none_into_nan(tmp_path):
+    rows = rows_of(chat_dataset(tmp_path / "chat.jsonl", n=4))
+    names = [f"tests.trl_rewards:{f}" for f in ("reward_len", "close_to_target", "async_brevity", "count_only")]
+    scorer = RewardScorer(names, list(rows[0]))
+    try:
+        texts = ["Hello there!", "Hi", "Hello, hello, hello, hello!", "Hey you"]
+        length, close, brevity, count = scorer(rows, texts, [[1, 2, 3]] * 4, step=3)
+        assert length == [-abs(20 - len(t)) / 20 for t in texts]
+        assert close == [max(0.0, 1 - abs(len(t) - r["target_len"]) / 40) for t, r in zip(texts, rows)]
+        assert brevity == [1 - 3 / 16] * 4
+        assert math.isnan(count[0]) and count[1] == 1.0 and math.isnan(count[2]) and count[3] == 1.0
+        assert scorer.failures == 0
+    finally:
+        scorer.close()
+
+
+def test_failures_are_counted_reported_once_and_stop_the_run_when_nothing_scores(capfd):
+    rows = [{"prompt": "p", "answer": "3"}] * 2
+    scorer = RewardScorer(["accuracy", "tests.helpers:raises_on_x", "tests.helpers:hangs_on_x"], ["prompt", "answer"],
+                          timeout=5)
+    try:
+        assert scorer(rows, ["\\boxed{3}", "fine"], [[1], [2]]) == [[1.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
+        acc, partial, hang = scorer(rows, ["\\boxed{3}", "BAD"], [[1], [2]])
+        assert acc == [1.0, 0.0] and partial[0] == 1.0 and math.isnan(partial[1])  # only the sample that raised
+        assert scorer.failures == 1
+        acc, partial, hang = scorer(rows, ["HANG", "BAD"], [[1], [2]])  # abandoned after its time-out, not waited for
+        assert all(math.isnan(v) for v in hang) and scorer.failures == 1 + 1 + 2
+        assert scorer(rows, ["\\boxed{3}", "x"], [[1], [2]])[2] == [1.0, 1.0]  # the scorer works again after the hang
+        err = capfd.readouterr().err
+        assert err.count("reward function tests.helpers:raises_on_x failed on 1 of 2") == 1  # reported once
+        assert "ValueError: BAD" in err and "did not finish within 5 s" in err
+    finally:
+        scorer.close()
+    scorer = RewardScorer(["tests.helpers:raises"], ["prompt", "answer"])
+    try:
+        with pytest.raises(RuntimeError, match="(?s)failed on every completion of its first batch.*a broken reward"):
+            scorer(rows, ["a", "b"], [[1], [2]])
+    finally:
+        scorer.close()
+
+
+@pytest.mark.parametrize("fn, message", [("returns_one", "returned list of length 1 for 2 completions"),
+                                         ("returns_text", "not a number or None")])
+def test_a_function_returning_what_cannot_be_rewards_stops_with_its_name(fn, message):
+    scorer = RewardScorer([f"tests.helpers:{fn}"], ["prompt"])
+    try:
+        with pytest.raises(ValueError, match=f"reward function tests.helpers:{fn} .*{message}"):
+            scorer([{"prompt": "p"}] * 2, ["a", "b"], [[1], [2]])
+    finally:
+        scorer.close()
+
+
+def test_a_reward_model_folder_scores_prompt_and_completion(tmp_path):
+    """A tiny random sequence-classification model: the batched, padded scores equal each text scored alone."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig
+    tokenizer = AutoTokenizer.from_pretrained(utils.default_model_path())
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=1, num_key_value_heads=1, head_dim=32, num_labels=1)
+    model = AutoModelForSequenceClassification.from_config(config)
+    model.save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    rows = [{"prompt": "What is 1 + 1?"}, {"prompt": [{"role": "user", "content": "Hi"}]}]
+    completions = [" It is 2, I think, or maybe three.", "Hello"]
+    scorer = RewardScorer([str(tmp_path / "rm")], ["prompt"])
+    try:
+        scores = scorer(rows, completions, [[1], [2]])[0]
+    finally:
+        scorer.close()
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+                                         tokenize=False)
+    with torch.no_grad():
+        alone = [model(**tokenizer(t, return_tensors="pt", add_special_tokens=False)).logits[0, 0].item()
+                 for t in ("What is 1 + 1?" + completions[0], chat)]
+    assert scores == pytest.approx(alone, abs=1e-5) and scores[0] != scores[1]
+
+
+def test_a_reward_model_path_that_is_not_a_model_folder(tmp_path):
+    with pytest.raises(ValueError, match="no config.json there; a path names a reward model"):
+        RewardScorer([str(tmp_path)], ["prompt"])
+
+
+# ----------------------------------------------------------------------------- end to end
+
+@pytest.mark.slow
+def test_trl_reward_module_trains_on_a_chat_dataset_without_answers(server, tmp_path):
+    names = ",".join(f"tests.trl_rewards:{f}" for f in ("reward_len", "close_to_target", "async_brevity", "count_only"))
+    proc, metrics = run_train(server, tmp_path / "out", "--dataset", chat_dataset(tmp_path / "chat.jsonl"),
+                              "--reward_funcs", names, "--num_generations", "4", "--prompts_per_step", "4",
+                              "--max_completion_length", "12", "--max_steps", "2", "--bf16", "false", "--no_save_model")
+    assert len(metrics) == 2 and all(m["scorer_failures"] == 0 for m in metrics), proc.stderr[-3000:]
+    assert all(math.isfinite(m["rewards/tests.trl_rewards:close_to_target"]) for m in metrics)
+    assert all(0 < m["rewards/tests.trl_rewards:count_only_nan_frac"] < 1 for m in metrics)  # None for "chat" rows
+    rollouts = [json.loads(line) for line in open(tmp_path / "out" / "rollouts.jsonl")]
+    assert len(rollouts) == 2 * 4 * 4
+    for r in rollouts:  # the prompt as the model saw it, and the row's columns
+        assert r["prompt"].startswith(f"<|im_start|>system\n{SYSTEM}<|im_end|>") and "[{'role'" not in r["prompt"]
+        assert f"about {r['columns']['target_len']} characters" in r["prompt"] and r["columns"]["kind"] in ("count", "chat")
+
+
+@pytest.mark.slow
+def test_a_reward_function_that_always_raises_stops_the_run_at_step_1(server, tmp_path):
+    proc = run_train(server, tmp_path / "out", "--dataset", GSM8K, "--reward_funcs", "format,tests.helpers:raises",
+                     "--num_generations", "2", "--prompts_per_step", "2", "--max_completion_length", "4",
+                     "--max_steps", "3", "--bf16", "false", nproc=1, check=False)
+    assert proc.returncode != 0
+    assert "reward function tests.helpers:raises failed on every completion of its first batch" in proc.stderr
+    assert "RuntimeError: a broken reward function" in proc.stderr and "step 1/3" not in proc.stdout
