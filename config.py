@@ -31,6 +31,7 @@ class Config:
     top_k: int = -1  # sample from the k most likely tokens; -1 = off
     min_p: float = 0.0  # drop tokens less likely than min_p * the most likely one; 0 = off
     repetition_penalty: float = 1.0  # > 1 discourages repeated tokens; 1.0 = off
+    rollout: str = ""  # your own rollout function, module:function (README: Rollouts); "" = rollout.generate
     async_generation: bool = False  # sample step t+1 while training on step t, with the weights before (1 step stale)
     # GRPO
     beta: float = 0.0  # KL penalty coefficient (k3 estimator); 0 = no reference model is loaded

@@ -32,6 +32,7 @@ What this implements, and the defaults we chose (README: "Loss choices" has the 
     update, while the trainer trains on this one; a step then costs about max(generate, train) instead
     of their sum. Every batch is then one update stale, which the importance weights above correct.
 """
+import functools
 import json
 import math
 import os
@@ -43,13 +44,14 @@ import torch
 from config import Config, parse_config
 from plot import plot_run
 from rewards import RewardScorer, postprocess_rewards
-from utils import (MetricsLogger, ServerGuard, ServerWeights, StopRequest, add_lora, barrier, collate, columns_of,
+from rollout import RolloutContext, collate, episodes_from_json, episodes_to_json, load_rollout, run_rollout
+from utils import (MetricsLogger, ServerGuard, ServerWeights, StopRequest, add_lora, barrier, columns_of,
                    completion_logprobs, distribute, encode_prompt, extremes_over_ranks, find_checkpoint, full_tensor,
                    gather_lines, gradient_sync, length_sorted, load_checkpoint, load_model, load_rows,
                    mean_over_ranks, merge_stats, named_rewards, native_bf16, no_grad_logprobs, pass_at_k,
                    prepare_output_dir, print0, probe_logprob_diff, progress, reference_model, resolve_model,
                    restore_training_state, save_checkpoint, save_model, setup_distributed, step_prompt_indices,
-                   sum_over_ranks, teardown_distributed, trim_padding)
+                   sum_over_ranks, take, teardown_distributed, to_device, trim_padding)
 from vllm_server import InThread, VLLMClient, WeightSync
 
 
@@ -92,10 +94,10 @@ def token_weights(mask: torch.Tensor, loss_type: str, num_seqs: float, num_token
     raise ValueError(f"unknown loss_type {loss_type!r}")
 
 
-def loss_mask_of(completion_mask: torch.Tensor, truncated: torch.Tensor, mask_truncated: bool) -> torch.Tensor:
-    """(N, C) tokens that carry loss: every completion token, or, with mask_truncated (DAPO's overlong
+def loss_mask_of(sampled: torch.Tensor, truncated: torch.Tensor, mask_truncated: bool) -> torch.Tensor:
+    """(N, C) tokens that carry loss: every token the policy sampled, or, with mask_truncated (DAPO's overlong
     filtering), none of a completion cut at max_completion_length, whose reward judged an unfinished answer."""
-    return completion_mask * ~truncated.unsqueeze(1) if mask_truncated else completion_mask
+    return sampled * ~truncated.unsqueeze(1) if mask_truncated else sampled
 
 
 def grpo_loss(logp, old_logp, advantages, mask, weights, epsilon_low: float, epsilon_high: float, delta: float = 0.0,
@@ -140,7 +142,7 @@ def sampler_is_weights(old_logp, sampler_logp, mask, mode: str, cap: float):
 
 def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autocast) -> tuple[dict, torch.Tensor]:
     """Backpropagate the loss of one optimizer step on this rank's share `data`, micro-batch by
-    micro-batch. `data` holds tensors over this rank's completions: input_ids, attention_mask,
+    micro-batch. `data` holds tensors over this rank's completions: inputs (the model's, a dict),
     loss_mask, advantages, and old_logp, ref_logp, sampler_logp (each or None), and optionally
     `keep` (rows to run; the others still count in the normalisation). Token weights count the step
     over all ranks, so the gradient after DDP's averaging is the same however the step is split
@@ -155,18 +157,18 @@ def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autoca
     if cfg.loss_type == "bnpo":  # its normalisation is per micro-batch: keep them a random draw
         micro = [rows[i:i + cfg.micro_batch_size] for i in range(0, len(rows), cfg.micro_batch_size)]
     else:  # similar lengths together, so little padding is computed (the order does not change the gradient)
-        micro = length_sorted(rows, data["attention_mask"].sum(dim=1), cfg.micro_batch_size)
+        micro = length_sorted(rows, data["inputs"]["attention_mask"].sum(dim=1), cfg.micro_batch_size)
     counts = sum_over_ranks({"seqs": len(mask), "tokens": mask.sum(), "micro": len(micro)})
     num_micro = int(extremes_over_ranks({"micro_max": len(micro)})["micro_max"])
     sums, logps = {}, torch.zeros(mask.shape)
     for j in range(num_micro):
         padding = j >= len(micro)  # this rank has run all its rows; keep in step with the others
         s = torch.arange(1) if padding else micro[j]
-        ids, attention, c = trim_padding(data["input_ids"][s], data["attention_mask"][s], C)  # only c of the C columns
+        inputs, c = trim_padding(take(data["inputs"], s), C)  # only c of the C completion columns
         part = {k: None if data[k] is None else data[k][s, :c].to(device) for k in ("old_logp", "ref_logp", "sampler_logp")}
         with gradient_sync(model, j == num_micro - 1), autocast:  # gradients are reduced on the last micro-batch only
-            logp, entropy = completion_logprobs(model, ids.to(device), attention.to(device), c, cfg.temperature,
-                                                with_entropy=True)  # (b, c)
+            logp, entropy = completion_logprobs(model, to_device(inputs, device), c, cfg.temperature,
+                                                with_entropy=True)  # (b, c); the entropy is gradient-free
             # pi_old: the policy before this round's first update. On-policy it is the current policy,
             # whose detached log-probs are these; off-policy the loop computed them before updating.
             old_logp = logp.detach() if part["old_logp"] is None else part["old_logp"]
@@ -232,6 +234,9 @@ def main(cfg: Config):
                          f"exceeds the server's max model length {max_model_len}: lower them or restart the server "
                          "with a larger --max-model-len")
     scorer = RewardScorer(cfg.reward_names(), list(rows[0]), device, cfg.max_steps)  # signatures checked now
+    rollout_fn = load_rollout(cfg.rollout)  # rows -> episodes through the server (rollout.generate by default)
+    sampling = dict(max_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                    min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty)
     names, reward_weights = cfg.reward_names(), torch.tensor(cfg.reward_weight_list())  # k functions, (k,) weights
 
     resume = find_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir) if cfg.resume_from_checkpoint else None
@@ -270,13 +275,26 @@ def main(cfg: Config):
     logger = MetricsLogger(cfg.output_dir, is_main, cfg.report_to, vars(cfg), cfg.wandb_project, cfg.run_name, state["step"])
     stop = StopRequest()  # SIGTERM / Ctrl-C: save a checkpoint, then stop
 
-    # async generation: {step: (policy version, this rank's samples)} drawn while the step before trained;
+    def rows_of(step: int) -> list[int]:
+        """This rank's rows (indices) of `step`: the same on resume."""
+        indices = step_prompt_indices(step, len(rows), cfg.prompts_per_step, cfg.seed)
+        return indices[rank * prompts_per_rank:(rank + 1) * prompts_per_rank]
+
+    def rollout_call(step: int):
+        """The call that samples this rank's episodes of `step`, repeatable (a server reconnect runs it again)."""
+        ctx = RolloutContext(client, tokenizer, G, sampling, (cfg.seed * 1_000_000 + step) * 1000 + rank, cfg.system_prompt)
+        return functools.partial(run_rollout, rollout_fn, [rows[i] for i in rows_of(step)], ctx)
+
+    # async generation: {step: (policy version, this rank's episodes)} drawn while the step before trained;
     # checkpoints keep it (a resumed run then trains on the same batch as an uninterrupted one)
     ahead = json.loads(state["presampled"][rank]) if cfg.async_generation and state.get("presampled") else None
-    presampled = {state["step"]: tuple(ahead)} if ahead else {}
+    presampled = {state["step"]: (ahead[0], episodes_from_json(ahead[1], [rows[i] for i in rows_of(state["step"])], G))
+                  } if ahead else {}
 
     def checkpoint(steps_done: int) -> str:  # every rank: FSDP2 gathers; rank 0 writes
-        extra = {"presampled": gather_lines([json.dumps(presampled.get(steps_done))])} if cfg.async_generation else {}
+        ahead = presampled.get(steps_done)
+        extra = ({"presampled": gather_lines([json.dumps(ahead and (ahead[0], episodes_to_json(ahead[1])))])}
+                 if cfg.async_generation else {})
         path = save_checkpoint(cfg.output_dir, steps_done, model, optimizer, scheduler, tokenizer, vars(cfg), is_main,
                                cfg.save_total_limit, {"scorer_failures": scorer.failures, **extra})
         print0(f"saved {path}")
@@ -293,37 +311,26 @@ def main(cfg: Config):
            f"rewards {names} x {reward_weights.tolist()} | loss {cfg.loss_type} | beta {cfg.beta} | bf16 {cfg.bf16} | "
            f"{'FSDP2' if cfg.fsdp else 'DDP' if world_size > 1 else 'single process'}{' + LoRA' if cfg.use_peft else ''}")
 
-    def request(step: int) -> tuple[list[int], dict]:
-        """This rank's prompts (row indices) of `step`, and the arguments of client.generate for them."""
-        indices = step_prompt_indices(step, len(rows), cfg.prompts_per_step, cfg.seed)
-        mine = indices[rank * prompts_per_rank:(rank + 1) * prompts_per_rank]
-        return mine, dict(prompts=[prompt_ids[i] for i in mine], n=G, max_tokens=cfg.max_completion_length,
-                          temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
-                          repetition_penalty=cfg.repetition_penalty,
-                          seed=(cfg.seed * 1_000_000 + step) * 1000 + rank)  # prompt-major: prompt i has [i*G, (i+1)*G)
-
     def evaluate() -> dict:
         """Mean rewards and pass@k on the evaluation prompts, through the server (each rank its share). The
         requests carry the same seeds every time, so two evaluations differ only by the weights."""
         n, mine = cfg.eval_num_generations, list(range(rank, len(eval_rows), world_size))
-        samples = server.run(client.generate, [eval_ids[i] for i in mine], n=n, max_tokens=cfg.max_completion_length,
-                             temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
-                             repetition_penalty=cfg.repetition_penalty, seed=(cfg.seed * 1_000_000 + 999_999) * 1000 + rank)
-        ids = [s["token_ids"] for s in samples]
+        ctx = RolloutContext(client, tokenizer, n, sampling, (cfg.seed * 1_000_000 + 999_999) * 1000 + rank, cfg.system_prompt)
+        episodes = server.run(run_rollout, rollout_fn, [eval_rows[i] for i in mine], ctx)
+        ids = [e.completion_ids for e in episodes]
         texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
-        scores = scorer([eval_rows[mine[i // n]] for i in range(len(texts))], texts, ids, scheduler.last_epoch)
+        scores = scorer([e.row for e in episodes], texts, ids, scheduler.last_epoch)
         matrix = postprocess_rewards(torch.tensor(scores, dtype=torch.float32).T.reshape(len(texts), len(names)), names)
         correct = (matrix[:, 0] >= 1).view(-1, n).sum(dim=1).tolist()  # per prompt: completions the first function passes
         logger.log_rollouts([{"step": scheduler.last_epoch // updates_per_round, "split": "eval",
                               "policy_version": scheduler.last_epoch, "rank": rank, "prompt_index": mine[i // n],
-                              "prompt": tokenizer.decode(eval_ids[mine[i // n]]),
-                              "columns": columns_of(eval_rows[mine[i // n]]),
+                              "prompt": tokenizer.decode(episodes[i].prompt_ids), "columns": columns_of(episodes[i].row),
                               "completion": texts[i], "rewards": named_rewards(matrix[i], names),
                               "reward": (matrix[i] * reward_weights).nansum().item(),
-                              "finish_reason": samples[i]["finish_reason"], "completion_tokens": len(samples[i]["token_ids"])}
+                              "finish_reason": episodes[i].finish_reason, "completion_tokens": len(ids[i])}
                              for i in range(len(texts))])
         t = sum_over_ranks({"n": len(texts), "prompts": len(mine), "reward": (matrix * reward_weights).nansum().item(),
-                            "length": sum(len(s["token_ids"]) for s in samples),
+                            "length": sum(map(len, ids)),
                             **{name: matrix[:, i].nan_to_num(0.0).sum() for i, name in enumerate(names)},
                             **{f"pass@{k}": sum(pass_at_k(n, c, k) for c in correct) for k in cfg.pass_k()}})
         return {"eval/reward": t["reward"] / t["n"], **{f"eval/rewards/{name}": t[name] / t["n"] for name in names},
@@ -342,23 +349,21 @@ def main(cfg: Config):
     for step in range(state["step"], cfg.max_steps):
         t0 = time.perf_counter()
         # ---------------------------------------------------------------------- sample
-        mine, req = request(step)
-        batch, prompts = [rows[i] for i in mine], req["prompts"]
+        mine = rows_of(step)
         # version: the policy that samples, after this many optimizer steps. Async, the batch was sampled
         # during the step before (by the weights before it), except the first one.
-        presampled = {step: presampled.get(step) or (scheduler.last_epoch, server.run(client.generate, **req))}
-        version, samples = presampled[step]
+        presampled = {step: presampled.get(step) or (scheduler.last_epoch, server.run(rollout_call(step)))}
+        version, episodes = presampled[step]  # G per row, row by row
         pending = None
         if cfg.async_generation:  # the server samples the next batch while we train (after the last step too:
             # the last checkpoint keeps it, so that a run continued from it goes on as if never stopped)
-            pending = InThread(client.generate, **request(step + 1)[1])
-        prompt_of = [prompts[i // G] for i in range(len(samples))]
-        completions = [s["token_ids"] for s in samples]
+            pending = InThread(rollout_call(step + 1))
+        completions = [e.completion_ids for e in episodes]
         t_gen = time.perf_counter()
 
         # ---------------------------------------------------------------------- score
         texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-        scores = scorer([batch[i // G] for i in range(len(samples))], texts, completions, scheduler.last_epoch)
+        scores = scorer([e.row for e in episodes], texts, completions, scheduler.last_epoch)
         reward_matrix = postprocess_rewards(torch.tensor(scores).T, names)  # (N, k), NaN = not scored
         rewards = (reward_matrix * reward_weights).nansum(dim=1)  # (N,) a skipped function adds nothing
         t_score = time.perf_counter()
@@ -370,20 +375,19 @@ def main(cfg: Config):
         zero_std = (rewards.view(-1, G).std(dim=1) < 1e-6).repeat_interleave(G)  # (N,) groups with no signal
 
         # ---------------------------------------------------------------------- old / ref log-probs
-        input_ids, attention_mask, completion_mask = collate(prompt_of, completions, tokenizer.pad_token_id)
-        C = completion_mask.shape[1]
-        truncated = torch.tensor([s["finish_reason"] == "length" for s in samples])  # (N,)
-        loss_mask = loss_mask_of(completion_mask, truncated, cfg.mask_truncated_completions)  # (N, C)
-        sampler_logp = torch.tensor([s["logprobs"] + [0.0] * (C - len(s["logprobs"])) for s in samples])  # (N, C)
+        inputs, tokens = collate(episodes, tokenizer.pad_token_id)  # the model's inputs; (N, C) mask, sampled, sampler_logp
+        C, sampler_logp = tokens["mask"].shape[1], tokens["sampler_logp"]
+        truncated = torch.tensor([e.finish_reason == "length" for e in episodes])  # (N,)
+        loss_mask = loss_mask_of(tokens["sampled"], truncated, cfg.mask_truncated_completions)  # (N, C) sampled tokens
         # Off-policy (several updates per generation batch), pi_old must be frozen before the first
         # update. On-policy the training forward's detached log-probs are pi_old: no extra pass, and
         # ratio = 1, so the clip metrics are 0 by construction.
         old_logp = ref_logp = None
         if off_policy:
-            old_logp = no_grad_logprobs(model, input_ids, attention_mask, C, cfg.temperature, cfg.micro_batch_size, autocast)
+            old_logp = no_grad_logprobs(model, inputs, C, cfg.temperature, cfg.micro_batch_size, autocast)
         if cfg.beta > 0:
             with reference_model(model, ref_model) as ref:
-                ref_logp = no_grad_logprobs(ref, input_ids, attention_mask, C, cfg.temperature, cfg.micro_batch_size, autocast)
+                ref_logp = no_grad_logprobs(ref, inputs, C, cfg.temperature, cfg.micro_batch_size, autocast)
         t_ref = time.perf_counter()
 
         # ---------------------------------------------------------------------- loss and step
@@ -391,15 +395,14 @@ def main(cfg: Config):
             checkpoint(step)
             break
         model.train()
-        data = dict(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask, advantages=advantages,
+        data = dict(inputs=inputs, loss_mask=loss_mask, advantages=advantages,
                     old_logp=old_logp, ref_logp=ref_logp, keep=~zero_std if cfg.drop_zero_std_groups else None,
                     sampler_logp=sampler_logp if cfg.vllm_importance_sampling_correction else None)
-        sums, grad_norms, skipped, first_pass_logp, t_optimizer = {}, [], 0, torch.zeros(completion_mask.shape), 0.0
+        sums, grad_norms, skipped, first_pass_logp, t_optimizer = {}, [], 0, torch.zeros(loss_mask.shape), 0.0
         for iteration in range(cfg.num_iterations):
-            order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(cfg.seed + step * 1000 + iteration))
+            order = torch.randperm(len(episodes), generator=torch.Generator().manual_seed(cfg.seed + step * 1000 + iteration))
             for part in order.chunk(cfg.steps_per_generation):  # one optimizer step on each part
-                part_sums, logp = accumulate_gradients(model, {k: None if v is None else v[part] for k, v in data.items()},
-                                                       cfg, world_size, autocast)
+                part_sums, logp = accumulate_gradients(model, take(data, part), cfg, world_size, autocast)
                 merge_stats(sums, part_sums)
                 t_opt = time.perf_counter()
                 grad_norms.append(full_tensor(torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm or float("inf"))))
@@ -421,7 +424,7 @@ def main(cfg: Config):
                 "The weights have not changed since; the checkpoints in --output_dir are from before. Likely causes: a "
                 "reward function returning inf, a learning rate too high for the model, fp16/bf16 overflow.")
         # the server's log-probs of what it sampled vs ours for the same weights: a sync check
-        compared = completion_mask if data["keep"] is None else completion_mask * data["keep"].unsqueeze(1)  # rows we ran
+        compared = tokens["sampled"] * (1 if data["keep"] is None else data["keep"].unsqueeze(1))  # sampled, in rows we ran
         diff = ((first_pass_logp if old_logp is None else old_logp) - sampler_logp).abs() * compared
         t_train = time.perf_counter()
 
@@ -447,14 +450,14 @@ def main(cfg: Config):
         t_sync = time.perf_counter()
 
         # ---------------------------------------------------------------------- log
-        lengths = completion_mask.sum(dim=1).float()
+        lengths = tokens["mask"].sum(dim=1).float()
         ext = extremes_over_ranks({"length_min": lengths.min(), "length_max": lengths.max(), "diff_max": diff.max(),
                                    **{k: sums.pop(k) for k in ("is_ratio_min", "is_ratio_max") if k in sums}})
-        t = sum_over_ranks({"n": len(samples), "reward": rewards.sum(), "reward_sq": (rewards ** 2).sum(),
+        t = sum_over_ranks({"n": len(episodes), "reward": rewards.sum(), "reward_sq": (rewards ** 2).sum(),
                             **{f"r/{name}": reward_matrix[:, i].nan_to_num(0.0).sum() for i, name in enumerate(names)},
                             **{f"sq/{name}": reward_matrix[:, i].nan_to_num(0.0).pow(2).sum() for i, name in enumerate(names)},
                             **{f"n/{name}": (~reward_matrix[:, i].isnan()).sum() for i, name in enumerate(names)},
-                            "groups": len(batch), "zero_std": zero_std.sum() / G, "length": lengths.sum(),
+                            "groups": len(mine), "zero_std": zero_std.sum() / G, "length": lengths.sum(),
                             "truncated": truncated.sum(), "diff": diff.sum(), "compared": compared.sum(),
                             "scorer_failures": scorer.failures, **sums})
         N, T = t["n"], max(t["tokens"], 1.0)  # T: completion tokens of all training forwards of the round
@@ -481,13 +484,13 @@ def main(cfg: Config):
             metrics |= {"is_ratio/mean": t["is_ratio"] / T, "is_ratio/min": ext["is_ratio_min"],
                         "is_ratio/max": ext["is_ratio_max"], "is_ratio/dropped_frac": t["is_dropped"] / T}
         logger.log_rollouts([{"step": step + 1, "split": "train", "policy_version": version, "rank": rank,
-                              "prompt_index": mine[i // G], "prompt": tokenizer.decode(prompts[i // G]),
-                              "columns": columns_of(batch[i // G]), "completion": texts[i],
+                              "prompt_index": mine[i // G], "prompt": tokenizer.decode(episodes[i].prompt_ids),
+                              "columns": columns_of(episodes[i].row), "completion": texts[i],
                               "rewards": named_rewards(reward_matrix[i], names),
                               "reward": rewards[i].item(), "advantage": advantages[i].item(),
-                              "finish_reason": samples[i]["finish_reason"], "completion_tokens": len(completions[i]),
+                              "finish_reason": episodes[i].finish_reason, "completion_tokens": len(completions[i]),
                               **{column: values[i] for column, values in scorer.extra.items() if i < len(values)}}
-                             for i in range(len(samples))])  # rollouts.jsonl, and a table in wandb
+                             for i in range(len(episodes))])  # rollouts.jsonl, and a table in wandb
         if cfg.eval_steps and ((step + 1) % cfg.eval_steps == 0 or step + 1 == cfg.max_steps):
             t_eval = time.perf_counter()
             metrics |= evaluate()

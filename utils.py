@@ -310,29 +310,28 @@ def step_prompt_indices(step: int, num_rows: int, prompts_per_step: int, seed: i
 # -----------------------------------------------------------------------------
 # batches and log-probs
 
-def collate(prompts: list[list[int]], completions: list[list[int]], pad_id: int):
-    """Left-pad prompts and right-pad completions so every completion starts at the same column.
-    Returns input_ids (B, P+C), attention_mask (B, P+C), completion_mask (B, C)."""
-    P, C = max(map(len, prompts)), max(1, max(map(len, completions)))
-    B = len(prompts)
-    input_ids = torch.full((B, P + C), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, P + C), dtype=torch.long)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        input_ids[i, P - len(p):P + len(c)] = torch.tensor(p + c)
-        attention_mask[i, P - len(p):P + len(c)] = 1
-    return input_ids, attention_mask, attention_mask[:, P:].clone()
+def take(batch, rows):
+    """The rows `rows` of every tensor in a (nested) dict of per-row tensors; None stays None."""
+    if isinstance(batch, dict):
+        return {k: take(v, rows) for k, v in batch.items()}
+    return None if batch is None else batch[rows]
 
 
-def trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int):
-    """A micro-batch of collated rows without the columns none of its rows uses: the left padding
+def to_device(inputs: dict, device) -> dict:
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
+def trim_padding(inputs: dict, num_completion_tokens: int) -> tuple[dict, int]:
+    """A micro-batch of collated model inputs without the columns none of its rows uses: the left padding
     common to all its prompts and the right padding past its longest completion. Positions count
-    from each row's first token, so the log-probs are those of the full width. Returns input_ids,
-    attention_mask, and the number of completion columns kept (the first ones)."""
+    from each row's first token, so the log-probs are those of the full width. Returns the inputs
+    and the number of completion columns kept (the first ones)."""
+    input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
     P = input_ids.shape[1] - num_completion_tokens
     used = attention_mask.bool().any(dim=0)  # (P + C,)
     first = int(used.int().argmax())  # every prompt has a token, so first <= P - 1
     c = max(1, int(used[P:].sum()))  # completions are right-padded: the used completion columns come first
-    return input_ids[:, first:P + c], attention_mask[:, first:P + c], c
+    return {**inputs, "input_ids": input_ids[:, first:P + c], "attention_mask": attention_mask[:, first:P + c]}, c
 
 
 def length_sorted(rows: torch.Tensor, lengths: torch.Tensor, size: int) -> list[torch.Tensor]:
@@ -384,15 +383,19 @@ class SampledLogprobs(torch.autograd.Function):
         return grad, None, None, None
 
 
-def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float,
-                        with_entropy: bool = False):
-    """Per-token log-probs of the completion part (the last C columns) under `model`: (B, C); with
-    `with_entropy` also the entropy of each of those next-token distributions (B, C), without grad."""
+def positions(inputs: dict) -> torch.Tensor:
+    """Position ids counting from each sequence's first token (prompts are left-padded), as in vLLM."""
+    return (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+
+
+def completion_logprobs(model, inputs: dict, num_completion_tokens: int, temperature: float, with_entropy: bool = False):
+    """Per-token log-probs of the completion part (the last C columns) under `model`, called with the
+    model inputs of collated episodes: (B, C); with `with_entropy` also the entropy of each of those
+    next-token distributions (B, C), gradient-free (a metric; a loss term on it would need its own)."""
     C = num_completion_tokens
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # positions count from each sequence's first token, as in vLLM
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=C + 1, use_cache=False).logits  # (B, C + 1, V): the last one predicts past the end
-    logp, entropy = SampledLogprobs.apply(logits[:, :-1], input_ids[:, -C:], temperature)
+    logits = model(**inputs, position_ids=positions(inputs), logits_to_keep=C + 1,
+                   use_cache=False).logits  # (B, C + 1, V): the last one predicts past the end
+    logp, entropy = SampledLogprobs.apply(logits[:, :-1], inputs["input_ids"][:, -C:], temperature)
     return (logp, entropy) if with_entropy else logp
 
 
@@ -410,19 +413,18 @@ class _ChunkedLogprobHead(torch.nn.Module):
                                          self.temperature) for i in range(0, C, self.chunk_size)], dim=1)
 
 
-def chunked_completion_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float,
+def chunked_completion_logprobs(model, inputs: dict, num_completion_tokens: int, temperature: float,
                                 chunk_size: int = 32) -> torch.Tensor:
     """completion_logprobs without ever holding the (B, C, vocab) logits: for one forward the lm_head is
     replaced by one that applies itself and the log-softmax to `chunk_size` positions at a time. The
     forward still goes through `model` itself, so DDP, FSDP2 and peft do what they do in any forward.
     For models whose logits are lm_head(hidden) (Llama, Qwen, Mistral, SmolLM, ...: see `has_plain_lm_head`)."""
-    C = num_completion_tokens
-    hf, position_ids = hf_model(model), (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    C, hf = num_completion_tokens, hf_model(model)
     head = hf.get_output_embeddings()
-    hf.set_output_embeddings(_ChunkedLogprobHead(head, input_ids[:, -C:], temperature, chunk_size))
+    hf.set_output_embeddings(_ChunkedLogprobHead(head, inputs["input_ids"][:, -C:], temperature, chunk_size))
     try:
-        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     logits_to_keep=C + 1, use_cache=False).logits  # (B, C): log-probs, not logits
+        return model(**inputs, position_ids=positions(inputs), logits_to_keep=C + 1,
+                     use_cache=False).logits  # (B, C): log-probs, not logits
     finally:
         hf.set_output_embeddings(head)
 
@@ -432,21 +434,22 @@ def has_plain_lm_head(model) -> bool:
     return not any(getattr(config, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
 
 
-def no_grad_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float,
-                     micro_batch_size: int, autocast) -> torch.Tensor:
+def no_grad_logprobs(model, inputs: dict, num_completion_tokens: int, temperature: float, micro_batch_size: int,
+                     autocast) -> torch.Tensor:
     """completion_logprobs of a whole batch in micro-batches of similar lengths, each without its padding,
     without grad and without dropout (eval mode: these are the fixed pi_old / reference / probe values),
     on the CPU: (N, C), meaningless past each completion. The lm_head runs in chunks of positions where that is
     exact, which keeps peak memory down."""
     device, training = next(model.parameters()).device, model.training
     fn = chunked_completion_logprobs if has_plain_lm_head(model) else completion_logprobs
-    out = torch.zeros(len(input_ids), num_completion_tokens)
+    N, lengths = len(inputs["input_ids"]), inputs["attention_mask"].sum(dim=1)
+    out = torch.zeros(N, num_completion_tokens)
     model.eval()
     try:
         with torch.no_grad(), autocast:
-            for s in length_sorted(torch.arange(len(input_ids)), attention_mask.sum(dim=1), micro_batch_size):
-                ids, mask, c = trim_padding(input_ids[s], attention_mask[s], num_completion_tokens)
-                out[s, :c] = fn(model, ids.to(device), mask.to(device), c, temperature).float().cpu()
+            for s in length_sorted(torch.arange(N), lengths, micro_batch_size):
+                part, c = trim_padding(take(inputs, s), num_completion_tokens)
+                out[s, :c] = fn(model, to_device(part, device), c, temperature).float().cpu()
         return out
     finally:
         model.train(training)
@@ -578,7 +581,8 @@ def probe_logprob_diff(client, model, probe_ids: list[int], autocast, is_main: b
     a deterministic check that the server computes with the weights we pushed. Every rank runs the
     forward (FSDP2 gathers); rank 0 asks the server and returns the numbers, the others (0, 0)."""
     ids = torch.tensor([probe_ids])
-    ours = no_grad_logprobs(model, ids, torch.ones_like(ids), len(probe_ids) - 1, 1.0, 1, autocast)[0]
+    ours = no_grad_logprobs(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, len(probe_ids) - 1, 1.0, 1,
+                            autocast)[0]
     if not is_main:
         return 0.0, 0.0
     diff = (ours - torch.tensor(client.prompt_logprobs(probe_ids))).abs()

@@ -91,25 +91,28 @@ def training_limit(model: str, work: dict) -> dict[str, dict[int, float]]:
     import torch
     from config import Config
     from train import accumulate_gradients
-    from utils import collate, length_sorted, load_model, trim_padding
+    from rollout import Episode, collate
+    from utils import length_sorted, load_model, positions, take, trim_padding
     policy = load_model(model, torch.device("cpu"))
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if compute_dtype() == torch.bfloat16 else nullcontext()
 
+    def collated(batch):
+        return collate([Episode({}, p, c, [True] * len(c), [0.0] * len(c), "stop") for p, c in batch], 0)
+
     def bare(batch):
-        ids, attention, completion = collate([p for p, _ in batch], [c for _, c in batch], 0)
-        C = completion.shape[1]
-        for s in length_sorted(torch.arange(len(batch)), attention.sum(dim=1), MICRO_BATCH_SIZE):
-            x, m, c = trim_padding(ids[s], attention[s], C)
+        inputs, tokens = collated(batch)
+        C = tokens["mask"].shape[1]
+        for s in length_sorted(torch.arange(len(batch)), inputs["attention_mask"].sum(dim=1), MICRO_BATCH_SIZE):
+            part, c = trim_padding(take(inputs, s), C)
             with autocast:
-                logits = policy(input_ids=x, attention_mask=m, position_ids=(m.cumsum(-1) - 1).clamp(min=0),
-                                logits_to_keep=c + 1, use_cache=False).logits
+                logits = policy(**part, position_ids=positions(part), logits_to_keep=c + 1, use_cache=False).logits
                 logits.sum().backward()
         policy.zero_grad(set_to_none=True)
 
     def nanogrpo(batch):
-        ids, attention, completion = collate([p for p, _ in batch], [c for _, c in batch], 0)
-        data = dict(input_ids=ids, attention_mask=attention, loss_mask=completion, advantages=torch.randn(len(batch)),
-                    old_logp=None, ref_logp=None, sampler_logp=-torch.rand(completion.shape), keep=None)
+        inputs, tokens = collated(batch)
+        data = dict(inputs=inputs, loss_mask=tokens["mask"], advantages=torch.randn(len(batch)), old_logp=None,
+                    ref_logp=None, sampler_logp=-torch.rand(tokens["mask"].shape), keep=None)
         accumulate_gradients(policy, data, Config(micro_batch_size=MICRO_BATCH_SIZE), 1, autocast)
         policy.zero_grad(set_to_none=True)
 

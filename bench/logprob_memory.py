@@ -26,7 +26,7 @@ def measure(path: str, model: str, batch: int, prompt: int, completion: int) -> 
     fn = utils.chunked_completion_logprobs if path == "chunked" else utils.completion_logprobs
     t = time.perf_counter()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        fn(m, ids, attn, completion, 1.0)
+        fn(m, {"input_ids": ids, "attention_mask": attn}, completion, 1.0)
     seconds = time.perf_counter() - t
     return {"path": path, "peak_growth_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024,
             "seconds": seconds}

@@ -27,6 +27,14 @@ def stop(proc: subprocess.Popen):
     utils.stop_process_group(proc)
 
 
+def collated(prompts: list[list[int]], completions: list[list[int]], pad_id: int = 0):
+    """Model inputs and completion mask of (prompt, completion) token lists, as rollout.collate makes them."""
+    from rollout import Episode, collate
+    inputs, tokens = collate([Episode({}, p, c, [True] * len(c), [0.0] * len(c), "stop")
+                              for p, c in zip(prompts, completions)], pad_id)
+    return inputs, tokens["mask"]
+
+
 def make_tiny_model(path, num_heads: int = 1) -> str:
     """A random 2-layer Llama (head_dim 64: vLLM's CPU attention rejects 16) with tied embeddings and the
     SmolLM2 tokenizer; 3 M parameters with one head."""

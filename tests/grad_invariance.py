@@ -13,7 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from config import Config  # noqa: E402
 from train import accumulate_gradients  # noqa: E402
-from utils import collate, distribute, full_tensor, setup_distributed, teardown_distributed  # noqa: E402
+from rollout import Episode, collate  # noqa: E402
+from utils import distribute, full_tensor, setup_distributed, take, teardown_distributed  # noqa: E402
 
 loss_type, micro_batch_size, out, options = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
 checkpointing = "checkpointing" in options
@@ -28,13 +29,14 @@ g = torch.Generator().manual_seed(1)
 N, C = 8, 6
 prompts = [torch.randint(3, 64, (int(torch.randint(2, 5, (1,), generator=g)),), generator=g).tolist() for _ in range(N)]
 completions = [torch.randint(3, 64, (int(torch.randint(1, C + 1, (1,), generator=g)),), generator=g).tolist() for _ in range(N)]
-input_ids, attention_mask, completion_mask = collate(prompts, completions, pad_id=0)
+inputs, tokens = collate([Episode({}, p, c, [True] * len(c), [0.0] * len(c), "stop") for p, c in zip(prompts, completions)], 0)
+completion_mask = tokens["mask"]
 advantages = torch.randn(N, generator=g, dtype=torch.float64)
 ref_logp = -torch.rand(N, completion_mask.shape[1], generator=g, dtype=torch.float64) * 3
 sampler_logp = -torch.rand(N, completion_mask.shape[1], generator=g, dtype=torch.float64) * 6  # IS weights in play
 share = slice(rank * N // world_size, (rank + 1) * N // world_size)
 keep = torch.tensor([True] * 4 + [False] * 3 + [True]) if "uneven" in options else None
-data = dict(input_ids=input_ids[share], attention_mask=attention_mask[share], loss_mask=completion_mask[share],
+data = dict(inputs=take(inputs, share), loss_mask=completion_mask[share],
             advantages=advantages[share], ref_logp=ref_logp[share], old_logp=None, sampler_logp=sampler_logp[share],
             keep=None if keep is None else keep[share])
 cfg = Config(loss_type=loss_type, micro_batch_size=micro_batch_size, beta=0.04, max_completion_length=C, bf16=False)

@@ -7,7 +7,8 @@ import torch
 
 from train import group_advantages, grpo_loss, lr_factor, token_weights
 from config import Config
-from utils import arithmetic_problems, collate, pass_at_k, step_prompt_indices, token_logprobs
+from conftest import collated
+from utils import arithmetic_problems, pass_at_k, step_prompt_indices, token_logprobs
 from vllm_server import bucket_plan
 
 
@@ -126,10 +127,16 @@ def test_on_policy_loss_gradient_is_advantage_weighted_logprob_gradient():
 
 
 def test_collate_aligns_completions_in_one_column():
-    ids, attn, cmask = collate([[5, 6, 7], [8]], [[1, 2], [3, 4, 9]], pad_id=0)
+    from rollout import Episode, collate
+    episodes = [Episode({}, [5, 6, 7], [1, 2], [True, False], [-0.5, 0.0], "stop"),
+                Episode({}, [8], [3, 4, 9], [True] * 3, [-1.0, -2.0, -3.0], "length")]
+    inputs, tokens = collate(episodes, pad_id=0)
+    ids, attn, cmask = inputs["input_ids"], inputs["attention_mask"], tokens["mask"]
     assert ids.tolist() == [[5, 6, 7, 1, 2, 0], [0, 0, 8, 3, 4, 9]]
     assert attn.tolist() == [[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
     assert cmask.tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert tokens["sampled"].tolist() == [[1, 0, 0], [1, 1, 1]]  # a forced token is a completion token, not sampled
+    assert tokens["sampler_logp"].tolist() == [[-0.5, 0.0, 0.0], [-1.0, -2.0, -3.0]]
 
 
 def test_step_prompt_indices_cover_each_epoch_once_and_are_reproducible():
@@ -193,13 +200,13 @@ def test_dropping_zero_std_groups_keeps_the_gradient_exact_without_kl():
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2, head_dim=16)).double()
-    ids, attn, cmask = collate([[5, 6], [7], [8, 9], [10]], [[1, 2, 3], [4], [11, 12], [13, 14, 15]], pad_id=0)
+    inputs, cmask = collated([[5, 6], [7], [8, 9], [10]], [[1, 2, 3], [4], [11, 12], [13, 14, 15]])
     adv = torch.tensor([0.0, 0.0, 1.0, -1.0], dtype=torch.float64)  # the first group has no signal
     grads = []
     for keep in (None, torch.tensor([False, False, True, True])):
         model.zero_grad()
-        data = dict(input_ids=ids, attention_mask=attn, loss_mask=cmask, advantages=adv, old_logp=None, ref_logp=None,
-                    sampler_logp=None, keep=keep)
+        data = dict(inputs=inputs, loss_mask=cmask, advantages=adv, old_logp=None, ref_logp=None, sampler_logp=None,
+                    keep=keep)
         sums, _ = accumulate_gradients(model, data, Config(micro_batch_size=1, bf16=False), 1, nullcontext())
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
         assert sums["tokens"] == (9 if keep is None else 5)  # the dropped rows were not run
@@ -213,11 +220,11 @@ def test_chunked_logprobs_equal_the_plain_path():
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=2, head_dim=16,
                                          tie_word_embeddings=True)).double()
-    ids, attn, cmask = collate([[5, 6, 7], [8]], [[1, 2, 3, 4, 9], [3, 4]], pad_id=0)
+    inputs, _ = collated([[5, 6, 7], [8]], [[1, 2, 3, 4, 9], [3, 4]])
     with torch.no_grad():
-        plain = completion_logprobs(model, ids, attn, 5, 0.7)
+        plain = completion_logprobs(model, inputs, 5, 0.7)
         for chunk in (1, 2, 5, 8):
-            assert (chunked_completion_logprobs(model, ids, attn, 5, 0.7, chunk) - plain).abs().max() < 1e-12
+            assert (chunked_completion_logprobs(model, inputs, 5, 0.7, chunk) - plain).abs().max() < 1e-12
     assert has_plain_lm_head(model)
 
 
@@ -241,9 +248,10 @@ def test_entropy_and_logprobs_of_one_pass_match_naive_loop():
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2, head_dim=16)).double()
-    ids, attn, _ = collate([[5, 6], [7]], [[1, 2, 3], [4, 9]], pad_id=0)
-    logp, entropy = completion_logprobs(model, ids, attn, 3, 0.7, with_entropy=True)
-    plain = completion_logprobs(model, ids, attn, 3, 0.7)
+    inputs, _ = collated([[5, 6], [7]], [[1, 2, 3], [4, 9]])
+    ids, attn = inputs["input_ids"], inputs["attention_mask"]
+    logp, entropy = completion_logprobs(model, inputs, 3, 0.7, with_entropy=True)
+    plain = completion_logprobs(model, inputs, 3, 0.7)
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids).logits.detach()
     for b in range(2):
@@ -279,22 +287,23 @@ def test_trimmed_length_sorted_micro_batches_give_the_full_width_logprobs():
     completion's log-probs must be those of the whole collated batch."""
     from contextlib import nullcontext
     from transformers import LlamaConfig, LlamaForCausalLM
-    from utils import completion_logprobs, no_grad_logprobs, trim_padding
+    from utils import completion_logprobs, no_grad_logprobs, take, trim_padding
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=2, head_dim=16)).double()
     prompts = [[5, 6, 7, 8], [9], [10, 11], [12, 13, 14], [15]]
     completions = [[1], [2, 3, 4, 16, 17, 18], [19, 20], [21, 22, 23], [24, 25, 26, 27]]
-    ids, attn, cmask = collate(prompts, completions, pad_id=0)
+    inputs, cmask = collated(prompts, completions)
     with torch.no_grad():
-        full = completion_logprobs(model, ids, attn, 6, 0.7).float() * cmask
+        full = completion_logprobs(model, inputs, 6, 0.7).float() * cmask
     for size in (1, 2, 3, 5):
-        assert ((no_grad_logprobs(model, ids, attn, 6, 0.7, size, nullcontext()) - full) * cmask).abs().max() < 1e-6, size
+        assert ((no_grad_logprobs(model, inputs, 6, 0.7, size, nullcontext()) - full) * cmask).abs().max() < 1e-6, size
     # the widths kept: rows 0 and 4 need 4 prompt columns (row 0's) and 4 completion columns (row 4's)
-    t_ids, t_attn, c = trim_padding(ids[[0, 4]], attn[[0, 4]], 6)
-    assert c == 4 and t_ids.shape == (2, 8) and torch.equal(t_attn.sum(dim=1), attn[[0, 4]].sum(dim=1))
-    t_ids, t_attn, c = trim_padding(ids[[1, 2]], attn[[1, 2]], 6)
-    assert c == 6 and t_ids.shape == (2, 8)  # prompts of 1 and 2 tokens: 2 of the 4 prompt columns
+    t, c = trim_padding(take(inputs, [0, 4]), 6)
+    assert c == 4 and t["input_ids"].shape == (2, 8)
+    assert torch.equal(t["attention_mask"].sum(dim=1), inputs["attention_mask"][[0, 4]].sum(dim=1))
+    t, c = trim_padding(take(inputs, [1, 2]), 6)
+    assert c == 6 and t["input_ids"].shape == (2, 8)  # prompts of 1 and 2 tokens: 2 of the 4 prompt columns
 
 
 def test_sampled_logprobs_and_their_gradient_match_the_plain_log_softmax():

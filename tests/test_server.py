@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import ROOT, free_port
-from utils import ServerWeights, collate, completion_logprobs, cpu_seconds_of_group
+from conftest import ROOT, collated, free_port
+from utils import ServerWeights, completion_logprobs, cpu_seconds_of_group
 from vllm_server import VLLMClient, WeightSync
 
 pytestmark = pytest.mark.slow
@@ -34,9 +34,9 @@ def setup(server):
 
 def trainer_logprobs(model, prompts, samples, n):
     prompt_of = [prompts[i // n] for i in range(len(samples))]
-    ids, attn, cmask = collate(prompt_of, [s["token_ids"] for s in samples], pad_id=2)
+    inputs, cmask = collated(prompt_of, [s["token_ids"] for s in samples], pad_id=2)
     with torch.no_grad():
-        return completion_logprobs(model, ids, attn, cmask.shape[1], 1.0), cmask
+        return completion_logprobs(model, inputs, cmask.shape[1], 1.0), cmask
 
 
 def test_generate_returns_n_completions_with_ids_logprobs_and_finish_reasons(setup):

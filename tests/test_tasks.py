@@ -162,6 +162,59 @@ def test_a_reward_model_path_that_is_not_a_model_folder(tmp_path):
         RewardScorer([str(tmp_path)], ["prompt"])
 
 
+# ----------------------------------------------------------------------------- rollouts
+
+@pytest.mark.parametrize("loss_type, mode", [("dapo", "token_truncate"), ("grpo", "sequence_mask"),
+                                             ("dr_grpo", "token_mask")])
+def test_tokens_the_policy_did_not_sample_get_no_loss_and_no_importance_weight(loss_type, mode):
+    """A completion that starts with forced tokens (marked unsampled, with a made-up sampler log-prob)
+    gives the gradient of the same episode with those tokens moved into its prompt."""
+    from contextlib import nullcontext
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from config import Config
+    from rollout import Episode, collate
+    from train import accumulate_gradients
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2, head_dim=16)).double()
+    prompts, prefix = [[5, 6, 7], [8, 9]], [30, 31]
+    sampled = [[1, 2, 3], [4, 10, 11, 12]]
+    logps = [[-4.0, -4.3, -3.9], [-4.2, -4.1, -4.4, -3.8]]  # near the random model's: IS weights inside the cap
+    forced = [Episode({}, p, prefix + c, [False] * 2 + [True] * len(c), [0.0, 0.0] + lp, "stop")
+              for p, c, lp in zip(prompts, sampled, logps)]
+    moved = [Episode({}, p + prefix, c, [True] * len(c), lp, "stop") for p, c, lp in zip(prompts, sampled, logps)]
+    cfg = Config(loss_type=loss_type, micro_batch_size=1, max_completion_length=6, vllm_importance_sampling_mode=mode,
+                 vllm_importance_sampling_cap=3.0)
+    grads, tokens_seen = [], []
+    for episodes in (forced, moved):
+        inputs, tokens = collate(episodes, pad_id=0)
+        data = dict(inputs=inputs, loss_mask=tokens["sampled"], advantages=torch.tensor([1.0, -0.5], dtype=torch.float64),
+                    old_logp=None, ref_logp=None, sampler_logp=tokens["sampler_logp"].double(), keep=None)
+        model.zero_grad()
+        sums, _ = accumulate_gradients(model, data, cfg, 1, nullcontext())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+        tokens_seen.append(sums["tokens"])
+    assert tokens_seen == [7, 7] and grads[0].abs().max() > 1e-6
+    assert (grads[0] - grads[1]).abs().max() < 1e-10
+
+
+def test_a_rollout_that_breaks_the_contract_says_how():
+    from rollout import Episode, RolloutContext, load_rollout, run_rollout
+    rows = [{"prompt": "a"}, {"prompt": "b"}]
+    ctx = RolloutContext(None, None, 2, {}, 0)
+    good = [Episode(rows[i // 2], [1], [2], [True], [-1.0], "stop") for i in range(4)]
+    assert run_rollout(lambda r, c: good, rows, ctx) == good
+    with pytest.raises(ValueError, match="returned 3 episodes for 2 rows; it must return a list of 2"):
+        run_rollout(lambda r, c: good[1:], rows, ctx)
+    with pytest.raises(ValueError, match="episode 1 is not of row 0"):
+        run_rollout(lambda r, c: [good[0], good[2], good[1], good[3]], rows, ctx)
+    bad = [Episode(rows[i // 2], [1], [2, 3], [True], [-1.0], "stop") for i in range(4)]
+    with pytest.raises(ValueError, match="2 completion_ids, 1 sampled flags and 1 logprobs"):
+        run_rollout(lambda r, c: bad, rows, ctx)
+    with pytest.raises(ValueError, match="--rollout tests.rollouts:nope: could not load it"):
+        load_rollout("tests.rollouts:nope")
+
+
 # ----------------------------------------------------------------------------- end to end
 
 @pytest.mark.slow
@@ -178,6 +231,23 @@ def test_trl_reward_module_trains_on_a_chat_dataset_without_answers(server, tmp_
     for r in rollouts:  # the prompt as the model saw it, and the row's columns
         assert r["prompt"].startswith(f"<|im_start|>system\n{SYSTEM}<|im_end|>") and "[{'role'" not in r["prompt"]
         assert f"about {r['columns']['target_len']} characters" in r["prompt"] and r["columns"]["kind"] in ("count", "chat")
+
+
+@pytest.mark.slow
+def test_a_rollout_that_forces_a_prefix_trains_and_the_sync_check_skips_it(server, tmp_path):
+    from tests.rollouts import PREFIX
+    proc, metrics = run_train(server, tmp_path / "out", "--dataset", GSM8K, "--rollout", "tests.rollouts:forced_prefix",
+                              "--reward_funcs", "tests.helpers:brevity", "--num_generations", "4", "--prompts_per_step", "4",
+                              "--max_completion_length", "8", "--max_steps", "2", "--bf16", "false", "--no_save_model",
+                              "--async_generation", "--eval_steps", "2", "--eval_dataset", GSM8K, "--eval_num_prompts", "2")
+    steps = [m for m in metrics if "loss" in m]  # the others: the evaluation before training
+    assert len(steps) == 2 and all(math.isfinite(m["loss"]) for m in steps) and "eval/reward" in steps[-1]
+    # the forced tokens carry a made-up log-prob of 0.0: compared, they would differ by whole nats. Step 1 was
+    # sampled by the weights it trains (fp32 both sides: equal); async, step 2 by those one update before
+    assert steps[0]["sampler_logprob_diff_max"] < 1e-4 and steps[1]["sampler_logprob_diff_max"] < 0.1
+    rollouts = [json.loads(line) for line in open(tmp_path / "out" / "rollouts.jsonl")]
+    assert {r["split"] for r in rollouts} == {"train", "eval"}  # evaluation goes through the rollout too
+    assert all(r["completion"].startswith(PREFIX) for r in rollouts)
 
 
 @pytest.mark.slow

@@ -1,0 +1,123 @@
+"""Rollouts: how dataset rows become episodes, the unit every later part of a step works on.
+
+An Episode is one completion of one prompt with everything the step needs from it. The rollout
+function turns a batch of rows into episodes through the server; training, evaluation and the
+async prefetch all call it. The default, `generate`, samples G completions of each prompt in one
+request. `--rollout module:function` replaces it with your own, of the same signature:
+
+    def my_rollout(rows: list[dict], ctx: RolloutContext) -> list[Episode]
+
+The contract:
+  - ctx.num_generations episodes per row, row by row (row i's are episodes [i*G, (i+1)*G)): they
+    are its group, whose rewards are compared;
+  - sample through ctx.client with ctx.sampling and ctx.seed: the same call then gives the same
+    episodes, and the trainer calls it again, as it is, when the server reconnects (so no side
+    effects beyond its result);
+  - completion_ids are every token after the prompt; `sampled` marks those the policy sampled:
+    only they get loss and importance weights and are compared with the server's log-probs. Mark
+    tokens the policy did not sample (a forced prefix, a tool's output) False; `logprobs` holds the
+    sampler's log-prob of each sampled token (any number, e.g. 0.0, for the others).
+"""
+import dataclasses
+import importlib
+from dataclasses import dataclass, field
+
+import torch
+
+from utils import encode_prompt
+
+
+@dataclass
+class Episode:
+    row: dict  # the dataset row it came from (every column)
+    prompt_ids: list[int]  # the prompt as the model sees it (chat template applied)
+    completion_ids: list[int]  # every token after the prompt
+    sampled: list[bool]  # per completion token: sampled by the policy (gets loss, importance weight, sync check)
+    logprobs: list[float]  # per completion token: the sampler's log-prob (meaningless where not sampled)
+    finish_reason: str  # "stop" or "length" (cut at max_tokens)
+    model_inputs: dict = field(default_factory=dict)  # extra inputs of the model for this prompt; none for text
+
+
+@dataclass
+class RolloutContext:
+    client: object  # vllm_server.VLLMClient
+    tokenizer: object
+    num_generations: int  # G: episodes per row
+    sampling: dict  # max_tokens, temperature, top_p, top_k, min_p, repetition_penalty of client.generate
+    seed: int  # the seed of this call's sampling
+    system_prompt: str = ""
+
+    def encode(self, prompt) -> list[int]:
+        """Token ids of a row's prompt (text or chat messages), as the trainer encodes it."""
+        return encode_prompt(self.tokenizer, prompt, self.system_prompt)
+
+
+def generate(rows: list[dict], ctx: RolloutContext) -> list[Episode]:
+    """The default rollout: G completions of each row's prompt, sampled in one request."""
+    prompts = [ctx.encode(row["prompt"]) for row in rows]
+    samples = ctx.client.generate(prompts, n=ctx.num_generations, seed=ctx.seed, **ctx.sampling)
+    G = ctx.num_generations
+    return [Episode(row=rows[i // G], prompt_ids=prompts[i // G], completion_ids=s["token_ids"],
+                    sampled=[True] * len(s["token_ids"]), logprobs=s["logprobs"], finish_reason=s["finish_reason"])
+            for i, s in enumerate(samples)]
+
+
+def load_rollout(name: str):
+    """rollout.generate for "", else the user's function named module:function; ValueError saying what to change."""
+    if not name:
+        return generate
+    module, _, fn = name.partition(":")
+    try:
+        return getattr(importlib.import_module(module), fn)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"--rollout {name}: could not load it ({type(e).__name__}: {e}); give module:function with the "
+                         "module importable from the working folder") from None
+
+
+def run_rollout(fn, rows: list[dict], ctx: RolloutContext) -> list[Episode]:
+    """fn(rows, ctx), checked against the contract: ValueError saying which part it breaks."""
+    episodes, G, name = fn(rows, ctx), ctx.num_generations, getattr(fn, "__name__", repr(fn))
+    if not isinstance(episodes, list) or len(episodes) != len(rows) * G:
+        raise ValueError(f"rollout {name} returned {len(episodes) if hasattr(episodes, '__len__') else episodes!r} "
+                         f"episodes for {len(rows)} rows; it must return a list of {G} (--num_generations) per row")
+    for i, e in enumerate(episodes):
+        if not isinstance(e, Episode):
+            raise ValueError(f"rollout {name}: item {i} is a {type(e).__name__}, not a rollout.Episode")
+        if not (len(e.completion_ids) == len(e.sampled) == len(e.logprobs)):
+            raise ValueError(f"rollout {name}: episode {i} has {len(e.completion_ids)} completion_ids, {len(e.sampled)} "
+                             f"sampled flags and {len(e.logprobs)} logprobs; give one of each per completion token")
+        if e.row is not rows[i // G] and e.row != rows[i // G]:
+            raise ValueError(f"rollout {name}: episode {i} is not of row {i // G}; return {G} episodes per row, in the "
+                             "order of the rows")
+    return episodes
+
+
+def episodes_to_json(episodes: list[Episode]) -> list[dict]:
+    """Episodes without their rows (the trainer knows them), for a checkpoint."""
+    return [{k: v for k, v in dataclasses.asdict(e).items() if k != "row"} for e in episodes]
+
+
+def episodes_from_json(records: list[dict], rows: list[dict], G: int) -> list[Episode]:
+    return [Episode(row=rows[i // G], **r) for i, r in enumerate(records)]
+
+
+def collate(episodes: list[Episode], pad_id: int) -> tuple[dict, dict]:
+    """Episodes as one batch: the model's inputs {input_ids, attention_mask, and each episode's extra
+    inputs concatenated}, prompts left-padded and completions right-padded so every completion starts
+    at the same column, and per completion token (N, C): `mask` (a completion token), `sampled`
+    (sampled by the policy) and `sampler_logp`."""
+    P, C = max(len(e.prompt_ids) for e in episodes), max(1, max(len(e.completion_ids) for e in episodes))
+    N = len(episodes)
+    input_ids = torch.full((N, P + C), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((N, P + C), dtype=torch.long)
+    sampled, sampler_logp = torch.zeros((N, C), dtype=torch.bool), torch.zeros((N, C))
+    for i, e in enumerate(episodes):
+        p, c = len(e.prompt_ids), len(e.completion_ids)
+        input_ids[i, P - p:P + c] = torch.tensor(e.prompt_ids + e.completion_ids)
+        attention_mask[i, P - p:P + c] = 1
+        sampled[i, :c] = torch.tensor(e.sampled, dtype=torch.bool)
+        sampler_logp[i, :c] = torch.tensor(e.logprobs, dtype=torch.float32)
+    extra = {k: torch.cat([e.model_inputs[k] for e in episodes]) for k in episodes[0].model_inputs}
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, **extra}
+    mask = attention_mask[:, P:].clone()
+    return inputs, {"mask": mask, "sampled": sampled.long() * mask, "sampler_logp": sampler_logp}
