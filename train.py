@@ -167,8 +167,7 @@ def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autoca
         inputs, c = trim_padding(take(data["inputs"], s), C)  # only c of the C completion columns
         part = {k: None if data[k] is None else data[k][s, :c].to(device) for k in ("old_logp", "ref_logp", "sampler_logp")}
         with gradient_sync(model, j == num_micro - 1), autocast:  # gradients are reduced on the last micro-batch only
-            logp, entropy = completion_logprobs(model, to_device(inputs, device), c, cfg.temperature,
-                                                with_entropy=True)  # (b, c); the entropy is gradient-free
+            logp, entropy = completion_logprobs(model, to_device(inputs, device), c, cfg.temperature)  # (b, c) each
             # pi_old: the policy before this round's first update. On-policy it is the current policy,
             # whose detached log-probs are these; off-policy the loop computed them before updating.
             old_logp = logp.detach() if part["old_logp"] is None else part["old_logp"]

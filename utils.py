@@ -341,12 +341,6 @@ def length_sorted(rows: torch.Tensor, lengths: torch.Tensor, size: int) -> list[
     return [rows[i:i + size] for i in range(0, len(rows), size)]
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log softmax(logits / temperature) at the target ids: (B, T, V), (B, T) -> (B, T), in fp32 (fp64 for fp64)."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
-    return torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
-
 class SampledLogprobs(torch.autograd.Function):
     """log softmax(logits / temperature) at the target ids, and the entropy of each softmax (no grad), of
     (B, T, V) logits and (B, T) targets, in fp32 (fp64 for fp64 logits), `rows` positions at a time (by
@@ -383,65 +377,73 @@ class SampledLogprobs(torch.autograd.Function):
         return grad, None, None, None
 
 
+def logprobs_and_entropy(logits_of, targets: torch.Tensor, temperature: float, chunk_size: int | None = 32):
+    """SampledLogprobs of positions whose logits are `logits_of(i, j)` (B, j - i, V) for j - i positions
+    from i: (B, C) log-probs of `targets` (B, C) and (B, C) entropies. Without grad, `chunk_size` positions
+    at a time, so the (B, C, V) logits never exist at once; with grad (or chunk_size None), all at once:
+    one matmul and one gradient of the head instead of one per chunk."""
+    C = targets.shape[1]
+    step = C if torch.is_grad_enabled() or not chunk_size else chunk_size
+    parts = [SampledLogprobs.apply(logits_of(i, min(i + step, C)), targets[:, i:i + step], temperature)
+             for i in range(0, C, step)]
+    return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
+
+
+class _LogprobHead(torch.nn.Module):
+    """Stands in for the lm_head during one forward: returns (B, C, 2) log-probs and entropies of the
+    completion tokens `targets` instead of the (B, C + 1, V) logits."""
+
+    def __init__(self, head, targets, temperature: float, chunk_size: int | None):
+        super().__init__()
+        self.head, self.targets, self.temperature, self.chunk_size = head, targets, temperature, chunk_size
+
+    def forward(self, hidden):  # (B, C + 1, H): the hidden states before each completion token, and the last
+        logp, entropy = logprobs_and_entropy(lambda i, j: self.head(hidden[:, i:j]), self.targets, self.temperature,
+                                             self.chunk_size)
+        return torch.stack([logp, entropy], dim=-1)
+
+
+def has_plain_lm_head(model) -> bool:
+    """Whether the model's logits are lm_head(hidden) (Llama, Qwen, Mistral, SmolLM, ...), with no
+    soft-capping or scaling after the head."""
+    config = hf_model(model).config
+    return not any(getattr(config, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+
+
 def positions(inputs: dict) -> torch.Tensor:
     """Position ids counting from each sequence's first token (prompts are left-padded), as in vLLM."""
     return (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)
 
 
-def completion_logprobs(model, inputs: dict, num_completion_tokens: int, temperature: float, with_entropy: bool = False):
-    """Per-token log-probs of the completion part (the last C columns) under `model`, called with the
-    model inputs of collated episodes: (B, C); with `with_entropy` also the entropy of each of those
-    next-token distributions (B, C), gradient-free (a metric; a loss term on it would need its own)."""
-    C = num_completion_tokens
-    logits = model(**inputs, position_ids=positions(inputs), logits_to_keep=C + 1,
-                   use_cache=False).logits  # (B, C + 1, V): the last one predicts past the end
-    logp, entropy = SampledLogprobs.apply(logits[:, :-1], inputs["input_ids"][:, -C:], temperature)
-    return (logp, entropy) if with_entropy else logp
-
-
-class _ChunkedLogprobHead(torch.nn.Module):
-    """Stands in for the lm_head during one no-grad forward: returns the log-probs of `targets`,
-    computed `chunk_size` positions at a time, instead of the (B, T, vocab) logits."""
-
-    def __init__(self, head, targets, temperature: float, chunk_size: int):
-        super().__init__()
-        self.head, self.targets, self.temperature, self.chunk_size = head, targets, temperature, chunk_size
-
-    def forward(self, hidden):  # (B, C + 1, H): the hidden states before each completion token, and the last
-        hidden, C = hidden[:, :-1], self.targets.shape[1]
-        return torch.cat([token_logprobs(self.head(hidden[:, i:i + self.chunk_size]), self.targets[:, i:i + self.chunk_size],
-                                         self.temperature) for i in range(0, C, self.chunk_size)], dim=1)
-
-
-def chunked_completion_logprobs(model, inputs: dict, num_completion_tokens: int, temperature: float,
-                                chunk_size: int = 32) -> torch.Tensor:
-    """completion_logprobs without ever holding the (B, C, vocab) logits: for one forward the lm_head is
-    replaced by one that applies itself and the log-softmax to `chunk_size` positions at a time. The
-    forward still goes through `model` itself, so DDP, FSDP2 and peft do what they do in any forward.
-    For models whose logits are lm_head(hidden) (Llama, Qwen, Mistral, SmolLM, ...: see `has_plain_lm_head`)."""
+def completion_logprobs(model, inputs: dict, num_completion_tokens: int, temperature: float,
+                        chunk_size: int | None = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-probs (B, C) of the completion part (the last C columns) of collated episodes under
+    `model`, called with their model inputs, and the entropy (B, C) of each of those next-token
+    distributions, gradient-free (a metric; a loss term on it would need its own gradient). The one
+    log-prob implementation: training (with grad), pi_old, reference, probe and tests (without).
+    The forward goes through `model` itself, so DDP, FSDP2 and peft do what they do in any forward; for
+    that forward the lm_head is replaced by one that returns log-probs (see logprobs_and_entropy).
+    A model that changes the logits after its head (soft-capping, scaling) returns its logits instead."""
     C, hf = num_completion_tokens, hf_model(model)
-    head = hf.get_output_embeddings()
-    hf.set_output_embeddings(_ChunkedLogprobHead(head, inputs["input_ids"][:, -C:], temperature, chunk_size))
+    targets, head = inputs["input_ids"][:, -C:], hf.get_output_embeddings()
+    plain = has_plain_lm_head(model)
+    if plain:
+        hf.set_output_embeddings(_LogprobHead(head, targets, temperature, chunk_size))
     try:
-        return model(**inputs, position_ids=positions(inputs), logits_to_keep=C + 1,
-                     use_cache=False).logits  # (B, C): log-probs, not logits
+        out = model(**inputs, position_ids=positions(inputs), logits_to_keep=C + 1, use_cache=False).logits
     finally:
         hf.set_output_embeddings(head)
-
-
-def has_plain_lm_head(model) -> bool:
-    config = hf_model(model).config
-    return not any(getattr(config, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+    if plain:  # (B, C, 2)
+        return out[..., 0], out[..., 1].detach()
+    return logprobs_and_entropy(lambda i, j: out[:, i:j], targets, temperature, chunk_size)  # out: (B, C + 1, V)
 
 
 def no_grad_logprobs(model, inputs: dict, num_completion_tokens: int, temperature: float, micro_batch_size: int,
                      autocast) -> torch.Tensor:
     """completion_logprobs of a whole batch in micro-batches of similar lengths, each without its padding,
     without grad and without dropout (eval mode: these are the fixed pi_old / reference / probe values),
-    on the CPU: (N, C), meaningless past each completion. The lm_head runs in chunks of positions where that is
-    exact, which keeps peak memory down."""
+    on the CPU: (N, C), meaningless past each completion."""
     device, training = next(model.parameters()).device, model.training
-    fn = chunked_completion_logprobs if has_plain_lm_head(model) else completion_logprobs
     N, lengths = len(inputs["input_ids"]), inputs["attention_mask"].sum(dim=1)
     out = torch.zeros(N, num_completion_tokens)
     model.eval()
@@ -449,7 +451,7 @@ def no_grad_logprobs(model, inputs: dict, num_completion_tokens: int, temperatur
         with torch.no_grad(), autocast:
             for s in length_sorted(torch.arange(N), lengths, micro_batch_size):
                 part, c = trim_padding(take(inputs, s), num_completion_tokens)
-                out[s, :c] = fn(model, to_device(part, device), c, temperature).float().cpu()
+                out[s, :c] = completion_logprobs(model, to_device(part, device), c, temperature)[0].float().cpu()
         return out
     finally:
         model.train(training)

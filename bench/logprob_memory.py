@@ -1,6 +1,7 @@
-"""Peak memory of the no-grad log-prob pass: the plain path (full (B, C, vocab) logits) against the
-chunked lm_head path that no_grad_logprobs uses. Each path runs in its own process; the number is
-the growth of the process's peak RSS during the pass.
+"""Peak memory of the no-grad log-prob pass: the (B, C, vocab) logits at once (chunk_size None) against
+the lm_head applied 32 positions at a time, which is what utils.completion_logprobs does without grad
+(pi_old, reference, probe). Each path runs in its own process; the number is the growth of the
+process's peak RSS during the pass.
 
     .venv/bin/python bench/logprob_memory.py [--model smollm2-135m] [--batch 16] [--completion 256]
 """
@@ -23,10 +24,10 @@ def measure(path: str, model: str, batch: int, prompt: int, completion: int) -> 
     ids = torch.randint(3, m.config.vocab_size, (batch, prompt + completion))
     attn = torch.ones_like(ids)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    fn = utils.chunked_completion_logprobs if path == "chunked" else utils.completion_logprobs
     t = time.perf_counter()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        fn(m, {"input_ids": ids, "attention_mask": attn}, completion, 1.0)
+        utils.completion_logprobs(m, {"input_ids": ids, "attention_mask": attn}, completion, 1.0,
+                                  32 if path == "chunked" else None)
     seconds = time.perf_counter() - t
     return {"path": path, "peak_growth_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024,
             "seconds": seconds}

@@ -8,7 +8,7 @@ import torch
 from train import group_advantages, grpo_loss, lr_factor, token_weights
 from config import Config
 from conftest import collated
-from utils import arithmetic_problems, pass_at_k, step_prompt_indices, token_logprobs
+from utils import arithmetic_problems, pass_at_k, step_prompt_indices
 from vllm_server import bucket_plan
 
 
@@ -27,19 +27,6 @@ def test_group_advantages_match_naive_loop_in_each_scaling_mode():
             for i in range(G):
                 assert abs(got[g * G + i].item() - (r[i] - mean) / divisor) < 1e-12
         assert torch.all(got[4:8] == 0)
-
-
-def test_token_logprobs_match_naive_loop():
-    torch.manual_seed(0)
-    logits = torch.randn(2, 3, 7, dtype=torch.float64)
-    targets = torch.randint(0, 7, (2, 3))
-    for temperature in (1.0, 0.7):
-        got = token_logprobs(logits, targets, temperature)
-        for b in range(2):
-            for t in range(3):
-                z = [x / temperature for x in logits[b, t].tolist()]
-                lse = math.log(sum(math.exp(x) for x in z))
-                assert abs(got[b, t].item() - (z[targets[b, t]] - lse)) < 1e-6
 
 
 def naive_loss(logp, old, ref, adv, mask, weights, eps_low, eps_high, delta, beta):
@@ -213,21 +200,6 @@ def test_dropping_zero_std_groups_keeps_the_gradient_exact_without_kl():
     assert grads[0].abs().max() > 1e-4 and (grads[0] - grads[1]).abs().max() < 1e-12
 
 
-def test_chunked_logprobs_equal_the_plain_path():
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from utils import chunked_completion_logprobs, completion_logprobs, has_plain_lm_head
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=2, head_dim=16,
-                                         tie_word_embeddings=True)).double()
-    inputs, _ = collated([[5, 6, 7], [8]], [[1, 2, 3, 4, 9], [3, 4]])
-    with torch.no_grad():
-        plain = completion_logprobs(model, inputs, 5, 0.7)
-        for chunk in (1, 2, 5, 8):
-            assert (chunked_completion_logprobs(model, inputs, 5, 0.7, chunk) - plain).abs().max() < 1e-12
-    assert has_plain_lm_head(model)
-
-
 def test_truncated_completions_carry_no_loss_when_masked():
     from train import loss_mask_of
     cmask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1]])
@@ -242,26 +214,52 @@ def test_truncated_completions_carry_no_loss_when_masked():
     assert abs(w.sum().item() - 1) < 1e-12 and w[0].sum() == 0
 
 
-def test_entropy_and_logprobs_of_one_pass_match_naive_loop():
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from utils import completion_logprobs
+def tiny_model(kind: str):
+    from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2, head_dim=16)).double()
-    inputs, _ = collated([[5, 6], [7]], [[1, 2, 3], [4, 9]])
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=2, head_dim=16)
+    if kind == "llama":  # logits = lm_head(hidden), tied to the embeddings
+        return LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=True)).double()
+    # soft-capped logits (30 tanh(z / 30)): the lm_head cannot be swapped, the model's own logits are used
+    return Gemma2ForCausalLM(Gemma2Config(**shape, final_logit_softcapping=3.0)).double()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+def test_completion_logprobs_and_their_gradient_match_a_naive_loop(kind):
+    """The one log-prob implementation, with grad (training) and without (pi_old, reference, probe) in
+    several chunk sizes, against log-softmax written out token by token over the model's own logits, and
+    its gradient against autograd through those logits."""
+    from utils import completion_logprobs, has_plain_lm_head
+    model = tiny_model(kind)
+    assert has_plain_lm_head(model) == (kind == "llama")
+    inputs, cmask = collated([[5, 6, 7], [8]], [[1, 2, 3, 4, 9], [3, 4]])
     ids, attn = inputs["input_ids"], inputs["attention_mask"]
-    logp, entropy = completion_logprobs(model, inputs, 3, 0.7, with_entropy=True)
-    plain = completion_logprobs(model, inputs, 3, 0.7)
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids).logits.detach()
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids).logits  # (2, 9, V)
+    P, T = ids.shape[1] - 5, 0.7
+    expected_logp, expected_entropy = torch.zeros(2, 5, dtype=torch.float64), torch.zeros(2, 5, dtype=torch.float64)
     for b in range(2):
-        for t in range(3):
-            z = [x / 0.7 for x in logits[b, ids.shape[1] - 4 + t].tolist()]
+        for t in range(5):
+            z = [x / T for x in logits[b, P - 1 + t].tolist()]  # the logits before completion token t
             lse = math.log(sum(math.exp(x) for x in z))
-            p = [math.exp(x - lse) for x in z]
-            assert abs(entropy[b, t].item() - -sum(q * math.log(q) for q in p)) < 1e-6  # fp32 by design
-            assert abs(logp[b, t].item() - (z[ids[b, ids.shape[1] - 3 + t]] - lse)) < 1e-6
-    assert torch.allclose(logp, plain, atol=1e-6) and logp.requires_grad and not entropy.requires_grad
+            expected_logp[b, t] = z[ids[b, P + t]] - lse
+            expected_entropy[b, t] = -sum(math.exp(x - lse) * (x - lse) for x in z)
+    w = torch.randn(2, 5, dtype=torch.float64) * cmask
+    z = logits[:, P - 1:-1] / T
+    naive = torch.log_softmax(z, dim=-1).gather(-1, ids[:, P:, None]).squeeze(-1)
+    expected_grad = torch.autograd.grad((naive * w).sum(), list(model.parameters()))
+    logp, entropy = completion_logprobs(model, inputs, 5, T)
+    grad = torch.autograd.grad((logp * w).sum(), list(model.parameters()))
+    assert logp.requires_grad and not entropy.requires_grad  # the entropy is a metric, without gradient
+    assert (logp - expected_logp).abs().max() < 1e-10 and (entropy - expected_entropy).abs().max() < 1e-10
+    assert max((g - e).abs().max().item() for g, e in zip(grad, expected_grad)) < 1e-10
+    assert max(e.abs().max().item() for e in expected_grad) > 1e-3
+    with torch.no_grad():
+        for chunk in (1, 2, 5, 8, None):
+            logp, entropy = completion_logprobs(model, inputs, 5, T, chunk)
+            assert (logp - expected_logp).abs().max() < 1e-10 and (entropy - expected_entropy).abs().max() < 1e-10
+    assert model.get_output_embeddings() is model.lm_head and isinstance(model.lm_head, torch.nn.Linear)  # restored
 
 
 def test_pass_at_k_is_the_chance_that_k_draws_include_a_correct_one():
@@ -295,7 +293,7 @@ def test_trimmed_length_sorted_micro_batches_give_the_full_width_logprobs():
     completions = [[1], [2, 3, 4, 16, 17, 18], [19, 20], [21, 22, 23], [24, 25, 26, 27]]
     inputs, cmask = collated(prompts, completions)
     with torch.no_grad():
-        full = completion_logprobs(model, inputs, 6, 0.7).float() * cmask
+        full = completion_logprobs(model, inputs, 6, 0.7)[0].float() * cmask
     for size in (1, 2, 3, 5):
         assert ((no_grad_logprobs(model, inputs, 6, 0.7, size, nullcontext()) - full) * cmask).abs().max() < 1e-6, size
     # the widths kept: rows 0 and 4 need 4 prompt columns (row 0's) and 4 completion columns (row 4's)

@@ -36,7 +36,7 @@ def trainer_logprobs(model, prompts, samples, n):
     prompt_of = [prompts[i // n] for i in range(len(samples))]
     inputs, cmask = collated(prompt_of, [s["token_ids"] for s in samples], pad_id=2)
     with torch.no_grad():
-        return completion_logprobs(model, inputs, cmask.shape[1], 1.0), cmask
+        return completion_logprobs(model, inputs, cmask.shape[1], 1.0)[0], cmask
 
 
 def test_generate_returns_n_completions_with_ids_logprobs_and_finish_reasons(setup):
