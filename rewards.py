@@ -34,6 +34,8 @@ import sys
 import traceback
 from types import SimpleNamespace
 
+from config import UsageError
+
 MATH_TIMEOUT = 2  # seconds math-verify may spend parsing or comparing one completion (pathological input)
 BOXED_NUMBER = re.compile(r"\\boxed\{\s*-?[\d,]*\.?\d+\s*\}")
 
@@ -94,20 +96,20 @@ def get_reward_func(name: str):
 
 
 def load_reward_func(name: str, columns: list[str]):
-    """The function named `name`, checked to accept what the scorer passes it; ValueError saying what to change."""
+    """The function named `name`, checked to accept what the scorer passes it; UsageError saying what to change."""
     try:
         fn = get_reward_func(name)
     except KeyError:
-        raise ValueError(f"unknown reward function {name!r} in --reward_funcs: use one of {sorted(REWARD_FUNCS)}, your "
+        raise UsageError(f"unknown reward function {name!r} in --reward_funcs: use one of {sorted(REWARD_FUNCS)}, your "
                          "own as module:function, or a reward model folder as a path (./my_rm)") from None
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"--reward_funcs {name}: could not load it ({type(e).__name__}: {e}); give module:function "
+        raise UsageError(f"--reward_funcs {name}: could not load it ({type(e).__name__}: {e}); give module:function "
                          "with the module importable from the working folder") from None
     passed = ["prompts", "completions", "completion_ids", *[c for c in columns if c != "prompt"], *EXTRA_ARGUMENTS]
     try:
         inspect.signature(fn).bind(**dict.fromkeys(passed))
     except TypeError as e:
-        raise ValueError(f"--reward_funcs {name}: {fn.__name__}{inspect.signature(fn)} cannot be called with the arguments "
+        raise UsageError(f"--reward_funcs {name}: {fn.__name__}{inspect.signature(fn)} cannot be called with the arguments "
                          f"a reward function gets ({e}): keyword lists {', '.join(passed)}. Write it as "
                          f"{fn.__name__}(prompts, completions, **kwargs), naming the dataset columns it needs") from None
     except ValueError:  # no signature to inspect (a builtin); it will be called and judged by its results
@@ -131,50 +133,60 @@ class BadOutput(Exception):
     """A function ran but returned something that cannot be a reward: a bug to fix, never to skip."""
 
 
-async def _score_one(fn, batch: dict, n: int, logs: dict) -> tuple[list[float], int, str]:
-    """(scores, completions that raised, first traceback or ""): the whole batch in one call, and one
-    completion at a time if that raises."""
-    def call(kwargs):
-        return fn(**kwargs, trainer_state=batch["trainer_state"], log_metric=logs["log_metric"],
-                  log_extra=logs["log_extra"])
+def _checked_extra(extra: dict, n: int) -> dict:
+    """log_extra's columns, each one value per completion; TypeError if not."""
+    for column, values in extra.items():
+        if len(values) != n:
+            raise TypeError(f"called log_extra({column!r}, ...) with {len(values)} values for {n} completions; give one "
+                            "value per completion")
+    return extra
 
-    lists = {k: v for k, v in batch.items() if k != "trainer_state"}
+
+async def _score_one(fn, batch: dict, n: int) -> dict:
+    """{scores, failed (completions that raised), traceback (the first, or ""), metrics, extra}: the whole
+    batch in one call, and one completion at a time if that raises."""
+    def call(kwargs, metrics, extra):
+        return fn(**kwargs, trainer_state=batch["trainer_state"],
+                  log_metric=lambda key, value: metrics.setdefault(key, []).append(float(value)),
+                  log_extra=lambda column, values: extra.setdefault(column, []).extend(values))
+
+    lists, metrics, extra = {k: v for k, v in batch.items() if k != "trainer_state"}, {}, {}
     try:
-        out = call(lists)
+        out = call(lists, metrics, extra)
         out = await out if inspect.isawaitable(out) else out
     except Exception:
         first = traceback.format_exc()
     else:
         try:
-            return _checked(out, n), 0, ""
+            return {"scores": _checked(out, n), "failed": 0, "traceback": "", "metrics": metrics,
+                    "extra": _checked_extra(extra, n)}
         except TypeError as e:
             raise BadOutput(str(e)) from None
-    scores, failed = [], 0
+    scores, failed, metrics, extras = [], 0, {}, []
     for i in range(n):
         try:
-            out = call({k: v[i:i + 1] for k, v in lists.items()})
+            extra = {}
+            out = call({k: v[i:i + 1] for k, v in lists.items()}, metrics, extra)
             scores += _checked(await out if inspect.isawaitable(out) else out, 1)
+            extras.append(_checked_extra(extra, 1))
         except Exception:
             scores.append(math.nan)
+            extras.append({})
             failed += 1
-    return scores, failed, first if failed else ""
+    columns = dict.fromkeys(c for e in extras for c in e)
+    return {"scores": scores, "failed": failed, "traceback": first if failed else "", "metrics": metrics,
+            "extra": {c: [e[c][0] if c in e else None for e in extras] for c in columns}}
 
 
 def _score(names: list[str], batch: dict) -> list[dict]:
     """Runs in the scorer's process: the functions named (one sync function, or every async one, which
     run concurrently) on one batch: per function {scores, failed, traceback, metrics, extra} or {error}."""
-    n = len(batch["completions"])
-
     async def one(name):
-        metrics, extra = {}, {}
-        logs = {"log_metric": lambda key, value: metrics.setdefault(key, []).append(float(value)),
-                "log_extra": lambda column, values: extra.setdefault(column, []).extend(values)}
         try:
-            scores, failed, tb = await _score_one(get_reward_func(name), batch, n, logs)
+            result = await _score_one(get_reward_func(name), batch, len(batch["completions"]))
         except BadOutput as e:
             return {"error": f"reward function {name} {e}"}
-        return {"scores": scores, "failed": failed, "traceback": tb,
-                "metrics": {k: sum(v) / len(v) for k, v in metrics.items()}, "extra": extra}
+        return {**result, "metrics": {k: sum(v) / len(v) for k, v in result["metrics"].items()}}
 
     async def all_of():
         return await asyncio.gather(*[one(name) for name in names])
@@ -196,7 +208,7 @@ class RewardModel:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
         if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ValueError(f"--reward_funcs {path}: no config.json there; a path names a reward model, a local Hugging "
+            raise UsageError(f"--reward_funcs {path}: no config.json there; a path names a reward model, a local Hugging "
                              "Face sequence-classification folder")
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForSequenceClassification.from_pretrained(path).to(device).eval()
@@ -225,7 +237,7 @@ class RewardScorer:
     def __init__(self, names: list[str], columns: list[str], device="cpu", max_steps: int = 0, timeout: float = 60.0):
         taken = [c for c in columns if c in ("prompts", "completions", "completion_ids", *EXTRA_ARGUMENTS)]
         if taken:
-            raise ValueError(f"the dataset has a column named {taken[0]!r}, the name of an argument every reward function "
+            raise UsageError(f"the dataset has a column named {taken[0]!r}, the name of an argument every reward function "
                              "gets from nanogrpo (as in TRL); rename the column")
         self.names, self.timeout, self.max_steps = names, timeout, max_steps
         self.models = {name: RewardModel(name, device) for name in names if is_reward_model(name)}

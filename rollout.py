@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from config import UsageError
 from utils import encode_prompt
 
 
@@ -63,14 +64,17 @@ def generate(rows: list[dict], ctx: RolloutContext) -> list[Episode]:
 
 
 def load_rollout(name: str):
-    """rollout.generate for "", else the user's function named module:function; ValueError saying what to change."""
+    """rollout.generate for "", else the user's function named module:function; UsageError saying what to change."""
     if not name:
         return generate
     module, _, fn = name.partition(":")
+    if not module or not fn:
+        raise UsageError(f"--rollout {name}: give module:function, e.g. my_rollouts:rollout for the function rollout "
+                         "in my_rollouts.py in the working folder")
     try:
         return getattr(importlib.import_module(module), fn)
     except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"--rollout {name}: could not load it ({type(e).__name__}: {e}); give module:function with the "
+        raise UsageError(f"--rollout {name}: could not load it ({type(e).__name__}: {e}); give module:function with the "
                          "module importable from the working folder") from None
 
 

@@ -13,4 +13,4 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import vllm, transformers
   .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton 2>&1 | grep -v "^WARNING" || true
   .venv/bin/python -c "import vllm, transformers, peft, math_verify, matplotlib" || { echo "installing requirements.txt failed"; exit 1; }
 fi
-.venv/bin/python -c "import utils; print('default model:', utils.default_model_path())"
+.venv/bin/python -c "import config; print('default model:', config.default_model_path())"

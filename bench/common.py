@@ -85,6 +85,7 @@ def serving(model: str, workdir: str, *flags: str, cores: set[int] | None = None
     """vllm_server.py on `model` (eager; its default dtype: bf16 where the CPU has it, else fp32) on a free port, on
     `cores` (None: all);
     yields {"port", "pid" (of its process group), "memory": PeakRSS}."""
+    from config import UsageError
     from utils import stop_process_group
     from vllm_server import VLLMClient
     port = free_port()
@@ -99,7 +100,7 @@ def serving(model: str, workdir: str, *flags: str, cores: set[int] | None = None
             try:
                 client.wait_for_health(timeout=5)
                 break
-            except TimeoutError:
+            except UsageError:  # not answering yet
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"vllm_server.py did not start; see {log.name}") from None
         yield {"port": port, "pid": proc.pid, "memory": memory}

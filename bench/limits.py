@@ -38,7 +38,7 @@ BUCKET_MB = 64  # train.py's --weight_sync_bucket_mb default
 
 def compute_dtype():
     import torch
-    from utils import native_bf16
+    from config import native_bf16
     return torch.bfloat16 if native_bf16(torch.device("cpu")) else torch.float32
 
 
@@ -191,7 +191,7 @@ if __name__ == "__main__":
         sys.exit(0)
 
     sys.path.insert(0, ROOT)
-    from utils import resolve_model
+    from config import resolve_model
     model = resolve_model(a.model)
     with tempfile.TemporaryDirectory() as tmp:
         with serving(model, tmp) as server:

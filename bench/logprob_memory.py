@@ -19,8 +19,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def measure(path: str, model: str, batch: int, prompt: int, completion: int) -> dict:
     sys.path.insert(0, ROOT)
     import torch
+    import config
     import utils
-    m = utils.load_model(utils.resolve_model(model), "cpu")
+    m = utils.load_model(config.resolve_model(model), "cpu")
     ids = torch.randint(3, m.config.vocab_size, (batch, prompt + completion))
     attn = torch.ones_like(ids)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -69,7 +69,7 @@ def main():
     parser.add_argument("--idle", type=float, default=5.0, help="seconds of idle CPU measured")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from utils import resolve_model
+    from config import resolve_model
     with tempfile.TemporaryDirectory() as workdir:
         results = []
         for name in args.models.split(","):

@@ -40,8 +40,8 @@ def make_tiny_model(path, num_heads: int = 1) -> str:
     SmolLM2 tokenizer; 3 M parameters with one head."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    import utils
-    tokenizer = AutoTokenizer.from_pretrained(utils.default_model_path())
+    from config import default_model_path
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=num_heads, num_key_value_heads=num_heads, head_dim=64,
                          max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
@@ -72,6 +72,7 @@ def running_server(model: str, log_path, *extra: str, port: int | None = None):
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "vllm_server.py"), "--model", model, "--port", str(port),
                              "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--seed", "0", *extra],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    from config import UsageError
     from vllm_server import VLLMClient
     client = VLLMClient(port=port, api_key=extra[extra.index("--api-key") + 1] if "--api-key" in extra else None)
     try:
@@ -80,7 +81,7 @@ def running_server(model: str, log_path, *extra: str, port: int | None = None):
             try:
                 client.wait_for_health(timeout=2)
                 break
-            except TimeoutError:
+            except UsageError:  # not answering yet
                 pass
         if proc.poll() is not None or client.model_name is None:
             log.seek(0)

@@ -50,3 +50,17 @@ def inf_on_calls(completions, **kwargs):
     if str(_calls) in os.environ.get("NANOGRPO_TEST_INF_CALLS", "").split(","):
         return [math.inf] * len(completions)
     return brevity(completions)
+
+
+def logs_extra(completions, log_extra, log_metric, **kwargs):
+    """Logs one value per completion (TRL's log_extra) and a metric; raises on a completion holding BAD."""
+    if any("BAD" in c for c in completions):
+        raise ValueError("BAD")
+    log_extra("length", [len(c) for c in completions])
+    log_metric("mean_length", sum(map(len, completions)) / len(completions))
+    return [1.0] * len(completions)
+
+
+def logs_extra_short(completions, log_extra, **kwargs):
+    log_extra("length", [len(completions[0])])  # one value for the whole batch: refused
+    return [1.0] * len(completions)

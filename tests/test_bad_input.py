@@ -12,6 +12,7 @@ import pytest
 from config import Config, parse_config
 from conftest import ROOT, free_port, train_args
 from rewards import RewardScorer
+import config
 import utils
 
 GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
@@ -99,10 +100,10 @@ def test_hub_dataset_that_cannot_be_loaded_says_what_to_do(monkeypatch):
 
 def test_model_path_that_does_not_exist_or_is_not_a_model_folder(tmp_path):
     with pytest.raises(ValueError, match="no such folder"):
-        utils.resolve_model(str(tmp_path / "missing-model"))
+        config.resolve_model(str(tmp_path / "missing-model"))
     with pytest.raises(ValueError, match="without config.json"):
-        utils.resolve_model(str(tmp_path))
-    assert utils.resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+        config.resolve_model(str(tmp_path))
+    assert config.resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 def test_unknown_or_unimportable_reward_functions():
@@ -117,16 +118,34 @@ def test_unknown_or_unimportable_reward_functions():
 # ----------------------------------------------------------------------------- the real scripts
 
 def start_fails(args: list[str], *, timeout=300, python=(sys.executable,)) -> str:
-    """Run a script that must fail at start; its stderr."""
+    """Run a script that must fail at start, as a user's mistake: its message as the last line of stderr,
+    `error: ...`, no traceback, exit code 2. Returns that line."""
     proc = subprocess.run([*python, *args], capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode != 0, proc.stdout[-2000:]
-    return proc.stderr
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: "), proc.stderr[-3000:]
+    return last
 
 
 def offline_train_args(tiny_model, out, *args):
     """train.py flags for a run whose server is nowhere: it must fail before it would need one."""
     return train_args({"model": tiny_model, "port": free_port()}, out, "--vllm_server_timeout", "1", *args)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["flag", "missing file", "missing column", "unreadable file"])
+def test_a_mistake_found_at_start_is_one_line_and_exit_code_2(tiny_model, tmp_path, case):
+    (tmp_path / "no_prompt.jsonl").write_text(json.dumps({"text": "2 + 2?", "answer": "4"}) + "\n")
+    (tmp_path / "broken.jsonl").write_text('{"prompt": "2 + 2?", "answer": \n')
+    args, message = {
+        "flag": (["--num_generations", "1"], "error: invalid configuration: --num_generations 1: GRPO needs at least 2"),
+        "missing file": (["--dataset", str(tmp_path / "nope.jsonl")], "no such file"),
+        "missing column": (["--dataset", str(tmp_path / "no_prompt.jsonl")], "has no column 'question'"),
+        "unreadable file": (["--dataset", str(tmp_path / "broken.jsonl")], "not a readable jsonl file"),
+    }[case]
+    assert message in start_fails(offline_train_args(tiny_model, tmp_path / "out", *args))
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ import sys
 
 from config import Config, parse_config
 from conftest import ROOT
+import config
 import utils
 
 GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
@@ -29,7 +30,7 @@ def test_cpu_server_computes_in_bf16_only_where_the_cpu_has_it():
     import torch
     from vllm_server import flag_value, serve_args
     native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert utils.native_bf16(torch.device("cpu")) == native
+    assert config.native_bf16(torch.device("cpu")) == native
     assert flag_value(serve_args(["--model", "org/name"]), "--dtype") == ("bfloat16" if native else "float32")
     for told, dtype in ((["--dtype", "bfloat16"], "bfloat16"), (["--dtype=float16"], "float16")):
         completed = serve_args(["--model", "org/name", *told])  # the user's choice is kept, and the only one

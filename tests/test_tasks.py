@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from config import default_model_path
 from conftest import ROOT, run_train
 from rewards import RewardScorer, load_reward_func
 import utils
@@ -59,7 +60,7 @@ def test_a_prompt_that_is_neither_text_nor_messages_names_the_row(tmp_path, prom
 
 def test_chat_prompts_go_through_the_chat_template_with_the_system_prompt():
     from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(utils.default_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     user = [{"role": "user", "content": "What is 2 + 2?"}]
     text = tokenizer.decode(utils.encode_prompt(tokenizer, user, "Be brief."))
     assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>") and text.endswith("<|im_start|>assistant\n")
@@ -121,6 +122,24 @@ def test_failures_are_counted_reported_once_and_stop_the_run_when_nothing_scores
         scorer.close()
 
 
+def test_log_extra_gives_one_value_per_completion_or_stops_the_run():
+    rows = [{"prompt": "p"}] * 3
+    scorer = RewardScorer(["tests.helpers:logs_extra"], ["prompt"])
+    try:
+        scorer(rows, ["a", "bb", "cccc"], [[1]] * 3)
+        assert scorer.extra == {"length": [1, 2, 4]} and scorer.metrics == {"mean_length": 7 / 3}
+        scorer(rows, ["a", "BAD", "cccc"], [[1]] * 3)  # retried one by one: the one that raised logged nothing
+        assert scorer.extra == {"length": [1, None, 4]} and scorer.failures == 1
+    finally:
+        scorer.close()
+    scorer = RewardScorer(["tests.helpers:logs_extra_short"], ["prompt"])
+    try:
+        with pytest.raises(ValueError, match="log_extra\\('length', ...\\) with 1 values for 3 completions"):
+            scorer(rows, ["a", "bb", "cccc"], [[1]] * 3)
+    finally:
+        scorer.close()
+
+
 @pytest.mark.parametrize("fn, message", [("returns_one", "returned list of length 1 for 2 completions"),
                                          ("returns_text", "not a number or None")])
 def test_a_function_returning_what_cannot_be_rewards_stops_with_its_name(fn, message):
@@ -135,7 +154,7 @@ def test_a_function_returning_what_cannot_be_rewards_stops_with_its_name(fn, mes
 def test_a_reward_model_folder_scores_prompt_and_completion(tmp_path):
     """A tiny random sequence-classification model: the batched, padded scores equal each text scored alone."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig
-    tokenizer = AutoTokenizer.from_pretrained(utils.default_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=1, num_key_value_heads=1, head_dim=32, num_labels=1)
