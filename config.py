@@ -14,7 +14,7 @@ import sys
 import tempfile
 import typing
 import zipfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 DEFAULT_MODEL = "smollm2-135m"  # the embedded model; any other value is a hub id or a folder
 

@@ -53,13 +53,19 @@ class RolloutContext:
         return encode_prompt(self.tokenizer, prompt, self.system_prompt)
 
 
+def sampled_episode(row: dict, prompt_ids: list[int], completion_ids: list[int], logprobs: list[float] | None = None,
+                    finish_reason: str = "stop") -> Episode:
+    """An episode whose every completion token the policy sampled; `logprobs`: the sampler's (0.0 if not known)."""
+    return Episode(row, prompt_ids, completion_ids, [True] * len(completion_ids),
+                   [0.0] * len(completion_ids) if logprobs is None else logprobs, finish_reason)
+
+
 def generate(rows: list[dict], ctx: RolloutContext) -> list[Episode]:
     """The default rollout: G completions of each row's prompt, sampled in one request."""
     prompts = [ctx.encode(row["prompt"]) for row in rows]
     samples = ctx.client.generate(prompts, n=ctx.num_generations, seed=ctx.seed, **ctx.sampling)
     G = ctx.num_generations
-    return [Episode(row=rows[i // G], prompt_ids=prompts[i // G], completion_ids=s["token_ids"],
-                    sampled=[True] * len(s["token_ids"]), logprobs=s["logprobs"], finish_reason=s["finish_reason"])
+    return [sampled_episode(rows[i // G], prompts[i // G], s["token_ids"], s["logprobs"], s["finish_reason"])
             for i, s in enumerate(samples)]
 
 

@@ -45,17 +45,16 @@ from config import Config, UsageError, native_bf16, parse_config, resolve_model,
 from plot import plot_run
 from rewards import RewardScorer, postprocess_rewards
 from rollout import RolloutContext, collate, episodes_from_json, episodes_to_json, load_rollout, run_rollout
-from utils import (MetricsLogger, ServerWeights, StopRequest, add_lora, barrier, columns_of,
-                   completion_logprobs, distribute, encode_prompt, extremes_over_ranks, find_checkpoint, full_tensor,
-                   gather_lines, gradient_sync, length_sorted, load_checkpoint, load_model, load_rows,
-                   mean_over_ranks, merge_stats, named_rewards, no_grad_logprobs, pass_at_k,
-                   prepare_output_dir, print0, probe_logprob_diff, progress, reference_model,
-                   restore_training_state, save_checkpoint, save_model, setup_distributed, step_prompt_indices,
-                   sum_over_ranks, take, teardown_distributed, to_device, trim_padding)
+from utils import (MetricsLogger, ServerWeights, StepTimer, StopRequest, add_lora, barrier, check_finite, check_sync,
+                   completion_logprobs, console_line, distribute, encode_prompt, extremes_over_ranks, find_checkpoint,
+                   full_tensor, gather_lines, gradient_sync, length_sorted, load_checkpoint, load_model, load_rows,
+                   mean_over_ranks, merge_stats, no_grad_logprobs, pass_at_k, prepare_output_dir, print0, progress,
+                   reference_model, restore_training_state, reward_metrics, rollout_records, save_checkpoint,
+                   save_model,
+                   setup_distributed, step_prompt_indices, sum_over_ranks, take, teardown_distributed, to_device,
+                   training_metrics, trim_padding)
 from vllm_server import InThread, ServerGuard, VLLMClient, WeightSync
 
-
-MAX_NONFINITE_ROUNDS = 3  # stop after this many steps in a row with a NaN/inf loss (each one's update is skipped)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", batch_std: float = 1.0,
@@ -165,32 +164,47 @@ def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autoca
         padding = j >= len(micro)  # this rank has run all its rows; keep in step with the others
         s = torch.arange(1) if padding else micro[j]
         inputs, c = trim_padding(take(data["inputs"], s), C)  # only c of the C completion columns
-        part = {k: None if data[k] is None else data[k][s, :c].to(device) for k in ("old_logp", "ref_logp", "sampler_logp")}
+        part = {k: None if data[k] is None else data[k][s, :c].to(device)
+                for k in ("old_logp", "ref_logp", "sampler_logp")}
         with gradient_sync(model, j == num_micro - 1), autocast:  # gradients are reduced on the last micro-batch only
             logp, entropy = completion_logprobs(model, to_device(inputs, device), c, cfg.temperature)  # (b, c) each
             # pi_old: the policy before this round's first update. On-policy it is the current policy,
             # whose detached log-probs are these; off-policy the loop computed them before updating.
             old_logp = logp.detach() if part["old_logp"] is None else part["old_logp"]
-            m = mask[s, :c].to(device)
-            weights = token_weights(mask[s, :c], cfg.loss_type, counts["seqs"], counts["tokens"], cfg.max_completion_length,
-                                    counts["micro"]).to(device) * world_size * (not padding)  # DDP/FSDP average over ranks
+            m = mask[s, :c].to(device) * (not padding)  # a padding run counts no token
+            weights = token_weights(mask[s, :c], cfg.loss_type, counts["seqs"], counts["tokens"],
+                                    cfg.max_completion_length, counts["micro"]).to(device)
+            weights = weights * world_size * (not padding)  # DDP and FSDP average the gradients over ranks
             extra = {}
             if part["sampler_logp"] is not None:  # importance sampling against the sampler
                 is_weight, ratio = sampler_is_weights(old_logp.float(), part["sampler_logp"], m,
-                                                      cfg.vllm_importance_sampling_mode, cfg.vllm_importance_sampling_cap)
+                                                      cfg.vllm_importance_sampling_mode,
+                                                      cfg.vllm_importance_sampling_cap)
                 weights = weights * is_weight
                 r = ratio.expand_as(m) * m
-                extra = {"is_ratio": r.sum(), "is_ratio_max": r.max(), "is_ratio_min": torch.where(m > 0, r, torch.inf).min(),
+                extra = {"is_ratio": r.sum(), "is_ratio_max": r.max(),
+                         "is_ratio_min": torch.where(m > 0, r, torch.inf).min(),
                          "is_dropped": ((is_weight == 0) & (m > 0)).sum()}
             loss, stats = grpo_loss(logp, old_logp, data["advantages"][s].to(device), m, weights,
                                     cfg.epsilon, cfg.eps_high, cfg.delta, cfg.beta, part["ref_logp"])
             loss.backward()
-        if padding:
-            continue
-        stats = {**stats, **extra, "entropy": (entropy * m).sum(), "tokens": m.sum(), "loss": loss.detach() / world_size}
-        merge_stats(sums, {k: v.item() for k, v in stats.items()})
-        logps[s, :c] = logp.detach().float().cpu()
+        stats = {**stats, **extra, "entropy": (entropy * m).sum(), "tokens": m.sum(),
+                 "loss": loss.detach() / world_size}
+        merge_stats(sums, {k: v.item() for k, v in stats.items()})  # the same names on every rank that ran
+        if not padding:
+            logps[s, :c] = logp.detach().float().cpu()
     return sums, logps
+
+
+def optimizer_step(optimizer, scheduler, params, max_grad_norm: float) -> torch.Tensor:
+    """Clip the gradient, step (unless it is NaN/inf: the weights and optimizer state stay good), clear it.
+    Returns the gradient norm before clipping, the same on every rank (that of the reduced gradient)."""
+    norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf")))
+    if norm.isfinite():
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return norm
 
 
 def lr_factor(step: int, cfg: Config) -> float:
@@ -199,7 +213,8 @@ def lr_factor(step: int, cfg: Config) -> float:
         return (step + 1) / cfg.warmup_steps
     total = cfg.max_steps * cfg.num_iterations * cfg.steps_per_generation
     progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
-    return {"constant": 1.0, "linear": 1.0 - progress, "cosine": 0.5 * (1 + math.cos(math.pi * progress))}[cfg.lr_scheduler_type]
+    factors = {"constant": 1.0, "linear": 1.0 - progress, "cosine": 0.5 * (1 + math.cos(math.pi * progress))}
+    return factors[cfg.lr_scheduler_type]
 
 
 def main(cfg: Config):
@@ -216,16 +231,17 @@ def main(cfg: Config):
     from transformers import AutoTokenizer
     model_path = resolve_model(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    rows = load_rows(cfg.dataset, cfg.dataset_split, cfg.prompt_column, cfg.answer_column, cfg.num_arithmetic_problems, cfg.seed)
+    rows = load_rows(cfg.dataset, cfg.dataset_split, cfg.prompt_column, cfg.answer_column, cfg.num_arithmetic_problems,
+                     cfg.seed)
     prompt_ids = [encode_prompt(tokenizer, r["prompt"], cfg.system_prompt) for r in rows]  # chat template applied
     eval_rows = load_rows(cfg.eval_dataset or cfg.dataset, cfg.eval_split, cfg.prompt_column, cfg.answer_column,
                           cfg.num_arithmetic_problems, cfg.seed)[:cfg.eval_num_prompts] if cfg.eval_steps else []
     eval_ids = [encode_prompt(tokenizer, r["prompt"], cfg.system_prompt) for r in eval_rows]
     longest = max(map(len, prompt_ids + eval_ids))
     if longest > cfg.max_prompt_length:
-        raise UsageError(f"the longest prompt has {longest} tokens > --max_prompt_length {cfg.max_prompt_length}: raise "
-                         "it (and the server's --max-model-len) or drop the long prompts from the dataset")
-    client = VLLMClient(cfg.vllm_server_host, cfg.vllm_server_port, os.environ.get("VLLM_API_KEY"))  # the server's --api-key
+        raise UsageError(f"the longest prompt has {longest} tokens > --max_prompt_length {cfg.max_prompt_length}: "
+                         "raise it (and the server's --max-model-len) or drop the long prompts from the dataset")
+    client = VLLMClient(cfg.vllm_server_host, cfg.vllm_server_port, os.environ.get("VLLM_API_KEY"))  # its --api-key
     client.wait_for_health(cfg.vllm_server_timeout)
     server_dtype, max_model_len = client.server_dtype_and_max_len()
     if longest + cfg.max_completion_length > max_model_len:
@@ -250,8 +266,8 @@ def main(cfg: Config):
     model = distribute(policy, cfg.fsdp, cfg.bf16, world_size)  # FSDP2 shards per layer; else DDP copies
     ref_model = None
     if cfg.beta > 0 and not cfg.use_peft:  # a frozen copy for the KL penalty (with LoRA: the adapter switched off)
-        ref_model = distribute(load_model(model_path, device).eval().requires_grad_(False), cfg.fsdp, cfg.bf16, world_size,
-                               trainable=False)
+        ref_model = distribute(load_model(model_path, device).eval().requires_grad_(False), cfg.fsdp, cfg.bf16,
+                               world_size, trainable=False)
     off_policy = cfg.num_iterations > 1 or cfg.steps_per_generation > 1  # then pi_old needs its own pass
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
     trainable = [p for p in policy.parameters() if p.requires_grad]
@@ -271,7 +287,8 @@ def main(cfg: Config):
     # every rank takes part (the gathers), rank 0 alone sends
     sync = WeightSync(client, ServerWeights(model, server_dtype), rank, cfg.vllm_group_host, cfg.vllm_group_port,
                       cfg.weight_sync_bucket_mb)
-    logger = MetricsLogger(cfg.output_dir, is_main, cfg.report_to, vars(cfg), cfg.wandb_project, cfg.run_name, state["step"])
+    logger = MetricsLogger(cfg.output_dir, is_main, cfg.report_to, vars(cfg), cfg.wandb_project, cfg.run_name,
+                           state["step"])
     stop = StopRequest()  # SIGTERM / Ctrl-C: save a checkpoint, then stop
 
     def rows_of(step: int) -> list[int]:
@@ -281,7 +298,8 @@ def main(cfg: Config):
 
     def rollout_call(step: int):
         """The call that samples this rank's episodes of `step`, repeatable (a server reconnect runs it again)."""
-        ctx = RolloutContext(client, tokenizer, G, sampling, (cfg.seed * 1_000_000 + step) * 1000 + rank, cfg.system_prompt)
+        seed = (cfg.seed * 1_000_000 + step) * 1000 + rank
+        ctx = RolloutContext(client, tokenizer, G, sampling, seed, cfg.system_prompt)
         return functools.partial(run_rollout, rollout_fn, [rows[i] for i in rows_of(step)], ctx)
 
     # async generation: {step: (policy version, this rank's episodes)} drawn while the step before trained;
@@ -305,31 +323,35 @@ def main(cfg: Config):
                          on_gone=lambda: checkpoint(scheduler.last_epoch // updates_per_round))
     server.run(sync.push)  # the server = our step-0 policy (LoRA: its adapter starts at zero, but the names must map)
     barrier()  # no rank samples while weights are being pushed
-    print0(f"nanogrpo | model {cfg.model} | {world_size} process(es) on {device.type} | {cfg.prompts_per_step} prompts x "
-           f"G={G} = {cfg.prompts_per_step * G} completions per step ({prompts_per_rank * G} per rank) | "
+    parallel = "FSDP2" if cfg.fsdp else "DDP" if world_size > 1 else "single process"
+    print0(f"nanogrpo | model {cfg.model} | {world_size} process(es) on {device.type} | {cfg.prompts_per_step} prompts "
+           f"x G={G} = {cfg.prompts_per_step * G} completions per step ({prompts_per_rank * G} per rank) | "
            f"rewards {names} x {reward_weights.tolist()} | loss {cfg.loss_type} | beta {cfg.beta} | bf16 {cfg.bf16} | "
-           f"{'FSDP2' if cfg.fsdp else 'DDP' if world_size > 1 else 'single process'}{' + LoRA' if cfg.use_peft else ''}")
+           f"{parallel}{' + LoRA' if cfg.use_peft else ''}")
+
+    def score(episodes: list) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+        """The completions' texts, each function's rewards (N, k) (NaN = not scored), their weighted sum (N,)."""
+        texts = tokenizer.batch_decode([e.completion_ids for e in episodes], skip_special_tokens=True)
+        scores = scorer([e.row for e in episodes], texts, [e.completion_ids for e in episodes], scheduler.last_epoch)
+        reward_matrix = postprocess_rewards(torch.tensor(scores, dtype=torch.float32).T.reshape(len(texts), len(names)),
+                                            names)
+        return texts, reward_matrix, (reward_matrix * reward_weights).nansum(dim=1)  # a skipped function adds nothing
 
     def evaluate() -> dict:
         """Mean rewards and pass@k on the evaluation prompts, through the server (each rank its share). The
         requests carry the same seeds every time, so two evaluations differ only by the weights."""
         n, mine = cfg.eval_num_generations, list(range(rank, len(eval_rows), world_size))
-        ctx = RolloutContext(client, tokenizer, n, sampling, (cfg.seed * 1_000_000 + 999_999) * 1000 + rank, cfg.system_prompt)
+        seed = (cfg.seed * 1_000_000 + 999_999) * 1000 + rank  # the same every time
+        ctx = RolloutContext(client, tokenizer, n, sampling, seed, cfg.system_prompt)
         episodes = server.run(run_rollout, rollout_fn, [eval_rows[i] for i in mine], ctx)
-        ids = [e.completion_ids for e in episodes]
-        texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
-        scores = scorer([e.row for e in episodes], texts, ids, scheduler.last_epoch)
-        matrix = postprocess_rewards(torch.tensor(scores, dtype=torch.float32).T.reshape(len(texts), len(names)), names)
-        correct = (matrix[:, 0] >= 1).view(-1, n).sum(dim=1).tolist()  # per prompt: completions the first function passes
-        logger.log_rollouts([{"step": scheduler.last_epoch // updates_per_round, "split": "eval",
-                              "policy_version": scheduler.last_epoch, "rank": rank, "prompt_index": mine[i // n],
-                              "prompt": tokenizer.decode(episodes[i].prompt_ids), "columns": columns_of(episodes[i].row),
-                              "completion": texts[i], "rewards": named_rewards(matrix[i], names),
-                              "reward": (matrix[i] * reward_weights).nansum().item(),
-                              "finish_reason": episodes[i].finish_reason, "completion_tokens": len(ids[i])}
-                             for i in range(len(texts))])
-        t = sum_over_ranks({"n": len(texts), "prompts": len(mine), "reward": (matrix * reward_weights).nansum().item(),
-                            "length": sum(map(len, ids)),
+        texts, matrix, rewards = score(episodes)
+        correct = (matrix[:, 0] >= 1).view(-1, n).sum(dim=1).tolist()  # per prompt: passed by the first function
+        logger.log_rollouts(rollout_records(episodes, texts, matrix, names, reward_weights, tokenizer,
+                                            [mine[i // n] for i in range(len(episodes))], split="eval",
+                                            step=scheduler.last_epoch // updates_per_round,
+                                            policy_version=scheduler.last_epoch, rank=rank))
+        t = sum_over_ranks({"n": len(texts), "prompts": len(mine), "reward": rewards.sum(),
+                            "length": sum(len(e.completion_ids) for e in episodes),
                             **{name: matrix[:, i].nan_to_num(0.0).sum() for i, name in enumerate(names)},
                             **{f"pass@{k}": sum(pass_at_k(n, c, k) for c in correct) for k in cfg.pass_k()}})
         return {"eval/reward": t["reward"] / t["n"], **{f"eval/rewards/{name}": t[name] / t["n"] for name in names},
@@ -344,9 +366,9 @@ def main(cfg: Config):
         metrics = {"step": 0, **evaluate()}
         logger.log(metrics)
         log_eval(0, metrics)
-    bad_rounds, t_start = 0, time.perf_counter()  # steps in a row whose loss was not finite; for the progress bar
+    bad_steps, t_start = 0, time.perf_counter()  # steps in a row whose loss was not finite; for the progress bar
     for step in range(state["step"], cfg.max_steps):
-        t0 = time.perf_counter()
+        timer = StepTimer()
         # ---------------------------------------------------------------------- sample
         mine = rows_of(step)
         # version: the policy that samples, after this many optimizer steps. Async, the batch was sampled
@@ -357,15 +379,11 @@ def main(cfg: Config):
         if cfg.async_generation:  # the server samples the next batch while we train (after the last step too:
             # the last checkpoint keeps it, so that a run continued from it goes on as if never stopped)
             pending = InThread(rollout_call(step + 1))
-        completions = [e.completion_ids for e in episodes]
-        t_gen = time.perf_counter()
+        timer.lap("generate")
 
         # ---------------------------------------------------------------------- score
-        texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-        scores = scorer([e.row for e in episodes], texts, completions, scheduler.last_epoch)
-        reward_matrix = postprocess_rewards(torch.tensor(scores).T, names)  # (N, k), NaN = not scored
-        rewards = (reward_matrix * reward_weights).nansum(dim=1)  # (N,) a skipped function adds nothing
-        t_score = time.perf_counter()
+        texts, reward_matrix, rewards = score(episodes)  # (N, k) per function, NaN = not scored; (N,) weighted sum
+        timer.lap("score")
 
         # ---------------------------------------------------------------------- advantages
         r = sum_over_ranks({"n": len(rewards), "sum": rewards.sum(), "sq": (rewards ** 2).sum()})
@@ -374,7 +392,7 @@ def main(cfg: Config):
         zero_std = (rewards.view(-1, G).std(dim=1) < 1e-6).repeat_interleave(G)  # (N,) groups with no signal
 
         # ---------------------------------------------------------------------- old / ref log-probs
-        inputs, tokens = collate(episodes, tokenizer.pad_token_id)  # the model's inputs; (N, C) mask, sampled, sampler_logp
+        inputs, tokens = collate(episodes, tokenizer.pad_token_id)  # the model's inputs; (N, C) mask, sampled, logp
         C, sampler_logp = tokens["mask"].shape[1], tokens["sampler_logp"]
         truncated = torch.tensor([e.finish_reason == "length" for e in episodes])  # (N,)
         loss_mask = loss_mask_of(tokens["sampled"], truncated, cfg.mask_truncated_completions)  # (N, C) sampled tokens
@@ -387,7 +405,7 @@ def main(cfg: Config):
         if cfg.beta > 0:
             with reference_model(model, ref_model) as ref:
                 ref_logp = no_grad_logprobs(ref, inputs, C, cfg.temperature, cfg.micro_batch_size, autocast)
-        t_ref = time.perf_counter()
+        timer.lap("old_ref")
 
         # ---------------------------------------------------------------------- loss and step
         if stop.requested():  # before the weights change: the checkpoint holds the state at the start of this step
@@ -397,109 +415,53 @@ def main(cfg: Config):
         data = dict(inputs=inputs, loss_mask=loss_mask, advantages=advantages,
                     old_logp=old_logp, ref_logp=ref_logp, keep=~zero_std if cfg.drop_zero_std_groups else None,
                     sampler_logp=sampler_logp if cfg.vllm_importance_sampling_correction else None)
-        sums, grad_norms, skipped, first_pass_logp, t_optimizer = {}, [], 0, torch.zeros(loss_mask.shape), 0.0
+        sums, grad_norms, first_pass_logp = {}, [], torch.zeros(loss_mask.shape)
         for iteration in range(cfg.num_iterations):
-            order = torch.randperm(len(episodes), generator=torch.Generator().manual_seed(cfg.seed + step * 1000 + iteration))
+            seed = cfg.seed + step * 1000 + iteration
+            order = torch.randperm(len(episodes), generator=torch.Generator().manual_seed(seed))
             for part in order.chunk(cfg.steps_per_generation):  # one optimizer step on each part
                 part_sums, logp = accumulate_gradients(model, take(data, part), cfg, world_size, autocast)
                 merge_stats(sums, part_sums)
-                t_opt = time.perf_counter()
-                grad_norms.append(full_tensor(torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm or float("inf"))))
-                if grad_norms[-1].isfinite():  # the same on every rank: the norm is over the reduced gradient
-                    optimizer.step()
-                else:  # a NaN/inf loss or gradient: skip the update, the weights and optimizer state stay good
-                    skipped += 1
-                optimizer.zero_grad(set_to_none=True)
-                scheduler.step()
-                t_optimizer += time.perf_counter() - t_opt
+                with timer.within("optimizer"):  # part of time/train
+                    grad_norms.append(optimizer_step(optimizer, scheduler, trainable, cfg.max_grad_norm))
                 if iteration == 0:
                     first_pass_logp[part] = logp
-        bad_rounds = bad_rounds + 1 if skipped else 0
-        if skipped:
-            print0(f"step {step + 1}: the loss or gradient was not finite (NaN/inf) in {skipped} update(s), skipped")
-        if bad_rounds == MAX_NONFINITE_ROUNDS:
-            raise FloatingPointError(
-                f"the loss or gradient was not finite in {bad_rounds} steps in a row (up to step {step + 1}); stopping. "
-                "The weights have not changed since; the checkpoints in --output_dir are from before. Likely causes: a "
-                "reward function returning inf, a learning rate too high for the model, fp16/bf16 overflow.")
+        bad_steps = check_finite(sum(not g.isfinite() for g in grad_norms), bad_steps, step + 1)
         # the server's log-probs of what it sampled vs ours for the same weights: a sync check
-        compared = tokens["sampled"] * (1 if data["keep"] is None else data["keep"].unsqueeze(1))  # sampled, in rows we ran
+        compared = tokens["sampled"] * (1 if data["keep"] is None else data["keep"].unsqueeze(1))  # in rows we ran
         diff = ((first_pass_logp if old_logp is None else old_logp) - sampler_logp).abs() * compared
-        t_train = time.perf_counter()
+        timer.lap("train")
 
         # ---------------------------------------------------------------------- sync weights
         if pending:  # the server samples the next batch with the weights before this update: wait for it
             reconnects = server.reconnects
             next_samples = server.run(pending.result)  # sampled again with the new weights if the server was lost
-            presampled[step + 1] = scheduler.last_epoch - updates_per_round * (server.reconnects == reconnects), next_samples
-        t_waited = time.perf_counter()
+            version_next = scheduler.last_epoch - updates_per_round * (server.reconnects == reconnects)
+            presampled[step + 1] = version_next, next_samples
+        timer.lap("generate")
         server.run(sync.push)
         barrier()  # no rank samples again before the server has the new weights
-        t_pushed, probe = time.perf_counter(), {}
-        if cfg.sync_check_steps and (step + 1) % cfg.sync_check_steps == 0:
-            mean, top = server.run(probe_logprob_diff, client, model, probe_ids, autocast, is_main)
-            probe = sum_over_ranks({"sync_probe_diff_mean": mean, "sync_probe_diff_max": top})  # rank 0's, on every rank
-            if probe["sync_probe_diff_mean"] > sync_tolerance:
-                raise RuntimeError(
-                    f"weight sync check failed after step {step + 1}: the server's log-probs of a fixed probe differ from "
-                    f"the trainer's by {probe['sync_probe_diff_mean']:.4g} on average > {sync_tolerance:g}. The server is not computing with the weights "
-                    "we trained. Likely causes: a weight not pushed or pushed under a name the server does not map "
-                    "(LoRA or FSDP prefixes), a tied lm_head the server did not refresh, a stale prefix cache, or a server "
-                    "started with another model or dtype. If the dtypes differ on purpose, raise --sync_check_tolerance.")
-        t_sync = time.perf_counter()
+        timer.lap("sync")
+        probe = {}
+        if cfg.sync_check_steps and (step + 1) % cfg.sync_check_steps == 0:  # stops if the server's weights differ
+            probe = server.run(check_sync, client, model, probe_ids, autocast, is_main, sync_tolerance, step + 1)
+        timer.lap("probe")
 
         # ---------------------------------------------------------------------- log
-        lengths = tokens["mask"].sum(dim=1).float()
-        ext = extremes_over_ranks({"length_min": lengths.min(), "length_max": lengths.max(), "diff_max": diff.max(),
-                                   **{k: sums.pop(k) for k in ("is_ratio_min", "is_ratio_max") if k in sums}})
-        t = sum_over_ranks({"n": len(episodes), "reward": rewards.sum(), "reward_sq": (rewards ** 2).sum(),
-                            **{f"r/{name}": reward_matrix[:, i].nan_to_num(0.0).sum() for i, name in enumerate(names)},
-                            **{f"sq/{name}": reward_matrix[:, i].nan_to_num(0.0).pow(2).sum() for i, name in enumerate(names)},
-                            **{f"n/{name}": (~reward_matrix[:, i].isnan()).sum() for i, name in enumerate(names)},
-                            "groups": len(mine), "zero_std": zero_std.sum() / G, "length": lengths.sum(),
-                            "truncated": truncated.sum(), "diff": diff.sum(), "compared": compared.sum(),
-                            "scorer_failures": scorer.failures, **sums})
-        N, T = t["n"], max(t["tokens"], 1.0)  # T: completion tokens of all training forwards of the round
-        per_fn = {}
-        for name in names:
-            n_scored = max(t[f"n/{name}"], 1.0)
-            mean = t[f"r/{name}"] / n_scored
-            per_fn |= {f"rewards/{name}": mean, f"rewards/{name}_std": math.sqrt(max(t[f"sq/{name}"] / n_scored - mean ** 2, 0.0)),
-                       f"rewards/{name}_nan_frac": 1 - t[f"n/{name}"] / N}
-        metrics = {**mean_over_ranks(scorer.metrics), "step": step + 1, "reward": t["reward"] / N,  # log_metric's first
-                   "reward_std": math.sqrt(max(t["reward_sq"] / N - (t["reward"] / N) ** 2, 0.0)), **per_fn,
-                   "scorer_failures": t["scorer_failures"], "frac_zero_std_groups": t["zero_std"] / t["groups"],
-                   "completion_length": t["length"] / N, "completion_length_min": ext["length_min"],
-                   "completion_length_max": ext["length_max"], "truncated_frac": t["truncated"] / N,
-                   "kl": t["kl"] / T, "entropy": t["entropy"] / T, "clip_ratio/low": t["clip_low"] / T,
-                   "clip_ratio/high": t["clip_high"] / T, "clip_ratio/region": t["clip_region"] / T,
-                   "loss": t["loss"] / len(grad_norms), "skipped_updates": skipped, "grad_norm": sum(g.item() for g in grad_norms) / len(grad_norms),
-                   "sampler_logprob_diff_mean": t["diff"] / max(t["compared"], 1.0), "sampler_logprob_diff_max": ext["diff_max"],
-                   **probe, "server_reconnects": server.reconnects, "lr": scheduler.get_last_lr()[0], "optimizer_steps": scheduler.last_epoch, "old_logprob_pass": int(off_policy),
-                   "time/generate": t_gen - t0 + t_waited - t_train, "time/score": t_score - t_gen,
-                   "time/old_ref": t_ref - t_score, "time/train": t_train - t_ref, "time/optimizer": t_optimizer,
-                   "time/sync": t_pushed - t_waited, "time/probe": t_sync - t_pushed, "time/step": t_sync - t0}
-        if "is_ratio" in t:  # the raw pi_old / pi_sampler ratios, before truncation or masking
-            metrics |= {"is_ratio/mean": t["is_ratio"] / T, "is_ratio/min": ext["is_ratio_min"],
-                        "is_ratio/max": ext["is_ratio_max"], "is_ratio/dropped_frac": t["is_dropped"] / T}
-        logger.log_rollouts([{"step": step + 1, "split": "train", "policy_version": version, "rank": rank,
-                              "prompt_index": mine[i // G], "prompt": tokenizer.decode(episodes[i].prompt_ids),
-                              "columns": columns_of(episodes[i].row), "completion": texts[i],
-                              "rewards": named_rewards(reward_matrix[i], names),
-                              "reward": rewards[i].item(), "advantage": advantages[i].item(),
-                              "finish_reason": episodes[i].finish_reason, "completion_tokens": len(completions[i]),
-                              **{column: values[i] for column, values in scorer.extra.items()}}
-                             for i in range(len(episodes))])  # rollouts.jsonl, and a table in wandb
+        metrics = {**mean_over_ranks(scorer.metrics), "step": step + 1,  # the reward functions' log_metric first
+                   **reward_metrics(rewards, reward_matrix, names, zero_std, G, scorer.failures),
+                   **training_metrics(sums, grad_norms, tokens["mask"].sum(dim=1).float(), truncated, diff, compared),
+                   **probe, "server_reconnects": server.reconnects, "lr": scheduler.get_last_lr()[0],
+                   "optimizer_steps": scheduler.last_epoch, "old_logprob_pass": int(off_policy), **timer.metrics()}
+        logger.log_rollouts(rollout_records(episodes, texts, reward_matrix, names, reward_weights, tokenizer,
+                                            [mine[i // G] for i in range(len(episodes))], scorer.extra, advantages,
+                                            step=step + 1, split="train", policy_version=version, rank=rank))
         if cfg.eval_steps and ((step + 1) % cfg.eval_steps == 0 or step + 1 == cfg.max_steps):
             t_eval = time.perf_counter()
             metrics |= evaluate()
             metrics["time/eval"] = time.perf_counter() - t_eval
         logger.log(metrics)
-        print0(f"step {step + 1}/{cfg.max_steps} | reward {metrics['reward']:.3f} ±{metrics['reward_std']:.3f} | "
-               + " ".join(f"{name} {metrics[f'rewards/{name}']:.2f}" for name in names)
-               + f" | kl {metrics['kl']:.4f} | len {metrics['completion_length']:.0f} | "
-               f"gen {metrics['time/generate']:.1f}s score {t_score - t_gen:.1f}s logp {t_ref - t_score:.1f}s "
-               f"train {t_train - t_ref:.1f}s sync {t_pushed - t_waited:.1f}s | "
+        print0(console_line(metrics, names, cfg.max_steps) + " | "
                + progress(step + 1 - state["step"], cfg.max_steps - state["step"], time.perf_counter() - t_start))
         if "eval/reward" in metrics:
             log_eval(step + 1, metrics)
@@ -514,7 +476,8 @@ def main(cfg: Config):
     if stop.stopping:
         print0("stopped by a signal; continue with --resume_from_checkpoint latest")
     elif cfg.save_model:  # every rank: FSDP2 gathers
-        print0(f"saved {', '.join(save_model(model, tokenizer, cfg.output_dir, is_main, cfg.save_merged_model or not cfg.use_peft))}")
+        saved = save_model(model, tokenizer, cfg.output_dir, is_main, cfg.save_merged_model or not cfg.use_peft)
+        print0(f"saved {', '.join(saved)}")
     logger.close()
     if is_main and (picture := plot_run(cfg.output_dir)):
         print0(f"plotted {picture}")

@@ -3,7 +3,6 @@ data, log-probs, distributed (and the models' wrappers), weights out (sync, prob
 checkpoints, logging.
 """
 import collections
-import glob
 import json
 import math
 import os
@@ -12,15 +11,12 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
-import zipfile
 from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from config import UsageError
 
@@ -29,7 +25,6 @@ from config import UsageError
 # data: the embedded task, datasets from files or the hub, prompts, the sampling order
 
 DEFAULT_DATASET = "arithmetic"  # the embedded, procedurally generated task
-
 
 
 def arithmetic_problems(n: int, seed: int, split: str = "train") -> list[dict]:
@@ -49,7 +44,6 @@ def arithmetic_problems(n: int, seed: int, split: str = "train") -> list[dict]:
     return [question(*rng.choice(train)) for _ in range(n)]
 
 
-
 def gold_answer(text):
     """The reference answer of a row; GSM8K writes the final one after '####'. None stays None."""
     if text is None:
@@ -58,9 +52,7 @@ def gold_answer(text):
     return text.split("####")[-1].strip().replace(",", "") if "####" in text else text.strip()
 
 
-
 CHAT_ROLES = ("system", "user", "assistant", "tool")
-
 
 
 def check_prompt(prompt, where: str):
@@ -73,7 +65,6 @@ def check_prompt(prompt, where: str):
     raise UsageError(f"{where}: the prompt is {type(prompt).__name__} {repr(prompt)[:80]}; a prompt is non-empty text, or "
                      f"a list of chat messages like [{{\"role\": \"user\", \"content\": \"...\"}}] (roles: "
                      f"{', '.join(CHAT_ROLES)})")
-
 
 
 def load_rows(dataset: str, split: str, prompt_column: str, answer_column: str, num_arithmetic: int, seed: int) -> list[dict]:
@@ -121,18 +112,15 @@ def load_rows(dataset: str, split: str, prompt_column: str, answer_column: str, 
     return rows
 
 
-
 def columns_of(row: dict) -> dict:
     """A row's columns besides its prompt, as they reach reward functions and rollouts.jsonl."""
     return {k: v for k, v in row.items() if k != "prompt"}
-
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased estimate of pass@k from n samples of which c are correct (Chen et al. 2021): the chance
     that k of the n, drawn without replacement, include a correct one: 1 - C(n - c, k) / C(n, k)."""
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
 
 
 def encode_prompt(tokenizer, prompt, system_prompt: str = "") -> list[int]:
@@ -152,7 +140,6 @@ def encode_prompt(tokenizer, prompt, system_prompt: str = "") -> list[int]:
     return tokenizer((system_prompt + "\n\n" if system_prompt else "") + prompt)["input_ids"]
 
 
-
 def step_prompt_indices(step: int, num_rows: int, prompts_per_step: int, seed: int) -> list[int]:
     """The rows of optimizer step `step` (0-based), over all ranks: a fresh seeded permutation per
     epoch, so the order depends only on (seed, step) and a run can resume exactly."""
@@ -161,7 +148,6 @@ def step_prompt_indices(step: int, num_rows: int, prompts_per_step: int, seed: i
         epoch, pos = divmod(k, num_rows)
         out.append(torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))[pos].item())
     return out
-
 
 
 # -----------------------------------------------------------------------------
@@ -174,10 +160,8 @@ def take(batch, rows):
     return None if batch is None else batch[rows]
 
 
-
 def to_device(inputs: dict, device) -> dict:
     return {k: v.to(device) for k, v in inputs.items()}
-
 
 
 def trim_padding(inputs: dict, num_completion_tokens: int) -> tuple[dict, int]:
@@ -193,13 +177,11 @@ def trim_padding(inputs: dict, num_completion_tokens: int) -> tuple[dict, int]:
     return {**inputs, "input_ids": input_ids[:, first:P + c], "attention_mask": attention_mask[:, first:P + c]}, c
 
 
-
 def length_sorted(rows: torch.Tensor, lengths: torch.Tensor, size: int) -> list[torch.Tensor]:
     """`rows` in chunks of `size`, longest first, so each chunk pads to lengths close to its own (and
     the first one shows the peak memory)."""
     rows = rows[torch.argsort(lengths[rows], descending=True, stable=True)]
     return [rows[i:i + size] for i in range(0, len(rows), size)]
-
 
 
 class SampledLogprobs(torch.autograd.Function):
@@ -238,7 +220,6 @@ class SampledLogprobs(torch.autograd.Function):
         return grad, None, None, None
 
 
-
 def logprobs_and_entropy(logits_of, targets: torch.Tensor, temperature: float, chunk_size: int | None = 32):
     """SampledLogprobs of positions whose logits are `logits_of(i, j)` (B, j - i, V) for j - i positions
     from i: (B, C) log-probs of `targets` (B, C) and (B, C) entropies. Without grad, `chunk_size` positions
@@ -249,7 +230,6 @@ def logprobs_and_entropy(logits_of, targets: torch.Tensor, temperature: float, c
     parts = [SampledLogprobs.apply(logits_of(i, min(i + step, C)), targets[:, i:i + step], temperature)
              for i in range(0, C, step)]
     return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
-
 
 
 class _LogprobHead(torch.nn.Module):
@@ -266,7 +246,6 @@ class _LogprobHead(torch.nn.Module):
         return torch.stack([logp, entropy], dim=-1)
 
 
-
 def has_plain_lm_head(model) -> bool:
     """Whether the model's logits are lm_head(hidden) (Llama, Qwen, Mistral, SmolLM, ...), with no
     soft-capping or scaling after the head."""
@@ -274,11 +253,9 @@ def has_plain_lm_head(model) -> bool:
     return not any(getattr(config, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
 
 
-
 def positions(inputs: dict) -> torch.Tensor:
     """Position ids counting from each sequence's first token (prompts are left-padded), as in vLLM."""
     return (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-
 
 
 def completion_logprobs(model, inputs: dict, num_completion_tokens: int, temperature: float,
@@ -304,7 +281,6 @@ def completion_logprobs(model, inputs: dict, num_completion_tokens: int, tempera
     return logprobs_and_entropy(lambda i, j: out[:, i:j], targets, temperature, chunk_size)  # out: (B, C + 1, V)
 
 
-
 def no_grad_logprobs(model, inputs: dict, num_completion_tokens: int, temperature: float, micro_batch_size: int,
                      autocast) -> torch.Tensor:
     """completion_logprobs of a whole batch in micro-batches of similar lengths, each without its padding,
@@ -322,7 +298,6 @@ def no_grad_logprobs(model, inputs: dict, num_completion_tokens: int, temperatur
         return out
     finally:
         model.train(training)
-
 
 
 # -----------------------------------------------------------------------------
@@ -343,11 +318,9 @@ def setup_distributed():
     return rank, local_rank, world_size, device, rank == 0
 
 
-
 def teardown_distributed():
     if dist.is_initialized():
         dist.destroy_process_group()
-
 
 
 def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -357,12 +330,10 @@ def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return x
 
 
-
 def sum_over_ranks(values: dict) -> dict[str, float]:
     """{name: number or 0-d tensor} -> {name: float}, each summed over all ranks in one collective."""
     total = all_reduce(torch.tensor([float(v) for v in values.values()], dtype=torch.float64))
     return dict(zip(values, total.tolist()))
-
 
 
 def extremes_over_ranks(values: dict) -> dict[str, float]:
@@ -372,11 +343,9 @@ def extremes_over_ranks(values: dict) -> dict[str, float]:
     return dict(zip(values, (total * sign).tolist()))
 
 
-
 def barrier():
     if dist.is_initialized():
         dist.barrier()
-
 
 
 def load_model(path: str, device, dtype=torch.float32):
@@ -386,12 +355,10 @@ def load_model(path: str, device, dtype=torch.float32):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
 
 
-
 def hf_model(model):
     """The transformers model inside DDP and peft wrappers (FSDP2 shards the module in place)."""
     model = getattr(model, "module", model)  # DDP
     return model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
-
 
 
 def add_lora(model, r: int, alpha: float, dropout: float, target_modules: str, saved: str | None = None):
@@ -403,7 +370,6 @@ def add_lora(model, r: int, alpha: float, dropout: float, target_modules: str, s
     targets = target_modules if target_modules == "all-linear" else [m.strip() for m in target_modules.split(",")]
     return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
                                             task_type="CAUSAL_LM"))
-
 
 
 def distribute(model, fsdp: bool, bf16: bool, world_size: int, trainable: bool = True):
@@ -426,7 +392,6 @@ def distribute(model, fsdp: bool, bf16: bool, world_size: int, trainable: bool =
     return model
 
 
-
 def gradient_sync(model, sync: bool):
     """A context for one micro-batch's backward: reduce gradients over ranks only if `sync` (the last
     micro-batch of an optimizer step); before that they accumulate locally."""
@@ -434,7 +399,6 @@ def gradient_sync(model, sync: bool):
         model.set_requires_gradient_sync(sync)
         return nullcontext()
     return model.no_sync() if hasattr(model, "no_sync") and not sync else nullcontext()  # DDP
-
 
 
 @contextmanager
@@ -448,7 +412,6 @@ def reference_model(model, ref_model):
             yield model
 
 
-
 def sharded_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
     """named_parameters() of a model that FSDP2 may have left gathered: after a forward, the root's
     weights stay gathered (in the compute dtype, bf16 with mixed precision); reshard to read the fp32 shards."""
@@ -457,11 +420,9 @@ def sharded_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
     return list(model.named_parameters())
 
 
-
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor: FSDP2 shards (DTensors) are all-gathered, a collective every rank must join."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
-
 
 
 def stop_process_group(proc, timeout: float = 30):
@@ -474,7 +435,6 @@ def stop_process_group(proc, timeout: float = 30):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-
 
 
 def cpu_seconds_of_group(pgid: int) -> float:
@@ -491,12 +451,10 @@ def cpu_seconds_of_group(pgid: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-
 # -----------------------------------------------------------------------------
 # weights out: to the server (sync, probe) and to disk
 
 WeightMeta = collections.namedtuple("WeightMeta", "name dtype shape")
-
 
 
 def lora_delta(layer) -> torch.Tensor:
@@ -506,7 +464,6 @@ def lora_delta(layer) -> torch.Tensor:
     delta = sum((full_tensor(layer.lora_B[a].weight) @ full_tensor(layer.lora_A[a].weight)) * layer.scaling[a]
                 for a in layer.active_adapters)
     return delta.T if getattr(layer, "fan_in_fan_out", False) else delta
-
 
 
 class ServerWeights:
@@ -535,19 +492,23 @@ class ServerWeights:
             yield name.replace(".base_layer", ""), weight.to(self.dtype)
 
 
-
-def probe_logprob_diff(client, model, probe_ids: list[int], autocast, is_main: bool) -> tuple[float, float]:
-    """Mean and max |log-prob difference| between the server and `model` on a fixed token sequence:
-    a deterministic check that the server computes with the weights we pushed. Every rank runs the
-    forward (FSDP2 gathers); rank 0 asks the server and returns the numbers, the others (0, 0)."""
+def check_sync(client, model, probe_ids: list[int], autocast, is_main: bool, tolerance: float, step: int) -> dict:
+    """The mean and max |log-prob difference| between the server and `model` on a fixed token sequence,
+    on every rank: a deterministic check that the server computes with the weights we pushed. Every rank
+    runs the forward (FSDP2 gathers); rank 0 asks the server. Stops the run if the mean is above `tolerance`."""
     ids = torch.tensor([probe_ids])
     ours = no_grad_logprobs(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, len(probe_ids) - 1, 1.0, 1,
                             autocast)[0]
-    if not is_main:
-        return 0.0, 0.0
-    diff = (ours - torch.tensor(client.prompt_logprobs(probe_ids))).abs()
-    return diff.mean().item(), diff.max().item()
-
+    diff = (ours - torch.tensor(client.prompt_logprobs(probe_ids))).abs() if is_main else torch.zeros(1)
+    probe = sum_over_ranks({"sync_probe_diff_mean": diff.mean(), "sync_probe_diff_max": diff.max()})  # rank 0's
+    if probe["sync_probe_diff_mean"] > tolerance:
+        raise RuntimeError(
+            f"weight sync check failed after step {step}: the server's log-probs of a fixed probe differ from the "
+            f"trainer's by {probe['sync_probe_diff_mean']:.4g} on average > {tolerance:g}. The server is not computing "
+            "with the weights we trained. Likely causes: a weight not pushed or pushed under a name the server does not "
+            "map (LoRA or FSDP prefixes), a tied lm_head the server did not refresh, a stale prefix cache, or a server "
+            "started with another model or dtype. If the dtypes differ on purpose, raise --sync_check_tolerance.")
+    return probe
 
 
 def replace_folder(out: str, write):
@@ -563,7 +524,6 @@ def replace_folder(out: str, write):
         shutil.rmtree(old)
     else:
         os.replace(staging, out)
-
 
 
 def save_model(model, tokenizer, output_dir: str, is_main: bool, merged: bool = True) -> list[str]:
@@ -590,7 +550,6 @@ def save_model(model, tokenizer, output_dir: str, is_main: bool, merged: bool = 
     return folders + [os.path.join(output_dir, "model")]
 
 
-
 # -----------------------------------------------------------------------------
 # checkpoints: everything a run needs to continue exactly, written atomically
 
@@ -600,7 +559,6 @@ RESUME_MUST_MATCH = ("model", "dataset", "dataset_split", "num_arithmetic_proble
                      "num_generations", "use_peft")  # what decides the weights and the order of the prompts
 
 
-
 def checkpoints(output_dir: str) -> list[str]:
     """The complete checkpoints in `output_dir`, oldest first (a folder is complete once renamed from .tmp)."""
     if not os.path.isdir(output_dir):
@@ -608,7 +566,6 @@ def checkpoints(output_dir: str) -> list[str]:
     found = [(int(m.group(1)), os.path.join(output_dir, name)) for name in os.listdir(output_dir)
              if (m := CHECKPOINT.fullmatch(name)) and os.path.isfile(os.path.join(output_dir, name, "checkpoint.json"))]
     return [path for _, path in sorted(found)]
-
 
 
 def prepare_output_dir(output_dir: str, resuming: bool):
@@ -627,7 +584,6 @@ def prepare_output_dir(output_dir: str, resuming: bool):
                          "--resume_from_checkpoint latest, or choose another --output_dir (or delete them)")
 
 
-
 def find_checkpoint(spec: str, output_dir: str) -> str:
     """--resume_from_checkpoint: "latest" (the newest complete one in output_dir) or a checkpoint folder."""
     if spec == "latest":
@@ -642,14 +598,12 @@ def find_checkpoint(spec: str, output_dir: str) -> str:
     return spec
 
 
-
 def git_revision() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True,
                               text=True, timeout=10).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-
 
 
 def rng_states() -> dict[str, torch.Tensor]:
@@ -661,7 +615,6 @@ def rng_states() -> dict[str, torch.Tensor]:
     for k, v in mine.items():
         dist.all_gather(every[k], v)  # CPU tensors: gloo
     return {k: torch.stack(v) for k, v in every.items()}
-
 
 
 def save_checkpoint(output_dir: str, step: int, model, optimizer, scheduler, tokenizer, config: dict, is_main: bool,
@@ -702,7 +655,6 @@ def save_checkpoint(output_dir: str, step: int, model, optimizer, scheduler, tok
     return path
 
 
-
 def load_checkpoint(path: str, config: dict) -> dict:
     """trainer_state.pt of a checkpoint (tensors and plain values only: weights_only), after checking that
     the run continues the one that wrote it."""
@@ -713,7 +665,6 @@ def load_checkpoint(path: str, config: dict) -> dict:
         raise UsageError(f"cannot resume from {path} exactly: {', '.join(changed)}. Use the checkpoint's values "
                          "(see its checkpoint.json), or start a new run")
     return torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
-
 
 
 def restore_training_state(state: dict, model, optimizer, scheduler, rank: int, world_size: int):
@@ -730,7 +681,6 @@ def restore_training_state(state: dict, model, optimizer, scheduler, rank: int, 
     else:
         print0(f"warning: the checkpoint was written by {len(rng['cpu'])} processes, this run has {world_size}: the "
                "random state of dropout is not restored (everything else is)")
-
 
 
 class StopRequest:
@@ -752,14 +702,12 @@ class StopRequest:
         return self.stopping
 
 
-
 # -----------------------------------------------------------------------------
-# logging: the console, metrics.jsonl, rollouts.jsonl, wandb
+# logging: the console, metrics.jsonl, rollouts.jsonl, wandb; the check that stops a run gone non-finite
 
 def print0(*args, **kwargs):
     if int(os.environ.get("RANK", 0)) == 0:
         print(*args, **kwargs, flush=True)
-
 
 
 def progress(done: int, total: int, seconds: float, width: int = 20) -> str:
@@ -768,7 +716,6 @@ def progress(done: int, total: int, seconds: float, width: int = 20) -> str:
     left = seconds / max(done, 1) * (total - done)
     clock = lambda t: f"{int(t // 60)}m{int(t % 60):02d}s"  # noqa: E731
     return f"[{'#' * fill}{'-' * (width - fill)}] {100 * done / max(total, 1):.0f}% {clock(seconds)}<{clock(left)}"
-
 
 
 def merge_stats(total: dict, new: dict):
@@ -780,11 +727,9 @@ def merge_stats(total: dict, new: dict):
             total[k] = max(total[k], v) if k.endswith("_max") else min(total[k], v) if k.endswith("_min") else total[k] + v
 
 
-
 def named_rewards(row: torch.Tensor, names: list[str]) -> dict:
     """One completion's rewards as {function name: value}, None for not scored (NaN is not JSON)."""
     return {name: None if math.isnan(v) else v for name, v in zip(names, row.tolist())}
-
 
 
 def mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
@@ -792,7 +737,6 @@ def mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
     parts = [json.loads(line) for line in gather_lines([json.dumps(values)])]
     keys = dict.fromkeys(k for part in parts for k in part)
     return {k: sum(p[k] for p in parts if k in p) / sum(k in p for p in parts) for k in keys}
-
 
 
 def gather_lines(lines: list[str]) -> list[str]:
@@ -812,7 +756,6 @@ def gather_lines(lines: list[str]) -> list[str]:
     return [line for part, n in zip(parts, sizes) for line in part[:int(n)].numpy().tobytes().decode().splitlines()]
 
 
-
 def keep_steps_up_to(path: str, step: int):
     """Drop the lines of a JSONL file whose "step" is after `step` (a resumed run rewrites those)."""
     if os.path.exists(path):
@@ -821,7 +764,6 @@ def keep_steps_up_to(path: str, step: int):
         with open(path + ".tmp", "w") as f:
             f.writelines(kept)
         os.replace(path + ".tmp", path)
-
 
 
 class MetricsLogger:
@@ -872,3 +814,112 @@ class MetricsLogger:
                 f.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+class StepTimer:
+    """Seconds spent in each phase of a step: lap(name) adds the time since the last lap to `name`;
+    `with within(name)` adds the time of the block to `name` as a part of the phase around it."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.seconds = {}
+
+    def lap(self, name: str):
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self.last
+        self.last = now
+
+    @contextmanager
+    def within(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict:
+        return {**{f"time/{k}": v for k, v in self.seconds.items()}, "time/step": self.last - self.start}
+
+
+def mean_and_std(total: float, squares: float, n: float) -> tuple[float, float]:
+    mean = total / max(n, 1.0)
+    return mean, math.sqrt(max(squares / max(n, 1.0) - mean ** 2, 0.0))
+
+
+def reward_metrics(rewards: torch.Tensor, reward_matrix: torch.Tensor, names: list[str], zero_std: torch.Tensor,
+                   group_size: int, failures: int) -> dict:
+    """The step's rewards over all ranks: the weighted sum's mean and std, each function's mean and std over the
+    completions it scored and the share it did not score (NaN), the share of groups without signal (`zero_std`,
+    per completion), and the reward functions' failures so far."""
+    scored = ~reward_matrix.isnan()
+    r = reward_matrix.nan_to_num(0.0)
+    t = sum_over_ranks({"n": len(rewards), "reward": rewards.sum(), "sq": (rewards ** 2).sum(), "zero_std": zero_std.sum(),
+                        "failures": failures, **{f"r/{name}": r[:, i].sum() for i, name in enumerate(names)},
+                        **{f"sq/{name}": r[:, i].pow(2).sum() for i, name in enumerate(names)},
+                        **{f"n/{name}": scored[:, i].sum() for i, name in enumerate(names)}})
+    metrics = dict(zip(("reward", "reward_std"), mean_and_std(t["reward"], t["sq"], t["n"])))
+    for name in names:
+        metrics[f"rewards/{name}"], metrics[f"rewards/{name}_std"] = mean_and_std(t[f"r/{name}"], t[f"sq/{name}"],
+                                                                                   t[f"n/{name}"])
+        metrics[f"rewards/{name}_nan_frac"] = 1 - t[f"n/{name}"] / t["n"]
+    return {**metrics, "frac_zero_std_groups": t["zero_std"] / t["n"], "scorer_failures": t["failures"]}
+
+
+def training_metrics(sums: dict, grad_norms: list[torch.Tensor], lengths: torch.Tensor, truncated: torch.Tensor,
+                     diff: torch.Tensor, compared: torch.Tensor) -> dict:
+    """The step's completions and updates over all ranks: lengths and truncation; the loss terms per token
+    trained (`sums`: accumulate_gradients' sums of per-token statistics); the updates' loss and gradient
+    norm; the sync comparison with the sampler (`diff` of the `compared` tokens); the importance ratios
+    pi_old / pi_sampler before truncation or masking."""
+    sums = dict(sums)
+    ext = extremes_over_ranks({"length_min": lengths.min(), "length_max": lengths.max(), "diff_max": diff.max(),
+                               **{k: sums.pop(k) for k in ("is_ratio_min", "is_ratio_max") if k in sums}})
+    t = sum_over_ranks({"n": len(lengths), "length": lengths.sum(), "truncated": truncated.sum(), "diff": diff.sum(),
+                        "compared": compared.sum(), **sums})
+    N, T, norms = t["n"], max(t.get("tokens", 0.0), 1.0), [g.item() for g in grad_norms]
+    metrics = {"completion_length": t["length"] / N, "completion_length_min": ext["length_min"],
+               "completion_length_max": ext["length_max"], "truncated_frac": t["truncated"] / N,
+               **{k: t.get(k, 0.0) / T for k in ("kl", "entropy")},
+               **{f"clip_ratio/{k}": t.get(f"clip_{k}", 0.0) / T for k in ("low", "high", "region")},
+               "loss": t.get("loss", 0.0) / len(norms), "grad_norm": sum(norms) / len(norms),
+               "skipped_updates": sum(not math.isfinite(g) for g in norms),
+               "sampler_logprob_diff_mean": t["diff"] / max(t["compared"], 1.0), "sampler_logprob_diff_max": ext["diff_max"]}
+    if "is_ratio" in t and t["tokens"] > 0:
+        metrics |= {"is_ratio/mean": t["is_ratio"] / T, "is_ratio/min": ext["is_ratio_min"],
+                    "is_ratio/max": ext["is_ratio_max"], "is_ratio/dropped_frac": t["is_dropped"] / T}
+    return metrics
+
+
+def rollout_records(episodes, texts: list[str], reward_matrix: torch.Tensor, names: list[str], weights: torch.Tensor,
+                    tokenizer, prompt_index: list[int], extra: dict | None = None, advantages=None, **fields) -> list[dict]:
+    """One rollouts.jsonl record per episode: `fields` (step, split, policy version, rank), the prompt as the
+    model saw it, the row's other columns, the completion, each reward (None = not scored), their weighted
+    sum, the advantage, and what reward functions logged with log_extra."""
+    return [{**fields, "prompt_index": prompt_index[i], "prompt": tokenizer.decode(e.prompt_ids), "columns": columns_of(e.row),
+             "completion": texts[i], "rewards": named_rewards(reward_matrix[i], names),
+             "reward": (reward_matrix[i] * weights).nansum().item(),
+             **({} if advantages is None else {"advantage": advantages[i].item()}),
+             "finish_reason": e.finish_reason, "completion_tokens": len(e.completion_ids),
+             **{column: values[i] for column, values in (extra or {}).items()}}
+            for i, e in enumerate(episodes)]
+
+
+def console_line(metrics: dict, names: list[str], max_steps: int) -> str:
+    """step 3/12 | reward 0.412 ±0.301 | accuracy 0.25 format 0.16 | kl 0.0000 | len 31 | gen 16.1s score ..."""
+    return (f"step {metrics['step']}/{max_steps} | reward {metrics['reward']:.3f} ±{metrics['reward_std']:.3f} | "
+            + " ".join(f"{name} {metrics[f'rewards/{name}']:.2f}" for name in names)
+            + f" | kl {metrics['kl']:.4f} | len {metrics['completion_length']:.0f} | "
+            + " ".join(f"{short} {metrics[f'time/{phase}']:.1f}s" for short, phase in
+                       (("gen", "generate"), ("score", "score"), ("logp", "old_ref"), ("train", "train"), ("sync", "sync"))))
+
+
+def check_finite(skipped: int, bad_steps: int, step: int, limit: int = 3) -> int:
+    """Steps in a row, up to `step`, with an update skipped for a NaN/inf loss or gradient; stops the run at
+    `limit` of them (the weights have not changed since)."""
+    bad_steps = bad_steps + 1 if skipped else 0
+    if skipped:
+        print0(f"step {step}: the loss or gradient was not finite (NaN/inf) in {skipped} update(s), skipped")
+    if bad_steps == limit:
+        raise FloatingPointError(
+            f"the loss or gradient was not finite in {bad_steps} steps in a row (up to step {step}); stopping. The "
+            "weights have not changed since; the checkpoints in --output_dir are from before. Likely causes: a reward "
+            "function returning inf, a learning rate too high for the model, fp16/bf16 overflow.")
+    return bad_steps

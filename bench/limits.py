@@ -91,13 +91,13 @@ def training_limit(model: str, work: dict) -> dict[str, dict[int, float]]:
     import torch
     from config import Config
     from train import accumulate_gradients
-    from rollout import Episode, collate
+    from rollout import collate, sampled_episode
     from utils import length_sorted, load_model, positions, take, trim_padding
     policy = load_model(model, torch.device("cpu"))
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if compute_dtype() == torch.bfloat16 else nullcontext()
 
     def collated(batch):
-        return collate([Episode({}, p, c, [True] * len(c), [0.0] * len(c), "stop") for p, c in batch], 0)
+        return collate([sampled_episode({}, p, c) for p, c in batch], 0)
 
     def bare(batch):
         inputs, tokens = collated(batch)

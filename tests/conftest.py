@@ -29,9 +29,8 @@ def stop(proc: subprocess.Popen):
 
 def collated(prompts: list[list[int]], completions: list[list[int]], pad_id: int = 0):
     """Model inputs and completion mask of (prompt, completion) token lists, as rollout.collate makes them."""
-    from rollout import Episode, collate
-    inputs, tokens = collate([Episode({}, p, c, [True] * len(c), [0.0] * len(c), "stop")
-                              for p, c in zip(prompts, completions)], pad_id)
+    from rollout import collate, sampled_episode
+    inputs, tokens = collate([sampled_episode({}, p, c) for p, c in zip(prompts, completions)], pad_id)
     return inputs, tokens["mask"]
 
 

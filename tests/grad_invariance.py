@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from config import Config  # noqa: E402
 from train import accumulate_gradients  # noqa: E402
-from rollout import Episode, collate  # noqa: E402
+from rollout import collate, sampled_episode  # noqa: E402
 from utils import distribute, full_tensor, setup_distributed, take, teardown_distributed  # noqa: E402
 
 loss_type, micro_batch_size, out, options = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
@@ -29,7 +29,7 @@ g = torch.Generator().manual_seed(1)
 N, C = 8, 6
 prompts = [torch.randint(3, 64, (int(torch.randint(2, 5, (1,), generator=g)),), generator=g).tolist() for _ in range(N)]
 completions = [torch.randint(3, 64, (int(torch.randint(1, C + 1, (1,), generator=g)),), generator=g).tolist() for _ in range(N)]
-inputs, tokens = collate([Episode({}, p, c, [True] * len(c), [0.0] * len(c), "stop") for p, c in zip(prompts, completions)], 0)
+inputs, tokens = collate([sampled_episode({}, p, c) for p, c in zip(prompts, completions)], 0)
 completion_mask = tokens["mask"]
 advantages = torch.randn(N, generator=g, dtype=torch.float64)
 ref_logp = -torch.rand(N, completion_mask.shape[1], generator=g, dtype=torch.float64) * 3

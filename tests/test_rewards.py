@@ -1,6 +1,5 @@
 import time
 
-import pytest
 
 from rewards import accuracy, format, tag_count
 
