@@ -449,7 +449,7 @@ def main(cfg: Config):
 
         # ---------------------------------------------------------------------- log
         metrics = {**mean_over_ranks(scorer.metrics), "step": step + 1,  # the reward functions' log_metric first
-                   **reward_metrics(rewards, reward_matrix, names, zero_std, G, scorer.failures),
+                   **reward_metrics(rewards, reward_matrix, names, zero_std, scorer.failures),
                    **training_metrics(sums, grad_norms, tokens["mask"].sum(dim=1).float(), truncated, diff, compared),
                    **probe, "server_reconnects": server.reconnects, "lr": scheduler.get_last_lr()[0],
                    "optimizer_steps": scheduler.last_epoch, "old_logprob_pass": int(off_policy), **timer.metrics()}

@@ -845,7 +845,7 @@ def mean_and_std(total: float, squares: float, n: float) -> tuple[float, float]:
 
 
 def reward_metrics(rewards: torch.Tensor, reward_matrix: torch.Tensor, names: list[str], zero_std: torch.Tensor,
-                   group_size: int, failures: int) -> dict:
+                   failures: int) -> dict:
     """The step's rewards over all ranks: the weighted sum's mean and std, each function's mean and std over the
     completions it scored and the share it did not score (NaN), the share of groups without signal (`zero_std`,
     per completion), and the reward functions' failures so far."""

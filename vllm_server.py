@@ -310,7 +310,7 @@ class WeightSync:
     reading sharded weights is a collective; rank 0 alone talks to the server. The transport is the
     one the server was started with (--weight-transfer-config): our `gloo` (any machine: host memory
     over TCP) or vLLM's `nccl` (GPU to GPU); the code that calls it is the same.
-    `source`: (name, tensor) pairs in the server's names and dtype, with metadata() (utils.ServerWeights in the trainer)."""
+    `source`: (name, tensor) pairs in the server's names and dtype, with metadata() (utils.ServerWeights)."""
 
     def __init__(self, client: VLLMClient, source, rank: int, group_host: str, group_port: int, bucket_mb: float = 64):
         self.client, self.source, self.rank, self.engine = client, _Resumable(source), rank, None

@@ -232,6 +232,8 @@ def test_a_rollout_that_breaks_the_contract_says_how():
         run_rollout(lambda r, c: bad, rows, ctx)
     with pytest.raises(ValueError, match="--rollout tests.rollouts:nope: could not load it"):
         load_rollout("tests.rollouts:nope")
+    with pytest.raises(ValueError, match="--rollout tests.rollouts: give module:function"):
+        load_rollout("tests.rollouts")
 
 
 # ----------------------------------------------------------------------------- end to end
