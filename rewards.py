@@ -45,15 +45,43 @@ def completion_text(completion) -> str:
     return completion if isinstance(completion, str) else completion[-1]["content"]
 
 
+NUMBER = re.compile(r"-?(?:\d[\d,]*)?\.?\d+")
+
+
+def final_answer(text: str) -> str:
+    """What a completion answers: the content of its last \\boxed{}, else its last number; "" if it has
+    neither, or if its last \\boxed{ is never closed (an answer cut off is no answer)."""
+    start = text.rfind("\\boxed{")
+    if start >= 0:
+        depth = 0
+        for end in range(start + len("\\boxed"), len(text)):
+            depth += {"{": 1, "}": -1}.get(text[end], 0)
+            if depth == 0:
+                return text[start + len("\\boxed{"):end].strip()
+        return ""
+    numbers = NUMBER.findall(text)
+    return numbers[-1] if numbers else ""
+
+
 def accuracy(completions, answer, **kwargs) -> list[float]:
-    """1.0 if the completion's final answer is mathematically equal to the reference in the `answer`
-    column (math-verify: a \\boxed{} answer first, else the last expression), else 0.0."""
+    """1.0 if the completion's final answer is mathematically equal (math-verify) to the reference in the
+    `answer` column, else 0.0. A numeric reference (GSM8K, the embedded task) needs a number as the final
+    answer (final_answer: the last \\boxed{}, else the last number), so that restating the question
+    ("13 + 14 is a classic puzzle") or boxing an expression that equals the answer earns nothing; any other
+    reference (LaTeX: \\frac{1}{2}, x^2) is matched by math-verify's own extraction: a \\boxed{} answer
+    first, else the last expression."""
     from math_verify import parse, verify
     out = []
     for completion, ref in zip(completions, answer):  # math-verify gives up on a sample after its timeouts (s)
-        ref = str(ref)
+        ref, text = str(ref), completion_text(completion)
         gold = parse(ref if "$" in ref or "\\boxed" in ref else f"${ref}$", parsing_timeout=MATH_TIMEOUT)
-        out.append(float(bool(gold) and verify(gold, parse(completion_text(completion), parsing_timeout=MATH_TIMEOUT),
+        if NUMBER.fullmatch(ref.strip()):
+            number = final_answer(text).strip("$ .").replace(",", "")
+            if not NUMBER.fullmatch(number):
+                out.append(0.0)
+                continue
+            text = f"${number}$"
+        out.append(float(bool(gold) and verify(gold, parse(text, parsing_timeout=MATH_TIMEOUT),
                                                timeout_seconds=MATH_TIMEOUT)))
     return out
 

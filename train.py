@@ -46,7 +46,7 @@ from plot import plot_run
 from rewards import RewardScorer, postprocess_rewards
 from rollout import RolloutContext, collate, episodes_from_json, episodes_to_json, load_rollout, run_rollout
 from utils import (MetricsLogger, ServerWeights, StepTimer, StopRequest, add_lora, barrier, check_finite, check_sync,
-                   completion_logprobs, console_line, distribute, encode_prompt, extremes_over_ranks, find_checkpoint,
+                   completion_logprobs, console_line, distribute, eval_summary, encode_prompt, extremes_over_ranks, find_checkpoint,
                    full_tensor, gather_lines, gradient_sync, length_sorted, load_checkpoint, load_model, load_rows,
                    mean_over_ranks, merge_stats, no_grad_logprobs, pass_at_k, prepare_output_dir, print0, progress,
                    reference_model, restore_training_state, reward_metrics, rollout_records, save_checkpoint,
@@ -235,7 +235,7 @@ def main(cfg: Config):
                      cfg.seed)
     prompt_ids = [encode_prompt(tokenizer, r["prompt"], cfg.system_prompt) for r in rows]  # chat template applied
     eval_rows = load_rows(cfg.eval_dataset or cfg.dataset, cfg.eval_split, cfg.prompt_column, cfg.answer_column,
-                          cfg.num_arithmetic_problems, cfg.seed)[:cfg.eval_num_prompts] if cfg.eval_steps else []
+                          cfg.num_arithmetic_problems, cfg.seed)[:cfg.eval_num_prompts] if cfg.evaluates() else []
     eval_ids = [encode_prompt(tokenizer, r["prompt"], cfg.system_prompt) for r in eval_rows]
     longest = max(map(len, prompt_ids + eval_ids))
     if longest > cfg.max_prompt_length:
@@ -362,7 +362,7 @@ def main(cfg: Config):
         print0(f"eval at step {step} | reward {metrics['eval/reward']:.3f} | "
                + " ".join(f"pass@{k} {metrics[f'eval/pass@{k}']:.3f}" for k in cfg.pass_k()))
 
-    if cfg.eval_steps and state["step"] == 0:  # the starting point, to compare with
+    if cfg.evaluates() and state["step"] == 0:  # the starting point, to compare with
         metrics = {"step": 0, **evaluate()}
         logger.log(metrics)
         log_eval(0, metrics)
@@ -456,7 +456,7 @@ def main(cfg: Config):
         logger.log_rollouts(rollout_records(episodes, texts, reward_matrix, names, reward_weights, tokenizer,
                                             [mine[i // G] for i in range(len(episodes))], scorer.extra, advantages,
                                             step=step + 1, split="train", policy_version=version, rank=rank))
-        if cfg.eval_steps and ((step + 1) % cfg.eval_steps == 0 or step + 1 == cfg.max_steps):
+        if cfg.evaluates() and ((step + 1) % cfg.eval_every() == 0 or step + 1 == cfg.max_steps):
             t_eval = time.perf_counter()
             metrics |= evaluate()
             metrics["time/eval"] = time.perf_counter() - t_eval
@@ -481,6 +481,8 @@ def main(cfg: Config):
     logger.close()
     if is_main and (picture := plot_run(cfg.output_dir)):
         print0(f"plotted {picture}")
+    if is_main and (summary := eval_summary(cfg.output_dir, names, cfg.eval_num_generations)):
+        print0(summary)  # the last line: what the run learned, on problems it never trained on
     scorer.close()
     barrier()  # no rank tears the process group down while another still uses it (gloo aborts at exit otherwise)
 

@@ -38,7 +38,8 @@ GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
     (["--save_steps", "-1"], "--save_steps and --save_total_limit must be >= 0"),
     (["--fsdp"], "launch with torchrun"),
     (["--async_generation", "--vllm_importance_sampling_correction", "false"], "needs the importance-sampling correction"),
-    (["--eval_steps", "5", "--eval_pass_k", "16"], "each k must be between 1 and --eval_num_generations (8)"),
+    (["--eval_steps", "5", "--eval_pass_k", "16"], "each k must be between 1 and --eval_num_generations (4)"),
+    (["--eval_steps", "-2"], "--eval_steps must be -1 (before and after training), 0 (never) or N > 0"),
     (["--eval_steps", "5", "--dataset", GSM8K], "it has no held-out split; give --eval_dataset"),
 ])
 def test_bad_flags_fail_with_a_message_naming_the_flag(args, message, monkeypatch):

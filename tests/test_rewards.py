@@ -1,13 +1,25 @@
 import time
 
 
-from rewards import accuracy, format, tag_count
+from rewards import accuracy, final_answer, format, tag_count
 
 
 def test_accuracy_uses_math_verify_on_the_final_answer():
-    got = accuracy(["so the answer is \\boxed{27}", "13 + 14 = 27", "It is 26.", "\\boxed{\\frac{54}{2}}", ""],
-                   ["27", "27", "27", "27", "27"])
-    assert got == [1.0, 1.0, 0.0, 1.0, 0.0]
+    got = accuracy(["so the answer is \\boxed{27}", "13 + 14 = 27", "It is 26.", "\\boxed{27.0}", "", "\\boxed{1,000}",
+                    "27 or \\boxed{26}"], ["27", "27", "27", "27", "27", "1000", "27"])
+    assert got == [1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+    # a LaTeX reference: math-verify's own extraction and equivalence
+    assert accuracy(["\\boxed{\\frac{2}{4}}", "x = \\boxed{0.5}", "\\boxed{\\frac{1}{3}}"], ["\\frac{1}{2}"] * 3) == [1, 1, 0]
+
+
+def test_accuracy_needs_a_number_where_the_reference_is_one():
+    """Restating the question, or boxing an expression that equals the answer, is not answering it: a policy
+    rewarded for that learns to repeat the question (seen on the embedded task before this rule)."""
+    completions = ["The puzzle of 13 + 14 is a deep one.", "\\boxed{13 + 14}", "\\boxed{\\frac{54}{2}}",
+                   "13 + 14 is \\boxed{27", "When faced with 13 + 14, I would think."]
+    assert accuracy(completions, ["27"] * len(completions)) == [0.0] * len(completions)
+    assert final_answer("a \\boxed{\\frac{1}{2}} then \\boxed{x^{2}}") == "x^{2}"
+    assert final_answer("12 apples and 3.5 pears") == "3.5" and final_answer("no digits") == ""
 
 
 PATHOLOGICAL = ["\\boxed{" * 3000, "9" * 50_000, "\\boxed{10^{10^{10^{10^{10^{10}}}}}}", "$" * 5000,
