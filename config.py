@@ -55,8 +55,8 @@ class Config:
     num_arithmetic_problems: int = 5000  # size of the embedded task's training set
     # generation (on the vLLM server)
     num_generations: int = 8  # G: completions per prompt; the group for the advantage baseline
-    prompts_per_step: int = 8  # prompts per optimizer step, over all ranks (so G * this completions)
-    max_completion_length: int = 48  # tokens per completion; longer ones are cut ("length" finish)
+    prompts_per_step: int = 6  # prompts per optimizer step, over all ranks (so G * this completions); tuned*
+    max_completion_length: int = 40  # tokens per completion; longer ones are cut ("length" finish); tuned*
     temperature: float = 1.0  # sampling temperature; the trainer's log-probs use the same one
     top_p: float = 1.0  # nucleus sampling; 1.0 = off
     top_k: int = -1  # sample from the k most likely tokens; -1 = off
@@ -81,8 +81,8 @@ class Config:
     reward_funcs: str = "accuracy,format"  # comma-separated names from rewards.py
     reward_weights: str = ""  # comma-separated floats, one per reward function; "" = all 1.0
     # optimization
-    max_steps: int = 12  # optimizer steps (= generation rounds)
-    learning_rate: float = 3e-5  # peak AdamW learning rate (tuned for the embedded task; TRL uses 1e-6)
+    max_steps: int = 16  # optimizer steps (= generation rounds); tuned*
+    learning_rate: float = 5e-5  # peak AdamW learning rate; tuned* (TRL's default is 1e-6, for larger models)
     lr_scheduler_type: str = "constant"  # constant | linear | cosine (decay to 0 at max_steps)
     warmup_steps: int = 0  # linear warmup from 0
     weight_decay: float = 0.0
@@ -269,10 +269,15 @@ def _field_comments() -> dict[str, str]:
     return comments
 
 
+TUNED = ("tuned*: these defaults were tuned for the embedded run (bash run.sh: SmolLM2-135M on the embedded "
+         "arithmetic task, on 2 CPU cores within 10 minutes), so that its held-out accuracy rises; for your model and "
+         "data, start from TRL's or your paper's values (README: The default run).")
+
+
 def parse_config(argv: list[str] | None = None) -> Config:
     """Config from the command line: `--name value` for every field; bools take `--bf16 false` or `--no_bf16`."""
     parser = argparse.ArgumentParser(description="nanogrpo: GRPO training with a vLLM server.",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter, epilog=TUNED)
     comments = _field_comments()
     hints = typing.get_type_hints(Config)
     for f in dataclasses.fields(Config):

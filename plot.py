@@ -30,11 +30,11 @@ def plot_run(output_dir: str) -> str | None:
     ax.set_title("reward")
     ax = axes[0, 1]
     for key in sorted(k for k in train[-1] if k.startswith("rewards/") and not k.endswith(("_std", "_nan_frac"))):
-        line, = ax.plot(*series(train, key), label=key.removeprefix("rewards/"))
-        if evals:  # the held-out evaluation of the same function, as dots joined in the same colour
-            ax.plot(*series(evals, "eval/" + key), "o--", color=line.get_color(),
-                    label=key.removeprefix("rewards/") + " (held-out)")
-    ax.set_title("reward of each function (line: training batches, dots: held-out)")
+        name = key.removeprefix("rewards/")
+        line, = ax.plot(*series(train, key), label=name)
+        if evals:  # the held-out evaluation of the same function: dots joined in the same colour
+            ax.plot(*series(evals, "eval/" + key), "o--", color=line.get_color(), label=f"{name} (held-out)")
+    ax.set_title("reward of each function (lines: training batches, dots: held-out)")
     ax = axes[1, 0]
     ax.plot(*series(train, "kl"), label="KL to the reference")
     ax.plot(*series(train, "entropy"), label="entropy")

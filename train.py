@@ -46,13 +46,12 @@ from plot import plot_run
 from rewards import RewardScorer, postprocess_rewards
 from rollout import RolloutContext, collate, episodes_from_json, episodes_to_json, load_rollout, run_rollout
 from utils import (MetricsLogger, ServerWeights, StepTimer, StopRequest, add_lora, barrier, check_finite, check_sync,
-                   completion_logprobs, console_line, distribute, eval_summary, encode_prompt, extremes_over_ranks, find_checkpoint,
-                   full_tensor, gather_lines, gradient_sync, length_sorted, load_checkpoint, load_model, load_rows,
-                   mean_over_ranks, merge_stats, no_grad_logprobs, pass_at_k, prepare_output_dir, print0, progress,
-                   reference_model, restore_training_state, reward_metrics, rollout_records, save_checkpoint,
-                   save_model,
-                   setup_distributed, step_prompt_indices, sum_over_ranks, take, teardown_distributed, to_device,
-                   training_metrics, trim_padding)
+                   completion_logprobs, console_line, distribute, encode_prompt, eval_summary, extremes_over_ranks,
+                   find_checkpoint, full_tensor, gather_lines, gradient_sync, length_sorted, load_checkpoint,
+                   load_model, load_rows, mean_over_ranks, merge_stats, no_grad_logprobs, pass_at_k, prepare_output_dir,
+                   print0, progress, reference_model, restore_training_state, reward_metrics, rollout_records,
+                   save_checkpoint, save_model, setup_distributed, step_prompt_indices, sum_over_ranks, take,
+                   teardown_distributed, to_device, training_metrics, trim_padding)
 from vllm_server import InThread, ServerGuard, VLLMClient, WeightSync
 
 

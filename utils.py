@@ -25,10 +25,11 @@ from config import DEFAULT_DATASET, UsageError
 # data: the embedded task, datasets from files or the hub, prompts, the sampling order
 
 def arithmetic_problems(n: int, seed: int, split: str = "train") -> list[dict]:
-    """The embedded task: sums of two numbers from 1 to 20, answer in \\boxed{}. Small enough that
-    SmolLM2-135M gets about one in seven right at the start, so most groups of 8 completions differ
-    in reward and GRPO has a signal from the first step. One pair in eight is held out: "test" gives
-    those (each once, in a seeded order; `n` is ignored), "train" draws n problems from the others."""
+    """The embedded task: sums of two numbers from 1 to 20, answer in \\boxed{}, half of them easy (both
+    numbers below 10) and half harder (one of 10 or more). One pair in eight is held out: "test" gives those
+    (each once, in a seeded order; `n` is ignored), "train" draws n problems from the others, easy and
+    harder alike often. SmolLM2-135M gets the easy ones right often enough for GRPO to have a signal from
+    the first step, and the harder ones leave room to improve (README: "The default run")."""
     def question(a, b):
         return {"prompt": f"What is {a} + {b}? Put the final answer in \\boxed{{}}.", "answer": str(a + b)}
     pairs = [(a, b) for a in range(1, 21) for b in range(1, 21)]
@@ -38,7 +39,8 @@ def arithmetic_problems(n: int, seed: int, split: str = "train") -> list[dict]:
         rng.shuffle(held_out)
         return [question(a, b) for a, b in held_out]
     train = [p for p in pairs if (7 * p[0] + p[1]) % 8]
-    return [question(*rng.choice(train)) for _ in range(n)]
+    easy, harder = [p for p in train if max(p) < 10], [p for p in train if max(p) >= 10]
+    return [question(*rng.choice(easy if rng.random() < 0.5 else harder)) for _ in range(n)]
 
 
 def gold_answer(text):

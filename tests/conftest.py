@@ -100,7 +100,7 @@ def server(tiny_model, tmp_path_factory):
 
 def train_args(server, out, *args) -> list[str]:
     return [os.path.join(ROOT, "train.py"), "--model", server["model"], "--vllm_server_port", str(server["port"]),
-            "--vllm_group_port", str(free_port()), "--output_dir", str(out), *args]
+            "--vllm_group_port", str(free_port()), "--output_dir", str(out), "--eval_steps", "0", *args]  # evaluate where asked
 
 
 def launcher(nproc: int) -> list[str]:

@@ -29,7 +29,7 @@ GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
     (["--loss_type", "ppo"], "grpo, bnpo, dr_grpo or dapo"),
     (["--scale_rewards", "std"], "group, batch or none"),
     (["--max_completion_length", "0"], "--max_completion_length must be at least 1"),
-    (["--steps_per_generation", "3"], "must divide the completions per rank"),
+    (["--steps_per_generation", "5"], "must divide the completions per rank"),
     (["--delta", "1.1"], "--delta 1.1 must be 0 (off) or above"),
     (["--vllm_importance_sampling_cap", "0.5"], "--vllm_importance_sampling_cap must be > 1"),
     (["--report_to", "tensorboard"], "use none or wandb"),

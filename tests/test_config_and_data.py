@@ -43,6 +43,15 @@ def test_train_help_lists_the_flags():
         assert flag in out.stdout
 
 
+def test_runs_evaluate_before_and_after_training_where_a_held_out_set_is_at_hand():
+    assert Config().evaluates() and Config().eval_every() == Config().max_steps  # the embedded task's held-out split
+    assert not Config(dataset="train.jsonl").evaluates()  # a local file has no held-out split
+    assert Config(dataset="train.jsonl", eval_dataset="test.jsonl").evaluates()
+    assert not Config(dataset="org/name").evaluates() and Config(dataset="org/name", eval_steps=5).evaluates()
+    assert not Config(eval_steps=0).evaluates() and Config(eval_steps=5).eval_every() == 5
+    assert Config(eval_pass_k="8,4").pass_k() == [1, 4, 8]  # pass@1 always: the summary's accuracy
+
+
 def test_embedded_task_is_seeded_and_answers_are_right():
     rows = utils.arithmetic_problems(50, seed=1)
     assert rows == utils.arithmetic_problems(50, seed=1) != utils.arithmetic_problems(50, seed=2)

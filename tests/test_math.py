@@ -285,6 +285,8 @@ def test_embedded_task_holds_out_a_test_split():
     assert len(test) == len({r["prompt"] for r in test}) == 52  # 1 pair in 8 of the 400, each once
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
     assert len({r["prompt"] for r in train}) == 400 - 52  # every other pair shows up in training
+    easy = sum(max(map(int, r["prompt"][8:].split("?")[0].split(" + "))) < 10 for r in train)
+    assert 0.45 < easy / len(train) < 0.55  # half easy (both numbers below 10), half harder
 
 
 def test_trimmed_length_sorted_micro_batches_give_the_full_width_logprobs():

@@ -68,10 +68,19 @@ def test_off_policy_updates_freeze_old_logprobs_and_clip(server, tmp_path):
     assert metrics[-1]["optimizer_steps"] == 2 * 2 * 2
     assert max(m["clip_ratio/region"] for m in metrics) > 0
     assert max(m["sampler_logprob_diff_max"] for m in metrics) < 1e-4  # the old pass equals the sampler: still in sync
-    # on-policy (the default): no old pass, and the clip cannot act
-    _, metrics = run_train(server, tmp_path / "mu1", "--reward_funcs", "tests.helpers:brevity", "--num_generations", "4",
-                           "--prompts_per_step", "2", "--max_completion_length", "8", "--max_steps", "2",
-                           "--learning_rate", "3e-2", "--bf16", "false", "--no_save_model", nproc=1)
+    # on-policy (the default): no old pass, and the clip cannot act. And the default evaluation on the embedded
+    # task: before training and after the last step, compared in the run's last line
+    proc, metrics = run_train(server, tmp_path / "mu1", "--reward_funcs", "tests.helpers:brevity,format",
+                              "--num_generations", "4", "--prompts_per_step", "2", "--max_completion_length", "8",
+                              "--max_steps", "2", "--learning_rate", "3e-2", "--bf16", "false", "--no_save_model",
+                              "--eval_steps", "-1", "--eval_num_prompts", "3", nproc=1)
+    evals = [m for m in metrics if "eval/reward" in m]
+    assert [m["step"] for m in evals] == [0, 2] and all(m["eval/num_prompts"] == 3 for m in evals)
+    brevity, fmt = ([m[f"eval/rewards/{name}"] for m in evals] for name in ("tests.helpers:brevity", "format"))
+    assert proc.stdout.strip().splitlines()[-1] == (
+        f"held-out tests.helpers:brevity {brevity[0]:.2f} -> {brevity[1]:.2f}, format {fmt[0]:.2f} -> {fmt[1]:.2f} "
+        "(3 problems x 4 samples, steps 0 -> 2)")
+    metrics = [m for m in metrics if "loss" in m]
     assert all(m["old_logprob_pass"] == 0 and m["clip_ratio/region"] == 0 for m in metrics)
     assert all(0.5 < m["is_ratio/mean"] < 2 and m["is_ratio/dropped_frac"] == 0 for m in metrics)
     assert max(m["sampler_logprob_diff_max"] for m in metrics) < 1e-4
