@@ -26,7 +26,7 @@ def plot_run(output_dir: str) -> str | None:
     ax = axes[0, 0]
     ax.plot(*series(train, "reward"), label="train")
     if evals:
-        ax.plot(*series(evals, "eval/reward"), "o-", label="eval")
+        ax.plot(*series(evals, "eval/reward"), "o-", label="held-out")
     ax.set_title("reward")
     ax = axes[0, 1]
     for key in sorted(k for k in train[-1] if k.startswith("rewards/") and not k.endswith(("_std", "_nan_frac"))):
@@ -34,7 +34,7 @@ def plot_run(output_dir: str) -> str | None:
         line, = ax.plot(*series(train, key), label=name)
         if evals:  # the held-out evaluation of the same function: dots joined in the same colour
             ax.plot(*series(evals, "eval/" + key), "o--", color=line.get_color(), label=f"{name} (held-out)")
-    ax.set_title("reward of each function (lines: training batches, dots: held-out)")
+    ax.set_title("reward of each function (dots: held-out)")
     ax = axes[1, 0]
     ax.plot(*series(train, "kl"), label="KL to the reference")
     ax.plot(*series(train, "entropy"), label="entropy")
