@@ -90,7 +90,7 @@ class Config:
     adam_beta2: float = 0.99
     max_grad_norm: float = 1.0  # gradient clipping; 0 = off
     micro_batch_size: int = 16  # completions per forward/backward pass (memory knob; never changes the math)
-    gradient_checkpointing: bool = False  # recompute activations in the backward: ~40% less memory, slower
+    gradient_checkpointing: bool = False  # recompute activations in the backward: less memory (README: Memory)
     bf16: bool | str = "auto"  # bf16 autocast, fp32 master weights: true | false | auto = where native (GPU, avx512_bf16)
     seed: int = 42  # data order, and the server's sampling: each request carries a seed derived from it
     # scale-out and LoRA

@@ -1,7 +1,9 @@
-"""Peak memory of the no-grad log-prob pass: the (B, C, vocab) logits at once (chunk_size None) against
-the lm_head applied 32 positions at a time, which is what utils.completion_logprobs does without grad
-(pi_old, reference, probe). Each path runs in its own process; the number is the growth of the
-process's peak RSS during the pass.
+"""Peak memory of the no-grad log-prob pass, three ways: "logits" is the usual way (the model's logits,
+then an fp32 log-softmax and a gather); "plain" is utils.completion_logprobs with the head applied to all
+positions at once (chunk_size None); "chunked" applies it 32 positions at a time, which is what
+utils.completion_logprobs does without grad (pi_old, reference, probe). Then the training pass (forward
+and backward through utils.completion_logprobs) without and with --gradient_checkpointing. Each path runs
+in its own process; the number is the growth of the process's peak RSS during the pass.
 
     .venv/bin/python bench/logprob_memory.py [--model smollm2-135m] [--batch 16] [--completion 256]
 """
@@ -22,13 +24,22 @@ def measure(path: str, model: str, batch: int, prompt: int, completion: int) -> 
     import config
     import utils
     m = utils.load_model(config.resolve_model(model), "cpu")
-    ids = torch.randint(3, m.config.vocab_size, (batch, prompt + completion))
-    attn = torch.ones_like(ids)
+    m.config.use_cache = False
+    m.train(path.startswith("train"))  # as in train.py: transformers checkpoints only in train mode
+    if path == "train_checkpointing":
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    inputs = {"input_ids": torch.randint(3, m.config.vocab_size, (batch, prompt + completion))}
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t = time.perf_counter()
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        utils.completion_logprobs(m, {"input_ids": ids, "attention_mask": attn}, completion, 1.0,
-                                  32 if path == "chunked" else None)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.set_grad_enabled(path.startswith("train")):
+        if path == "logits":
+            logits = m(**inputs).logits[:, -completion - 1:-1].float()
+            logits.log_softmax(-1).gather(-1, inputs["input_ids"][:, -completion:, None])
+        else:
+            logps, _ = utils.completion_logprobs(m, inputs, completion, 1.0, 32 if path == "chunked" else None)
+    if path.startswith("train"):
+        logps.mean().backward()
     seconds = time.perf_counter() - t
     return {"path": path, "peak_growth_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024,
             "seconds": seconds}
@@ -46,12 +57,16 @@ if __name__ == "__main__":
         print(json.dumps(measure(a.one, a.model, a.batch, a.prompt, a.completion)))
         sys.exit()
     results = {}
-    for path in ("plain", "chunked"):
+    for path in ("logits", "plain", "chunked", "train", "train_checkpointing"):
         out = subprocess.run([sys.executable, __file__, "--one", path, "--model", a.model, "--batch", str(a.batch),
                               "--prompt", str(a.prompt), "--completion", str(a.completion)],
                              capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
         results[path] = json.loads(out)
-        print(f"{path:8s} peak RSS growth {results[path]['peak_growth_mb']:8.0f} MB   {results[path]['seconds']:.2f} s")
-    print(f"chunked / plain: memory {results['chunked']['peak_growth_mb'] / results['plain']['peak_growth_mb']:.2f}x, "
-          f"time {results['chunked']['seconds'] / results['plain']['seconds']:.2f}x "
-          f"(batch {a.batch}, {a.prompt} prompt + {a.completion} completion tokens, bf16 autocast)")
+        print(f"{path:19s} peak RSS growth {results[path]['peak_growth_mb']:8.0f} MB   {results[path]['seconds']:.2f} s")
+    for path in ("plain", "chunked"):
+        print(f"{path} / logits: memory {results[path]['peak_growth_mb'] / results['logits']['peak_growth_mb']:.2f}x, "
+              f"time {results[path]['seconds'] / results['logits']['seconds']:.2f}x")
+    print(f"train_checkpointing / train: memory "
+          f"{results['train_checkpointing']['peak_growth_mb'] / results['train']['peak_growth_mb']:.2f}x, "
+          f"time {results['train_checkpointing']['seconds'] / results['train']['seconds']:.2f}x")
+    print(f"(batch {a.batch}, {a.prompt} prompt + {a.completion} completion tokens, bf16 autocast)")
