@@ -172,35 +172,39 @@ def _checked_extra(extra: dict, n: int) -> dict:
 
 async def _score_one(fn, batch: dict, n: int) -> dict:
     """{scores, failed (completions that raised), traceback (the first, or ""), metrics, extra}: the whole
-    batch in one call, and one completion at a time if that raises."""
-    def call(kwargs, metrics, extra):
-        return fn(**kwargs, trainer_state=batch["trainer_state"],
-                  log_metric=lambda key, value: metrics.setdefault(key, []).append(float(value)),
-                  log_extra=lambda column, values: extra.setdefault(column, []).extend(values))
+    batch in one call, and one completion at a time if that raises. A return value (or log_extra) that
+    cannot be rewards is BadOutput, in either case."""
+    lists, metrics = {k: v for k, v in batch.items() if k != "trainer_state"}, {}
 
-    lists, metrics, extra = {k: v for k, v in batch.items() if k != "trainer_state"}, {}, {}
-    try:
-        out = call(lists, metrics, extra)
+    async def scored(kwargs: dict, k: int) -> tuple[list[float], dict]:
+        extra = {}
+        out = fn(**kwargs, trainer_state=batch["trainer_state"],
+                 log_metric=lambda key, value: metrics.setdefault(key, []).append(float(value)),
+                 log_extra=lambda column, values: extra.setdefault(column, []).extend(values))
         out = await out if inspect.isawaitable(out) else out
-    except Exception:
-        first = traceback.format_exc()
-    else:
         try:
-            return {"scores": _checked(out, n), "failed": 0, "traceback": "", "metrics": metrics,
-                    "extra": _checked_extra(extra, n)}
+            return _checked(out, k), _checked_extra(extra, k)
         except TypeError as e:
             raise BadOutput(str(e)) from None
-    scores, failed, metrics, extras = [], 0, {}, []
+
+    try:
+        scores, extra = await scored(lists, n)
+        return {"scores": scores, "failed": 0, "traceback": "", "metrics": metrics, "extra": extra}
+    except BadOutput:
+        raise
+    except Exception:
+        first = traceback.format_exc()
+    scores, failed, extras = [], 0, []
     for i in range(n):
         try:
-            extra = {}
-            out = call({k: v[i:i + 1] for k, v in lists.items()}, metrics, extra)
-            scores += _checked(await out if inspect.isawaitable(out) else out, 1)
-            extras.append(_checked_extra(extra, 1))
+            one, extra = await scored({k: v[i:i + 1] for k, v in lists.items()}, 1)
+        except BadOutput:
+            raise
         except Exception:
-            scores.append(math.nan)
-            extras.append({})
+            one, extra = [math.nan], {}
             failed += 1
+        scores += one
+        extras.append(extra)
     columns = dict.fromkeys(c for e in extras for c in e)
     return {"scores": scores, "failed": failed, "traceback": first if failed else "", "metrics": metrics,
             "extra": {c: [e[c][0] if c in e else None for e in extras] for c in columns}}

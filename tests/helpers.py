@@ -33,6 +33,13 @@ def returns_text(completions, **kwargs):
     return ["high"] * len(completions)
 
 
+def raises_on_x_else_text(completions, **kwargs):
+    """Raises on a batch holding BAD; one completion at a time, it returns text: a bug, not a failure."""
+    if any("BAD" in c for c in completions):
+        raise ValueError("BAD")
+    return ["high"] * len(completions)
+
+
 def brevity(completions, **kwargs):
     """1 for an empty completion, falling to 0 at 80 characters: learnable by the tiny test model,
     which ends a completion with probability ~0.1 per token."""

@@ -141,12 +141,14 @@ def test_log_extra_gives_one_value_per_completion_or_stops_the_run():
 
 
 @pytest.mark.parametrize("fn, message", [("returns_one", "returned list of length 1 for 2 completions"),
-                                         ("returns_text", "not a number or None")])
+                                         ("returns_text", "not a number or None"),
+                                         ("raises_on_x_else_text", "not a number or None")])
 def test_a_function_returning_what_cannot_be_rewards_stops_with_its_name(fn, message):
+    """Also when the batch raised and the completions are retried one at a time (raises_on_x_else_text)."""
     scorer = RewardScorer([f"tests.helpers:{fn}"], ["prompt"])
     try:
         with pytest.raises(ValueError, match=f"reward function tests.helpers:{fn} .*{message}"):
-            scorer([{"prompt": "p"}] * 2, ["a", "b"], [[1], [2]])
+            scorer([{"prompt": "p"}] * 2, ["a", "BAD"], [[1], [2]])
     finally:
         scorer.close()
 
