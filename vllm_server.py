@@ -238,10 +238,15 @@ class ServerGuard:
                 self._give_up(f"the vLLM server at {self.client.base} did not answer within {self.timeout:.0f}s")
             try:
                 self.sync.connect()
-                connected = True
-            except ServerLost:
-                connected = False
-            if self._anywhere(not connected):
+                problem = None
+            except ServerLost:  # gone again: wait again
+                problem = ""
+            except Exception as e:  # back, but cannot take our weights (its transfer port taken, another backend)
+                problem = (str(e) if isinstance(e, UsageError) else "") or f"{type(e).__name__}: {e}"
+            if self._anywhere(bool(problem)):  # save the run, do not lose it to an exit
+                self._give_up(f"could not join the weight transfer of the vLLM server at {self.client.base} again: "
+                              f"{problem or 'on rank 0'}", "flags such as --vllm_group_port may change when resuming")
+            if self._anywhere(problem is not None):
                 continue
             try:
                 self.sync.push()
@@ -254,10 +259,10 @@ class ServerGuard:
                     print(f"the vLLM server is back; pushed the current weights (reconnect {self.reconnects})", flush=True)
                 return
 
-    def _give_up(self, why: str):
+    def _give_up(self, why: str, hint: str = "raise --vllm_server_timeout to wait longer"):
         path = self.on_gone()
         raise ServerGone(f"{why}. Saved {path}. Restart the server (same --model, port {self.client.base.rsplit(':', 1)[1]}) "
-                         "and continue with --resume_from_checkpoint latest; raise --vllm_server_timeout to wait longer.")
+                         f"and continue with --resume_from_checkpoint latest; {hint}.")
 
     @staticmethod
     def _anywhere(flag: bool) -> bool:

@@ -1,0 +1,87 @@
+"""vllm_server.ServerGuard's decisions in one process, with a stand-in for the server (its health and
+its weight transfer): wait and carry on when it comes back, save and stop when it cannot take the
+weights again. tests/test_operations.py kills and restarts the real server under torchrun."""
+import pytest
+
+from config import UsageError
+from vllm_server import ServerGone, ServerGuard, ServerLost
+
+
+class Server:
+    """Answers health checks while `up`; `connects` lists what each join of the weight transfer does."""
+
+    def __init__(self, connects=()):
+        self.base, self.up, self.connects, self.pushes, self.saved = "http://127.0.0.1:8123", True, list(connects), 0, []
+
+    def wait_for_health(self, timeout: float):
+        if not self.up:
+            raise UsageError("not answering")
+
+    def connect(self):
+        outcome = self.connects.pop(0) if self.connects else None
+        if outcome:
+            raise outcome
+
+    def push(self):
+        self.pushes += 1
+
+    def save(self) -> str:
+        self.saved.append(f"out/checkpoint-{len(self.saved) + 1}")
+        return self.saved[-1]
+
+
+def guard(server: Server, timeout: float = 5) -> ServerGuard:
+    return ServerGuard(server, server, timeout, on_gone=server.save)
+
+
+def lost_once(server: Server):
+    calls = []
+
+    def call():
+        calls.append(1)
+        if len(calls) == 1:
+            raise ServerLost("connection refused")
+        return "episodes"
+    return call
+
+
+def test_a_lost_server_that_comes_back_gets_the_weights_and_the_call_runs_again():
+    server = Server(connects=[ServerLost("the new server is still starting its engine"), None])
+    g = guard(server)
+    assert g.run(lost_once(server)) == "episodes"
+    assert g.reconnects == 1 and server.pushes == 1 and server.saved == [] and server.connects == []
+
+
+def test_a_server_that_does_not_come_back_is_given_up_after_saving():
+    server = Server()
+    server.up = False
+    with pytest.raises(ServerGone, match="did not answer within 0s. Saved out/checkpoint-1.*--resume_from_checkpoint "
+                                         "latest; raise --vllm_server_timeout"):
+        guard(server, timeout=0).run(lost_once(server))
+    assert server.saved == ["out/checkpoint-1"] and server.pushes == 0
+
+
+@pytest.mark.parametrize("error, shown", [
+    (UsageError("--vllm_group_port 29551: the port is in use on this machine (Address already in use); choose a free one"),
+     "--vllm_group_port 29551: the port is in use"),
+    (KeyError("weight_transfer_config"), "KeyError: 'weight_transfer_config'")])
+def test_a_server_back_but_unable_to_take_the_weights_saves_the_run_and_says_why(error, shown):
+    """Before, the port taken while the server was away ended the run with exit code 2 and no checkpoint."""
+    server = Server(connects=[error])
+    with pytest.raises(ServerGone) as e:
+        guard(server).run(lost_once(server))
+    message = str(e.value)
+    assert message.startswith("could not join the weight transfer of the vLLM server at http://127.0.0.1:8123 again")
+    assert shown in message and "Saved out/checkpoint-1" in message and "--resume_from_checkpoint latest" in message
+    assert "--vllm_group_port may change when resuming" in message
+    assert server.saved == ["out/checkpoint-1"] and server.pushes == 0
+
+
+def test_a_call_that_keeps_losing_the_server_stops_after_three_attempts():
+    server = Server()
+
+    def always_lost():
+        raise ServerLost("engine died")
+    with pytest.raises(ServerGone, match="failed 3 times in a row \\(last: engine died\\). Saved out/checkpoint-1"):
+        guard(server).run(always_lost)
+    assert server.pushes == 3 and server.saved == ["out/checkpoint-1"]
