@@ -236,28 +236,28 @@ class ServerGuard:
                 back = False
             if self._anywhere(not back or time.monotonic() > deadline):
                 self._give_up(f"the vLLM server at {self.client.base} did not answer within {self.timeout:.0f}s")
-            try:
-                self.sync.connect()
-                problem = None
-            except ServerLost:  # gone again: wait again
-                problem = ""
-            except Exception as e:  # back, but cannot take our weights (its transfer port taken, another backend)
-                problem = (str(e) if isinstance(e, UsageError) else "") or f"{type(e).__name__}: {e}"
-            if self._anywhere(bool(problem)):  # save the run, do not lose it to an exit
-                self._give_up(f"could not join the weight transfer of the vLLM server at {self.client.base} again: "
-                              f"{problem or 'on rank 0'}", "flags such as --vllm_group_port may change when resuming")
-            if self._anywhere(problem is not None):
-                continue
-            try:
-                self.sync.push()
-                pushed = True
-            except ServerLost:
-                pushed = False
-            if not self._anywhere(not pushed):
+            if self._joined(self.sync.connect, "join the weight transfer of") and \
+                    self._joined(self.sync.push, "push the weights into"):
                 self.reconnects += 1
                 if int(os.environ.get("RANK", 0)) == 0:
                     print(f"the vLLM server is back; pushed the current weights (reconnect {self.reconnects})", flush=True)
                 return
+
+    def _joined(self, fn, what: str) -> bool:
+        """fn() on every rank: True if it worked everywhere, False if the server was lost again somewhere
+        (wait for it again). Any other error (the server is back but cannot take our weights: its
+        transfer port taken meanwhile, another backend or model) saves the run and stops it."""
+        try:
+            fn()
+            problem = None
+        except ServerLost:
+            problem = ""
+        except Exception as e:
+            problem = (str(e) if isinstance(e, UsageError) else "") or f"{type(e).__name__}: {e}"
+        if self._anywhere(bool(problem)):
+            self._give_up(f"could not {what} the vLLM server at {self.client.base} again: "
+                          f"{problem or 'on another rank'}", "flags such as --vllm_group_port may change when resuming")
+        return not self._anywhere(problem is not None)
 
     def _give_up(self, why: str, hint: str = "raise --vllm_server_timeout to wait longer"):
         path = self.on_gone()
@@ -348,9 +348,9 @@ class WeightSync:
                              "(the default of vllm_server.py) or '{\"backend\": \"nccl\"}' (GPUs)")
 
     def push(self):
-        """Make the server compute with the current weights. Every rank calls it. If the server is lost
-        halfway (ServerLost on rank 0), rank 0 still reads the remaining weights, so that every rank has
-        taken part in the same gathers."""
+        """Make the server compute with the current weights. Every rank calls it. If the push fails
+        halfway on rank 0 (ServerLost, or any error), rank 0 still reads the remaining weights, so that
+        every rank has taken part in the same gathers."""
         if self.engine is None:
             for _ in self.source:  # take part in each gather, in the same order as rank 0
                 pass
@@ -358,7 +358,7 @@ class WeightSync:
         try:
             self.engine.send_weights()
             self.client.reset_prefix_cache()  # cached KV of the old weights is stale
-        except ServerLost:
+        except Exception:
             self.source.finish()
             raise
 

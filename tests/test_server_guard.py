@@ -10,8 +10,9 @@ from vllm_server import ServerGone, ServerGuard, ServerLost
 class Server:
     """Answers health checks while `up`; `connects` lists what each join of the weight transfer does."""
 
-    def __init__(self, connects=()):
-        self.base, self.up, self.connects, self.pushes, self.saved = "http://127.0.0.1:8123", True, list(connects), 0, []
+    def __init__(self, connects=(), pushes=()):
+        self.base, self.up, self.saved = "http://127.0.0.1:8123", True, []
+        self.connects, self.push_outcomes, self.pushes = list(connects), list(pushes), 0
 
     def wait_for_health(self, timeout: float):
         if not self.up:
@@ -24,6 +25,9 @@ class Server:
 
     def push(self):
         self.pushes += 1
+        outcome = self.push_outcomes.pop(0) if self.push_outcomes else None
+        if outcome:
+            raise outcome
 
     def save(self) -> str:
         self.saved.append(f"out/checkpoint-{len(self.saved) + 1}")
@@ -46,10 +50,11 @@ def lost_once(server: Server):
 
 
 def test_a_lost_server_that_comes_back_gets_the_weights_and_the_call_runs_again():
-    server = Server(connects=[ServerLost("the new server is still starting its engine"), None])
+    server = Server(connects=[ServerLost("the new server is still starting its engine"), None],
+                    pushes=[ServerLost("lost again during the push"), None])
     g = guard(server)
     assert g.run(lost_once(server)) == "episodes"
-    assert g.reconnects == 1 and server.pushes == 1 and server.saved == [] and server.connects == []
+    assert g.reconnects == 1 and server.pushes == 2 and server.saved == [] and server.connects == []
 
 
 def test_a_server_that_does_not_come_back_is_given_up_after_saving():
@@ -77,6 +82,15 @@ def test_a_server_back_but_unable_to_take_the_weights_saves_the_run_and_says_why
     assert server.saved == ["out/checkpoint-1"] and server.pushes == 0
 
 
+def test_a_server_back_that_refuses_the_weights_saves_the_run_and_says_why():
+    server = Server(pushes=[RuntimeError("400 Bad Request: no parameter named model.layers.0.mlp.up_proj.weight")])
+    with pytest.raises(ServerGone, match="could not push the weights into the vLLM server at http://127.0.0.1:8123 "
+                                         "again: RuntimeError: 400 Bad Request: no parameter named .*Saved "
+                                         "out/checkpoint-1"):
+        guard(server).run(lost_once(server))
+    assert server.saved == ["out/checkpoint-1"]
+
+
 def test_a_call_that_keeps_losing_the_server_stops_after_three_attempts():
     server = Server()
 
@@ -85,3 +99,28 @@ def test_a_call_that_keeps_losing_the_server_stops_after_three_attempts():
     with pytest.raises(ServerGone, match="failed 3 times in a row \\(last: engine died\\). Saved out/checkpoint-1"):
         guard(server).run(always_lost)
     assert server.pushes == 3 and server.saved == ["out/checkpoint-1"]
+
+
+def test_a_push_that_fails_halfway_still_reads_every_weight():
+    """Under FSDP2 reading a weight is a gather every rank takes part in: rank 0 must read them all."""
+    from vllm_server import WeightSync
+    read = []
+
+    class Weights:
+        def __iter__(self):
+            for name in ("embed", "layer0", "layer1", "head"):
+                read.append(name)
+                yield name, None
+
+    class BrokenEngine:
+        def __init__(self, source):
+            self.source = source
+
+        def send_weights(self):
+            next(iter(self.source))
+            raise RuntimeError("400 Bad Request")
+    sync = WeightSync(client=None, source=Weights(), rank=1, group_host="127.0.0.1", group_port=0)  # joins nothing
+    sync.engine = BrokenEngine(sync.source)  # as on rank 0 after joining
+    with pytest.raises(RuntimeError, match="400 Bad Request"):
+        sync.push()
+    assert read == ["embed", "layer0", "layer1", "head"]
