@@ -13,7 +13,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 
 import torch
 import torch.distributed as dist
@@ -425,15 +425,43 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def stop_process_group(proc, timeout: float = 30):
-    """Stop exactly the process group we started as `proc` (start_new_session=True: a server with its engine
-    and workers, a torchrun with its ranks): SIGTERM, then SIGKILL after `timeout` seconds."""
+    """Stop exactly what we started as `proc` (start_new_session=True: a server with its engine and workers,
+    a torchrun with its ranks): SIGTERM to its group, SIGKILL after `timeout` seconds; then SIGKILL to any of
+    its descendants still alive in a session of their own (torchrun starts each rank in one: a rank stuck
+    in a collective outlives a torchrun that was killed)."""
     if proc.poll() is None:
+        family = descendants(proc.pid)
         os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        for pid, started in family:
+            if _stat(pid)[1] == started:  # the same process, not a new one with a reused pid
+                with suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _stat(pid: int) -> tuple[int, int]:
+    """(parent pid, start time) of a process; (0, 0) if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[1]), int(fields[19])
+    except (OSError, ValueError):
+        return 0, 0
+
+
+def descendants(pid: int) -> list[tuple[int, int]]:
+    """(pid, start time) of every process below `pid`."""
+    parents = {int(p): _stat(int(p)) for p in os.listdir("/proc") if p.isdigit()} if os.path.isdir("/proc") else {}
+    found, frontier = [], [pid]
+    while frontier:
+        children = [(p, started) for p, (parent, started) in parents.items() if parent in frontier]
+        found += children
+        frontier = [p for p, _ in children]
+    return found
 
 
 def cpu_seconds_of_group(pgid: int) -> float:
@@ -498,8 +526,15 @@ def check_sync(client, model, probe_ids: list[int], autocast, is_main: bool, tol
     ids = torch.tensor([probe_ids])
     ours = no_grad_logprobs(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, len(probe_ids) - 1, 1.0, 1,
                             autocast)[0]
-    diff = (ours - torch.tensor(client.prompt_logprobs(probe_ids))).abs() if is_main else torch.zeros(1)
+    diff, error = torch.zeros(1), None
+    if is_main:
+        try:
+            diff = (ours - torch.tensor(client.prompt_logprobs(probe_ids))).abs()
+        except Exception as e:  # e.g. the server was lost: the other ranks are in the sum below, so join it first
+            error = e
     probe = sum_over_ranks({"sync_probe_diff_mean": diff.mean(), "sync_probe_diff_max": diff.max()})  # rank 0's
+    if error:
+        raise error
     if probe["sync_probe_diff_mean"] > tolerance:
         raise RuntimeError(
             f"weight sync check failed after step {step}: the server's log-probs of a fixed probe differ from the "

@@ -348,13 +348,14 @@ class WeightSync:
                              "(the default of vllm_server.py) or '{\"backend\": \"nccl\"}' (GPUs)")
 
     def push(self):
-        """Make the server compute with the current weights. Every rank calls it. If the push fails
-        halfway on rank 0 (ServerLost, or any error), rank 0 still reads the remaining weights, so that
-        every rank has taken part in the same gathers."""
+        """Make the server compute with the current weights. Every rank calls it. If the push fails on
+        rank 0 (ServerLost, or any error), before reading the weights or halfway, rank 0 still reads the
+        rest of them, so that every rank has taken part in the same gathers."""
         if self.engine is None:
             for _ in self.source:  # take part in each gather, in the same order as rank 0
                 pass
             return
+        self.source.begin()
         try:
             self.engine.send_weights()
             self.client.reset_prefix_cache()  # cached KV of the old weights is stale
@@ -364,20 +365,25 @@ class WeightSync:
 
 
 class _Resumable:
-    """A weight source that remembers the iteration under way, so that it can be finished (see WeightSync.push)."""
+    """A weight source that remembers how far a push has read it, so that the push can be finished
+    (see WeightSync.push)."""
 
     def __init__(self, source):
-        self.source, self.iteration = source, iter(())
+        self.source, self.iteration = source, None
 
     def metadata(self):
         return self.source.metadata()
+
+    def begin(self):
+        self.iteration = None  # nothing read yet
 
     def __iter__(self):
         self.iteration = iter(self.source)
         return self.iteration
 
     def finish(self):
-        for _ in self.iteration:
+        """Read what this push has not read: all of it if it never began reading."""
+        for _ in self.iteration if self.iteration is not None else self.source:
             pass
 
 

@@ -1,8 +1,13 @@
 """vllm_server.ServerGuard's decisions in one process, with a stand-in for the server (its health and
 its weight transfer): wait and carry on when it comes back, save and stop when it cannot take the
 weights again. tests/test_operations.py kills and restarts the real server under torchrun."""
+import json
+import os
+import subprocess
+
 import pytest
 
+from conftest import ROOT, launcher
 from config import UsageError
 from vllm_server import ServerGone, ServerGuard, ServerLost
 
@@ -101,8 +106,10 @@ def test_a_call_that_keeps_losing_the_server_stops_after_three_attempts():
     assert server.pushes == 3 and server.saved == ["out/checkpoint-1"]
 
 
-def test_a_push_that_fails_halfway_still_reads_every_weight():
-    """Under FSDP2 reading a weight is a gather every rank takes part in: rank 0 must read them all."""
+@pytest.mark.parametrize("reads_before_failing", [0, 1, 4])
+def test_a_push_that_fails_still_reads_every_weight_once(reads_before_failing):
+    """Under FSDP2 reading a weight is a gather every rank takes part in: rank 0 must read them all, once,
+    whether the server was lost before the push read anything (a hang before), halfway, or at the end."""
     from vllm_server import WeightSync
     read = []
 
@@ -117,10 +124,27 @@ def test_a_push_that_fails_halfway_still_reads_every_weight():
             self.source = source
 
         def send_weights(self):
-            next(iter(self.source))
-            raise RuntimeError("400 Bad Request")
+            weights = iter(self.source) if reads_before_failing else None
+            for _ in range(reads_before_failing):
+                next(weights)
+            raise ServerLost("connection refused")
     sync = WeightSync(client=None, source=Weights(), rank=1, group_host="127.0.0.1", group_port=0)  # joins nothing
     sync.engine = BrokenEngine(sync.source)  # as on rank 0 after joining
-    with pytest.raises(RuntimeError, match="400 Bad Request"):
-        sync.push()
-    assert read == ["embed", "layer0", "layer1", "head"]
+    for _ in range(2):  # the second push must not take the first one's iteration for its own
+        read.clear()
+        with pytest.raises(ServerLost):
+            sync.push()
+        assert read == ["embed", "layer0", "layer1", "head"]
+
+
+def test_every_rank_waits_and_probes_again_when_rank_0_loses_the_server(tmp_path):
+    """Under torchrun: rank 0 loses the server inside the sync probe, whose other ranks are already in a
+    collective. Before, rank 0's next collective met theirs (a hang or garbage); now all reconnect once."""
+    out = tmp_path / "ranks.json"
+    proc = subprocess.run([*launcher(2), os.path.join(ROOT, "tests", "guard_ranks.py"), str(out)], capture_output=True,
+                          text=True, timeout=180, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    ranks = json.loads(out.read_text())
+    assert [r["reconnects"] for r in ranks] == [1, 1] and [r["pushes"] for r in ranks] == [1, 1]
+    assert [r["probes"] for r in ranks] == [2, 0]  # rank 0 alone asks the server
+    assert ranks[0]["probe"]["sync_probe_diff_max"] < 1e-9 and ranks[0]["probe"] == ranks[1]["probe"]

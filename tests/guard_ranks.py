@@ -1,0 +1,59 @@
+"""Run by tests/test_server_guard.py under torchrun (2 processes, gloo): the server is lost while rank 0
+asks it for the sync probe, and every rank must still take part in the same collectives, wait for the
+server, push and probe again. Rank 0 writes {rank: what happened} as JSON to the file given."""
+import json
+import os
+import sys
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from transformers import LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from utils import check_sync, completion_logprobs, setup_distributed, teardown_distributed  # noqa: E402
+from vllm_server import ServerGuard, ServerLost  # noqa: E402
+
+rank, _, world_size, _, is_main = setup_distributed()
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=2, head_dim=16)).double()
+probe_ids = list(range(3, 13))
+
+
+class Server:
+    """A stand-in: lost during rank 0's first probe, then back; it computes with the trainer's weights."""
+    base = "http://127.0.0.1:8123"
+
+    def __init__(self):
+        self.probes, self.pushes = 0, 0
+
+    def prompt_logprobs(self, ids: list[int]) -> list[float]:
+        self.probes += 1
+        if self.probes == 1:
+            raise ServerLost("connection refused")
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            return completion_logprobs(model, {"input_ids": x, "attention_mask": torch.ones_like(x)}, len(ids) - 1,
+                                       1.0)[0][0].tolist()
+
+    def wait_for_health(self, timeout: float):
+        pass
+
+    def connect(self):
+        pass
+
+    def push(self):
+        self.pushes += 1
+
+
+server = Server()
+guard = ServerGuard(server, server, 5, on_gone=lambda: "no checkpoint")
+probe = guard.run(check_sync, server, model, probe_ids, nullcontext(), is_main, 1e-6, 1)
+mine = {"probe": probe, "reconnects": guard.reconnects, "pushes": server.pushes, "probes": server.probes}
+everyone = [None] * world_size
+dist.all_gather_object(everyone, mine)
+if is_main:
+    with open(sys.argv[1], "w") as f:
+        json.dump(everyone, f)
+teardown_distributed()
