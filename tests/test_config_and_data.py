@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import os
 import subprocess
@@ -37,10 +38,17 @@ def test_cpu_server_computes_in_bf16_only_where_the_cpu_has_it():
         assert flag_value(completed, "--dtype") == dtype and sum(a.startswith("--dtype") for a in completed) == 1
 
 
-def test_train_help_lists_the_flags():
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--help"], capture_output=True, text=True, check=True)
+def test_train_help_lists_the_flags_with_their_whole_comments():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--help"], capture_output=True, text=True,
+                         check=True)
     for flag in ("--num_generations", "--max_completion_length", "--learning_rate", "--beta", "--epsilon", "--temperature"):
         assert flag in out.stdout
+    from config import _field_comments
+    comments = _field_comments()
+    assert set(comments) == {f.name for f in dataclasses.fields(Config)}  # every flag has its help
+    assert comments["answer_column"].endswith('reaches rewards as `answer` ("#### 42" -> 42)')  # a comment on 2 lines
+    assert comments["eval_steps"].endswith("N = also every N steps; 0 = never")
+    assert comments["num_generations"] == "G: completions per prompt; the group for the advantage baseline"
 
 
 def test_runs_evaluate_before_and_after_training_where_a_held_out_set_is_at_hand():
