@@ -40,8 +40,8 @@ def plot_run(output_dir: str) -> str | None:
     ax.plot(*series(train, "entropy"), label="entropy")
     ax.set_title("KL and entropy (per token)")
     ax = axes[1, 1]
-    for key, label in (("completion_length", "mean"), ("completion_length_min", "min"), ("completion_length_max", "max")):
-        ax.plot(*series(train, key), label=label)
+    for suffix, label in (("", "mean"), ("_min", "min"), ("_max", "max")):
+        ax.plot(*series(train, f"completion_length{suffix}"), label=label)
     ax.set_title("completion length (tokens)")
     for ax in axes.flat:
         ax.set_xlabel("step")

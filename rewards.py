@@ -137,9 +137,10 @@ def load_reward_func(name: str, columns: list[str]):
     try:
         inspect.signature(fn).bind(**dict.fromkeys(passed))
     except TypeError as e:
-        raise UsageError(f"--reward_funcs {name}: {fn.__name__}{inspect.signature(fn)} cannot be called with the arguments "
-                         f"a reward function gets ({e}): keyword lists {', '.join(passed)}. Write it as "
-                         f"{fn.__name__}(prompts, completions, **kwargs), naming the dataset columns it needs") from None
+        raise UsageError(f"--reward_funcs {name}: {fn.__name__}{inspect.signature(fn)} cannot be called with the "
+                         f"arguments a reward function gets ({e}): keyword lists {', '.join(passed)}. Write it as "
+                         f"{fn.__name__}(prompts, completions, **kwargs), naming the dataset columns it needs"
+                         ) from None
     except ValueError:  # no signature to inspect (a builtin); it will be called and judged by its results
         pass
     return fn
@@ -148,8 +149,9 @@ def load_reward_func(name: str, columns: list[str]):
 def _checked(out, n: int) -> list[float]:
     """A function's result as n floats (None -> NaN = not scored); TypeError if it is not that."""
     if isinstance(out, (str, bytes)) or not hasattr(out, "__len__") or len(out) != n:
-        raise TypeError(f"returned {type(out).__name__}{f' of length {len(out)}' if hasattr(out, '__len__') else ''} for "
-                        f"{n} completions; return a list with one float (or None) per completion")
+        length = f" of length {len(out)}" if hasattr(out, "__len__") else ""
+        raise TypeError(f"returned {type(out).__name__}{length} for {n} completions; return a list with one float "
+                        "(or None) per completion")
     try:
         return [math.nan if v is None else float(v) for v in out]
     except (TypeError, ValueError) as e:
@@ -165,8 +167,8 @@ def _checked_extra(extra: dict, n: int) -> dict:
     """log_extra's columns, each one value per completion; TypeError if not."""
     for column, values in extra.items():
         if len(values) != n:
-            raise TypeError(f"called log_extra({column!r}, ...) with {len(values)} values for {n} completions; give one "
-                            "value per completion")
+            raise TypeError(f"called log_extra({column!r}, ...) with {len(values)} values for {n} completions; give "
+                            "one value per completion")
     return extra
 
 
@@ -210,6 +212,11 @@ async def _score_one(fn, batch: dict, n: int) -> dict:
             "extra": {c: [e[c][0] if c in e else None for e in extras] for c in columns}}
 
 
+def _unscored(n: int, why: str) -> dict:
+    """The result of a function that scored none of n completions, and why."""
+    return {"scores": [math.nan] * n, "failed": n, "traceback": why, "metrics": {}, "extra": {}}
+
+
 def _score(names: list[str], batch: dict) -> list[dict]:
     """Runs in the scorer's process: the functions named (one sync function, or every async one, which
     run concurrently) on one batch: per function {scores, failed, traceback, metrics, extra} or {error}."""
@@ -240,8 +247,8 @@ class RewardModel:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
         if not os.path.isfile(os.path.join(path, "config.json")):
-            raise UsageError(f"--reward_funcs {path}: no config.json there; a path names a reward model, a local Hugging "
-                             "Face sequence-classification folder")
+            raise UsageError(f"--reward_funcs {path}: no config.json there; a path names a reward model, a local "
+                             "Hugging Face sequence-classification folder")
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForSequenceClassification.from_pretrained(path).to(device).eval()
         if self.tokenizer.pad_token is None:
@@ -269,8 +276,8 @@ class RewardScorer:
     def __init__(self, names: list[str], columns: list[str], device="cpu", max_steps: int = 0, timeout: float = 60.0):
         taken = [c for c in columns if c in ("prompts", "completions", "completion_ids", *EXTRA_ARGUMENTS)]
         if taken:
-            raise UsageError(f"the dataset has a column named {taken[0]!r}, the name of an argument every reward function "
-                             "gets from nanogrpo (as in TRL); rename the column")
+            raise UsageError(f"the dataset has a column named {taken[0]!r}, the name of an argument every reward "
+                             "function gets from nanogrpo (as in TRL); rename the column")
         self.names, self.timeout, self.max_steps = names, timeout, max_steps
         self.models = {name: RewardModel(name, device) for name in names if is_reward_model(name)}
         self.is_async = {name: inspect.iscoroutinefunction(load_reward_func(name, columns))
@@ -294,13 +301,12 @@ class RewardScorer:
             self._pool = None
             why = (f"did not finish within {self.timeout:g} s" if isinstance(e, mp.TimeoutError)
                    else f"crashed the scorer process ({type(e).__name__}: {e})")
-            n = len(batch["completions"])
-            return [{"scores": [math.nan] * n, "failed": n, "traceback": f"{why}\n", "metrics": {}, "extra": {}}
-                    for _ in names]
+            return [_unscored(len(batch["completions"]), f"{why}\n") for _ in names]
 
     def __call__(self, rows: list[dict], completions: list[str], completion_ids: list[list[int]], step: int = 0):
         prompts = [r["prompt"] for r in rows]
-        completions = [c if isinstance(p, str) else [{"role": "assistant", "content": c}] for p, c in zip(prompts, completions)]
+        completions = [c if isinstance(p, str) else [{"role": "assistant", "content": c}]
+                       for p, c in zip(prompts, completions)]
         batch = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids,
                  **{k: [r.get(k) for r in rows] for k in rows[0] if k != "prompt"},
                  "trainer_state": SimpleNamespace(global_step=step, max_steps=self.max_steps)}
@@ -321,8 +327,7 @@ class RewardScorer:
             scores = _checked(model(**batch), len(batch["completions"]))
             return {"scores": scores, "failed": 0, "traceback": "", "metrics": {}, "extra": {}}
         except Exception:
-            n = len(batch["completions"])
-            return {"scores": [math.nan] * n, "failed": n, "traceback": traceback.format_exc(), "metrics": {}, "extra": {}}
+            return _unscored(len(batch["completions"]), traceback.format_exc())
 
     def _account(self, name: str, result: dict, n: int):
         """Count and report a function's failures; stop on a bug (bad output, or nothing scored in its first batch)."""
@@ -338,7 +343,8 @@ class RewardScorer:
         if result["failed"] and name not in self.reported:
             self.reported.add(name)
             print(f"reward function {name} failed on {result['failed']} of {n} completions (not scored; counted in "
-                  f"scorer_failures; only its first error is shown):\n{result['traceback']}", file=sys.stderr, flush=True)
+                  f"scorer_failures; only its first error is shown):\n{result['traceback']}", file=sys.stderr,
+                  flush=True)
 
     def close(self):
         if self._pool is not None:

@@ -80,8 +80,8 @@ def load_rollout(name: str):
     try:
         return getattr(importlib.import_module(module), fn)
     except (ImportError, AttributeError, ValueError) as e:
-        raise UsageError(f"--rollout {name}: could not load it ({type(e).__name__}: {e}); give module:function with the "
-                         "module importable from the working folder") from None
+        raise UsageError(f"--rollout {name}: could not load it ({type(e).__name__}: {e}); give module:function "
+                         "with the module importable from the working folder") from None
 
 
 def run_rollout(fn, rows: list[dict], ctx: RolloutContext) -> list[Episode]:
@@ -94,8 +94,9 @@ def run_rollout(fn, rows: list[dict], ctx: RolloutContext) -> list[Episode]:
         if not isinstance(e, Episode):
             raise ValueError(f"rollout {name}: item {i} is a {type(e).__name__}, not a rollout.Episode")
         if not (len(e.completion_ids) == len(e.sampled) == len(e.logprobs)):
-            raise ValueError(f"rollout {name}: episode {i} has {len(e.completion_ids)} completion_ids, {len(e.sampled)} "
-                             f"sampled flags and {len(e.logprobs)} logprobs; give one of each per completion token")
+            raise ValueError(f"rollout {name}: episode {i} has {len(e.completion_ids)} completion_ids, "
+                             f"{len(e.sampled)} sampled flags and {len(e.logprobs)} logprobs; give one of each per "
+                             "completion token")
         if e.row is not rows[i // G] and e.row != rows[i // G]:
             raise ValueError(f"rollout {name}: episode {i} is not of row {i // G}; return {G} episodes per row, in the "
                              "order of the rows")

@@ -58,15 +58,16 @@ def check_prompt(prompt, where: str):
     """A prompt is text or a list of chat messages ({"role", "content"}); ValueError naming the row otherwise."""
     if isinstance(prompt, str) and prompt:
         return
-    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and m.get("role") in CHAT_ROLES and "content" in m
-                                                   for m in prompt):
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and m.get("role") in CHAT_ROLES
+                                                   and "content" in m for m in prompt):
         return
-    raise UsageError(f"{where}: the prompt is {type(prompt).__name__} {repr(prompt)[:80]}; a prompt is non-empty text, or "
-                     f"a list of chat messages like [{{\"role\": \"user\", \"content\": \"...\"}}] (roles: "
+    raise UsageError(f"{where}: the prompt is {type(prompt).__name__} {repr(prompt)[:80]}; a prompt is non-empty text, "
+                     f"or a list of chat messages like [{{\"role\": \"user\", \"content\": \"...\"}}] (roles: "
                      f"{', '.join(CHAT_ROLES)})")
 
 
-def load_rows(dataset: str, split: str, prompt_column: str, answer_column: str, num_arithmetic: int, seed: int) -> list[dict]:
+def load_rows(dataset: str, split: str, prompt_column: str, answer_column: str, num_arithmetic: int,
+              seed: int) -> list[dict]:
     """The rows of the embedded task, a local json/jsonl/parquet file or a hub dataset, every column kept,
     with the prompt under "prompt" (text, or a list of chat messages) and the reference answer, if the
     dataset has one, under "answer" (GSM8K's "... #### 42" reduced to "42")."""
@@ -83,8 +84,8 @@ def load_rows(dataset: str, split: str, prompt_column: str, answer_column: str, 
         try:
             data = datasets.load_dataset(kind, data_files=dataset, split="train")
         except Exception as e:  # datasets wraps the parser's error; show that one
-            raise UsageError(f"--dataset {dataset}: not a readable {ext} file ({e.__cause__ or e}); a .jsonl file has one "
-                             "JSON object per line") from e
+            raise UsageError(f"--dataset {dataset}: not a readable {ext} file ({e.__cause__ or e}); a .jsonl file "
+                             "has one JSON object per line") from e
     elif os.path.exists(dataset) or dataset.endswith((".json", ".jsonl", ".parquet")):
         raise UsageError(f"--dataset {dataset}: no such file")
     else:
@@ -92,15 +93,15 @@ def load_rows(dataset: str, split: str, prompt_column: str, answer_column: str, 
             data = datasets.load_dataset(dataset, split=split)
         except Exception as e:
             raise UsageError(f"--dataset {dataset} (split {split}) could not be loaded from the Hugging Face hub: {e}. "
-                             "Check the name, --dataset_split and the connection, or give a local .jsonl/.json/.parquet "
-                             "file") from e
+                             "Check the name, --dataset_split and the connection, or give a local "
+                             ".jsonl/.json/.parquet file") from e
     columns = data.column_names
     prompt_column = prompt_column or ("prompt" if "prompt" in columns else "question")
     if prompt_column not in columns:
         raise UsageError(f"dataset {dataset} has no column {prompt_column!r} (it has {columns}); set --prompt_column")
-    if answer_column and answer_column not in columns and answer_column != "answer":  # "answer", the default, is optional
-        raise UsageError(f"dataset {dataset} has no column {answer_column!r} (it has {columns}); set --answer_column, or "
-                         "--answer_column '' for a dataset without reference answers")
+    if answer_column and answer_column not in columns and answer_column != "answer":  # the default is optional
+        raise UsageError(f"dataset {dataset} has no column {answer_column!r} (it has {columns}); set --answer_column, "
+                         "or --answer_column '' for a dataset without reference answers")
     rows = []
     for i, row in enumerate(data):
         check_prompt(row[prompt_column], f"dataset {dataset}, row {i}, column {prompt_column!r}")
@@ -377,9 +378,11 @@ def distribute(model, fsdp: bool, bf16: bool, world_size: int, trainable: bool =
     reduced in fp32. Otherwise DDP (a full copy per rank) for a trained model on several ranks."""
     if fsdp:
         if not dist.is_initialized():
-            raise UsageError("--fsdp needs torch.distributed: launch with torchrun (e.g. torchrun --nproc_per_node 2 train.py --fsdp)")
+            raise UsageError("--fsdp needs torch.distributed: launch with torchrun (e.g. torchrun --nproc_per_node 2 "
+                             "train.py --fsdp)")
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
+              else MixedPrecisionPolicy())
         layer_classes = set(getattr(model, "_no_split_modules", None) or [])  # e.g. {"LlamaDecoderLayer"}
         for module in model.modules():
             if type(module).__name__ in layer_classes:
@@ -524,8 +527,8 @@ def check_sync(client, model, probe_ids: list[int], autocast, is_main: bool, tol
     on every rank: a deterministic check that the server computes with the weights we pushed. Every rank
     runs the forward (FSDP2 gathers); rank 0 asks the server. Stops the run if the mean is above `tolerance`."""
     ids = torch.tensor([probe_ids])
-    ours = no_grad_logprobs(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, len(probe_ids) - 1, 1.0, 1,
-                            autocast)[0]
+    ours = no_grad_logprobs(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, len(probe_ids) - 1,
+                            1.0, 1, autocast)[0]
     diff, error = torch.zeros(1), None
     if is_main:
         try:
@@ -538,10 +541,11 @@ def check_sync(client, model, probe_ids: list[int], autocast, is_main: bool, tol
     if probe["sync_probe_diff_mean"] > tolerance:
         raise RuntimeError(
             f"weight sync check failed after step {step}: the server's log-probs of a fixed probe differ from the "
-            f"trainer's by {probe['sync_probe_diff_mean']:.4g} on average > {tolerance:g}. The server is not computing "
-            "with the weights we trained. Likely causes: a weight not pushed or pushed under a name the server does not "
-            "map (LoRA or FSDP prefixes), a tied lm_head the server did not refresh, a stale prefix cache, or a server "
-            "started with another model or dtype. If the dtypes differ on purpose, raise --sync_check_tolerance.")
+            f"trainer's by {probe['sync_probe_diff_mean']:.4g} on average > {tolerance:g}. The server is not "
+            "computing with the weights we trained. Likely causes: a weight not pushed or pushed under a name the "
+            "server does not map (LoRA or FSDP prefixes), a tied lm_head the server did not refresh, a stale prefix "
+            "cache, or a server started with another model or dtype. If the dtypes differ on purpose, raise "
+            "--sync_check_tolerance.")
     return probe
 
 
@@ -569,8 +573,8 @@ def save_model(model, tokenizer, output_dir: str, is_main: bool, merged: bool = 
     if hasattr(peft_model, "disable_adapter"):
         adapter = {name: full_tensor(p.detach()).cpu() for name, p in sharded_parameters(peft_model) if "lora_" in name}
         if is_main:
-            replace_folder(os.path.join(output_dir, "adapter"), lambda d: (peft_model.save_pretrained(d, state_dict=adapter),
-                                                                          tokenizer.save_pretrained(d)))
+            replace_folder(os.path.join(output_dir, "adapter"),
+                           lambda d: (peft_model.save_pretrained(d, state_dict=adapter), tokenizer.save_pretrained(d)))
         folders.append(os.path.join(output_dir, "adapter"))
         if not merged:
             return folders
@@ -579,8 +583,8 @@ def save_model(model, tokenizer, output_dir: str, is_main: bool, merged: bool = 
         if is_main:
             state[name] = weight.cpu()
     if is_main:
-        replace_folder(os.path.join(output_dir, "model"), lambda d: (hf_model(model).save_pretrained(d, state_dict=state),
-                                                                    tokenizer.save_pretrained(d)))
+        replace_folder(os.path.join(output_dir, "model"),
+                       lambda d: (hf_model(model).save_pretrained(d, state_dict=state), tokenizer.save_pretrained(d)))
     return folders + [os.path.join(output_dir, "model")]
 
 
@@ -623,8 +627,8 @@ def find_checkpoint(spec: str, output_dir: str) -> str:
     if spec == "latest":
         found = checkpoints(output_dir)
         if not found:
-            raise UsageError(f"--resume_from_checkpoint latest: no checkpoint in {output_dir}; train with --save_steps N "
-                             "to write some, or give a checkpoint folder")
+            raise UsageError(f"--resume_from_checkpoint latest: no checkpoint in {output_dir}; train with "
+                             "--save_steps N to write some, or give a checkpoint folder")
         return found[-1]
     if not os.path.isfile(os.path.join(spec, "checkpoint.json")):
         raise UsageError(f"--resume_from_checkpoint {spec}: not a checkpoint folder (no checkpoint.json); give "
@@ -634,8 +638,8 @@ def find_checkpoint(spec: str, output_dir: str) -> str:
 
 def git_revision() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True,
-                              text=True, timeout=10).stdout.strip() or "unknown"
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                              capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
@@ -671,21 +675,22 @@ def save_checkpoint(output_dir: str, step: int, model, optimizer, scheduler, tok
             os.makedirs(staging)
         save_model(model, tokenizer, staging, is_main, merged=False)
         if is_main:
-            torch.save({"step": step, "optimizer": optim, "scheduler": scheduler.state_dict(), "rng": rngs, **(extra or {})},
-                       os.path.join(staging, "trainer_state.pt"))
+            torch.save({"step": step, "optimizer": optim, "scheduler": scheduler.state_dict(), "rng": rngs,
+                        **(extra or {})}, os.path.join(staging, "trainer_state.pt"))
             with open(os.path.join(staging, "checkpoint.json"), "w") as f:  # written last: the folder is complete
-                json.dump({"step": step, "git_revision": git_revision(), "world_size": len(rngs["cpu"]), "config": config}, f,
-                          indent=1)
+                json.dump({"step": step, "git_revision": git_revision(), "world_size": len(rngs["cpu"]),
+                           "config": config}, f, indent=1)
             shutil.rmtree(path, ignore_errors=True)
             os.replace(staging, path)
             for old in checkpoints(output_dir)[:-keep] if keep > 0 else []:
                 shutil.rmtree(old)
-    except Exception as e:  # e.g. the disk is full (OSError, or the writer's own error type): earlier checkpoints are untouched
+    except Exception as e:  # e.g. a full disk (OSError, or the writer's own error): earlier checkpoints are untouched
         shutil.rmtree(staging, ignore_errors=True)
         error = e
     if sum_over_ranks({"failed": error is not None})["failed"]:
-        raise RuntimeError(f"could not write checkpoint {path}: {error or 'failed on rank 0'}. The earlier checkpoints in "
-                           f"{output_dir} are intact; free disk space and resume with --resume_from_checkpoint latest") from error
+        raise RuntimeError(f"could not write checkpoint {path}: {error or 'failed on rank 0'}. The earlier "
+                           f"checkpoints in {output_dir} are intact; free disk space and resume with "
+                           "--resume_from_checkpoint latest") from error
     return path
 
 
@@ -758,7 +763,8 @@ def merge_stats(total: dict, new: dict):
         if k not in total:
             total[k] = v
         else:
-            total[k] = max(total[k], v) if k.endswith("_max") else min(total[k], v) if k.endswith("_min") else total[k] + v
+            total[k] = (max(total[k], v) if k.endswith("_max") else min(total[k], v) if k.endswith("_min")
+                        else total[k] + v)
 
 
 def named_rewards(row: torch.Tensor, names: list[str]) -> dict:
@@ -900,8 +906,9 @@ def reward_metrics(rewards: torch.Tensor, reward_matrix: torch.Tensor, names: li
     per completion), and the reward functions' failures so far."""
     scored = ~reward_matrix.isnan()
     r = reward_matrix.nan_to_num(0.0)
-    t = sum_over_ranks({"n": len(rewards), "reward": rewards.sum(), "sq": (rewards ** 2).sum(), "zero_std": zero_std.sum(),
-                        "failures": failures, **{f"r/{name}": r[:, i].sum() for i, name in enumerate(names)},
+    t = sum_over_ranks({"n": len(rewards), "reward": rewards.sum(), "sq": (rewards ** 2).sum(),
+                        "zero_std": zero_std.sum(), "failures": failures,
+                        **{f"r/{name}": r[:, i].sum() for i, name in enumerate(names)},
                         **{f"sq/{name}": r[:, i].pow(2).sum() for i, name in enumerate(names)},
                         **{f"n/{name}": scored[:, i].sum() for i, name in enumerate(names)}})
     metrics = dict(zip(("reward", "reward_std"), mean_and_std(t["reward"], t["sq"], t["n"])))
@@ -930,7 +937,8 @@ def training_metrics(sums: dict, grad_norms: list[torch.Tensor], lengths: torch.
                **{f"clip_ratio/{k}": t.get(f"clip_{k}", 0.0) / T for k in ("low", "high", "region")},
                "loss": t.get("loss", 0.0) / len(norms), "grad_norm": sum(norms) / len(norms),
                "skipped_updates": sum(not math.isfinite(g) for g in norms),
-               "sampler_logprob_diff_mean": t["diff"] / max(t["compared"], 1.0), "sampler_logprob_diff_max": ext["diff_max"]}
+               "sampler_logprob_diff_mean": t["diff"] / max(t["compared"], 1.0),
+               "sampler_logprob_diff_max": ext["diff_max"]}
     if "is_ratio" in t and t["tokens"] > 0:
         metrics |= {"is_ratio/mean": t["is_ratio"] / T, "is_ratio/min": ext["is_ratio_min"],
                     "is_ratio/max": ext["is_ratio_max"], "is_ratio/dropped_frac": t["is_dropped"] / T}
@@ -938,12 +946,13 @@ def training_metrics(sums: dict, grad_norms: list[torch.Tensor], lengths: torch.
 
 
 def rollout_records(episodes, texts: list[str], reward_matrix: torch.Tensor, names: list[str], weights: torch.Tensor,
-                    tokenizer, prompt_index: list[int], extra: dict | None = None, advantages=None, **fields) -> list[dict]:
+                    tokenizer, prompt_index: list[int], extra: dict | None = None, advantages=None,
+                    **fields) -> list[dict]:
     """One rollouts.jsonl record per episode: `fields` (step, split, policy version, rank), the prompt as the
     model saw it, the row's other columns, the completion, each reward (None = not scored), their weighted
     sum, the advantage, and what reward functions logged with log_extra."""
-    return [{**fields, "prompt_index": prompt_index[i], "prompt": tokenizer.decode(e.prompt_ids), "columns": columns_of(e.row),
-             "completion": texts[i], "rewards": named_rewards(reward_matrix[i], names),
+    return [{**fields, "prompt_index": prompt_index[i], "prompt": tokenizer.decode(e.prompt_ids),
+             "columns": columns_of(e.row), "completion": texts[i], "rewards": named_rewards(reward_matrix[i], names),
              "reward": (reward_matrix[i] * weights).nansum().item(),
              **({} if advantages is None else {"advantage": advantages[i].item()}),
              "finish_reason": e.finish_reason, "completion_tokens": len(e.completion_ids),
@@ -956,8 +965,8 @@ def console_line(metrics: dict, names: list[str], max_steps: int) -> str:
     return (f"step {metrics['step']}/{max_steps} | reward {metrics['reward']:.3f} ±{metrics['reward_std']:.3f} | "
             + " ".join(f"{name} {metrics[f'rewards/{name}']:.2f}" for name in names)
             + f" | kl {metrics['kl']:.4f} | len {metrics['completion_length']:.0f} | "
-            + " ".join(f"{short} {metrics[f'time/{phase}']:.1f}s" for short, phase in
-                       (("gen", "generate"), ("score", "score"), ("logp", "old_ref"), ("train", "train"), ("sync", "sync"))))
+            + " ".join(f"{short} {metrics[f'time/{phase}']:.1f}s" for short, phase in (
+                ("gen", "generate"), ("score", "score"), ("logp", "old_ref"), ("train", "train"), ("sync", "sync"))))
 
 
 def check_finite(skipped: int, bad_steps: int, step: int, limit: int = 3) -> int:

@@ -95,7 +95,8 @@ class ServerLost(ConnectionError):
 class VLLMClient:
     """What the trainer needs from the server: health, completions of token ids, weight pushes."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, api_key: str | None = None, timeout: float = 600):
+    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, api_key: str | None = None,
+                 timeout: float = 600):
         self.base = f"http://{host}:{port}"
         self.session = requests.Session()
         if api_key:
@@ -133,8 +134,8 @@ class VLLMClient:
             if time.monotonic() > deadline:
                 raise UsageError(
                     f"no vLLM server answered at {self.base}/health within {timeout:.0f}s. Start one with "
-                    f"`python vllm_server.py --model <model> --port <port>`, or fix --vllm_server_host/--vllm_server_port "
-                    f"(or raise --vllm_server_timeout if it is still loading).")
+                    "`python vllm_server.py --model <model> --port <port>`, or fix --vllm_server_host/"
+                    "--vllm_server_port (or raise --vllm_server_timeout if it is still loading).")
             time.sleep(1)
         models = self.session.get(self.base + "/v1/models", timeout=30)
         if models.status_code == 401:
@@ -166,8 +167,8 @@ class VLLMClient:
                     logprobs=0, return_token_ids=True, skip_special_tokens=False)
         choices = sorted(self._post("/v1/completions", body)["choices"], key=lambda c: c["index"])
         assert len(choices) == len(prompts) * n, f"asked for {len(prompts) * n} completions, got {len(choices)}"
-        return [dict(token_ids=c["token_ids"], logprobs=c["logprobs"]["token_logprobs"], finish_reason=c["finish_reason"])
-                for c in choices]
+        return [dict(token_ids=c["token_ids"], logprobs=c["logprobs"]["token_logprobs"],
+                     finish_reason=c["finish_reason"]) for c in choices]
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """The server's log-prob of each token of `token_ids` given the ones before (the first has none)."""
@@ -222,7 +223,8 @@ class ServerGuard:
             if not self._anywhere(error is not None):
                 return return_value
             self._reconnect(error)
-        self._give_up(f"a call to the server failed {self.attempts} times in a row (last: {error or 'on another rank'})")
+        self._give_up(f"a call to the server failed {self.attempts} times in a row "
+                      f"(last: {error or 'on another rank'})")
 
     def _reconnect(self, error):
         print(f"[rank {os.environ.get('RANK', 0)}] lost the vLLM server at {self.client.base} "
@@ -240,7 +242,8 @@ class ServerGuard:
                     self._joined(self.sync.push, "push the weights into"):
                 self.reconnects += 1
                 if int(os.environ.get("RANK", 0)) == 0:
-                    print(f"the vLLM server is back; pushed the current weights (reconnect {self.reconnects})", flush=True)
+                    print(f"the vLLM server is back; pushed the current weights (reconnect {self.reconnects})",
+                          flush=True)
                 return
 
     def _joined(self, fn, what: str) -> bool:
@@ -261,8 +264,9 @@ class ServerGuard:
 
     def _give_up(self, why: str, hint: str = "raise --vllm_server_timeout to wait longer"):
         path = self.on_gone()
-        raise ServerGone(f"{why}. Saved {path}. Restart the server (same --model, port {self.client.base.rsplit(':', 1)[1]}) "
-                         f"and continue with --resume_from_checkpoint latest; {hint}.")
+        port = self.client.base.rsplit(":", 1)[1]
+        raise ServerGone(f"{why}. Saved {path}. Restart the server (same --model, port {port}) and continue with "
+                         f"--resume_from_checkpoint latest; {hint}.")
 
     @staticmethod
     def _anywhere(flag: bool) -> bool:
@@ -289,7 +293,8 @@ class GlooWeightSender:
 
     def send_weights(self):
         meta = self.source.metadata()
-        update_info = dict(names=[m.name for m in meta], dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
+        update_info = dict(names=[m.name for m in meta],
+                           dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
                            shapes=[list(m.shape) for m in meta], bucket_bytes=self.bucket_bytes)
         self.client.start_weight_update()
         thread = InThread(self.client.update_weights, update_info)
@@ -339,13 +344,14 @@ class WeightSync:
             from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
             init_info = NCCLTrainerInitInfo(master_address=self.group_host, master_port=self.group_port,
-                                            world_size=world_size, packed=True, packed_buffer_size_bytes=self.bucket_bytes,
-                                            rank=0)
+                                            world_size=world_size, packed=True,
+                                            packed_buffer_size_bytes=self.bucket_bytes, rank=0)
             self.engine = WeightTransferTrainerFactory.trainer_init(init_info, client=self.client, source=self.source)
         else:
             raise UsageError(f"the server's weight-transfer backend is {backend!r}; nanogrpo pushes weights with "
-                             "'gloo' or 'nccl': start the server with --weight-transfer-config '{\"backend\": \"gloo\"}' "
-                             "(the default of vllm_server.py) or '{\"backend\": \"nccl\"}' (GPUs)")
+                             "'gloo' or 'nccl': start the server with --weight-transfer-config "
+                             "'{\"backend\": \"gloo\"}' (the default of vllm_server.py) or '{\"backend\": \"nccl\"}' "
+                             "(GPUs)")
 
     def push(self):
         """Make the server compute with the current weights. Every rank calls it. If the push fails on
@@ -419,7 +425,8 @@ class InThread:
 # this module (the API server runs main(); the workers import WorkerExtension below)
 
 def register_gloo_backend():
-    from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
+    from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
+                                                       WeightTransferUpdateInfo)
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     if "gloo" in WeightTransferEngineFactory._registry:
         return
@@ -489,9 +496,9 @@ def register_gloo_backend():
 # -----------------------------------------------------------------------------
 # server side: only the routes training uses, and the API key on all of them
 
-TRAINING_ROUTES = {"/health", "/v1/models", "/v1/completions", "/server_info", "/get_world_size", "/metrics", "/version",
-                   "/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
-                   "/shutdown_weight_transfer_engine", "/reset_prefix_cache"}
+TRAINING_ROUTES = {"/health", "/v1/models", "/v1/completions", "/server_info", "/get_world_size", "/metrics",
+                   "/version", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+                   "/finish_weight_update", "/shutdown_weight_transfer_engine", "/reset_prefix_cache"}
 
 
 async def route_guard(request, call_next):
@@ -678,7 +685,8 @@ def main(argv: list[str] | None = None):
     argv += ["--middleware", "vllm_server.route_guard"]
     register_gloo_backend()
     cli_env_setup()
-    parser = make_arg_parser(FlexibleArgumentParser(description="vLLM server for nanogrpo (same flags as `vllm serve`)"))
+    parser = make_arg_parser(FlexibleArgumentParser(
+        description="vLLM server for nanogrpo (same flags as `vllm serve`)"))
     args = parser.parse_args(argv)
     validate_parsed_serve_args(args)
     os.environ["NANOGRPO_SERVER_API_KEYS"] = "\n".join(args.api_key or [os.environ.get("VLLM_API_KEY", "")])

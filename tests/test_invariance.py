@@ -4,12 +4,11 @@ give the same gradient in float64 (dapo, dr_grpo, grpo; bnpo is split-dependent 
 DDP and under FSDP2, also when the ranks run different numbers of rows."""
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, free_port
+from conftest import ROOT, launcher
 
 pytestmark = pytest.mark.slow
 SCRIPT = os.path.join(ROOT, "tests", "grad_invariance.py")
@@ -17,9 +16,7 @@ SCRIPT = os.path.join(ROOT, "tests", "grad_invariance.py")
 
 def gradient(tmp_path, loss_type, nproc, micro_batch_size, *extra):
     out = tmp_path / f"{loss_type}-{nproc}-{micro_batch_size}-{'-'.join(extra)}.pt"
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-                 str(free_port())] if nproc > 1 else [sys.executable])
-    proc = subprocess.run(launcher + [SCRIPT, loss_type, str(micro_batch_size), str(out), *extra], capture_output=True, text=True,
+    proc = subprocess.run(launcher(nproc) + [SCRIPT, loss_type, str(micro_batch_size), str(out), *extra], capture_output=True, text=True,
                           timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out)
