@@ -32,14 +32,25 @@ class UsageError(ValueError):
     argparse does for a flag it cannot parse. Every other error keeps its traceback."""
 
 
+class RunStopped(RuntimeError):
+    """A stop mid-run that the code foresees and explains: the server gone and not back, the loss non-finite
+    step after step, a reward function that returns what cannot be rewards or no longer scores anything, the
+    server computing with other weights than ours. Printed as `stopped: ...` (the message says what was saved
+    and what to do) with exit code 3, without a traceback of our code."""
+
+
 def run_main(main, *args):
-    """main(*args), with a UsageError printed as one line, `error: ...`, and exit code 2 (no traceback)."""
+    """main(*args), with a UsageError printed as one line, `error: ...`, and exit code 2, and a RunStopped as
+    `stopped: ...` and exit code 3 (no traceback); every other error keeps its traceback."""
+    where = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
     try:
         main(*args)
     except UsageError as e:
-        where = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
         print(f"error{where}: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except RunStopped as e:
+        print(f"stopped{where}: {e}", file=sys.stderr, flush=True)
+        sys.exit(3)
 
 
 @dataclass
@@ -49,8 +60,8 @@ class Config:
     dataset: str = DEFAULT_DATASET  # "arithmetic" (embedded), a hub dataset name, or a local .json/.jsonl/.parquet file
     dataset_split: str = "train"  # split of a hub dataset
     prompt_column: str = ""  # column with the prompt: text or chat messages; "" = "prompt", else "question"
-    answer_column: str = "answer"  # column of the reference answer, optional; reaches rewards as `answer`
-                                   # ("#### 42" -> 42)
+    answer_column: str = "answer"  # column of the reference answer, optional; reaches rewards as it is, as
+                                   # `answer` too (the built-in accuracy reads "#### 42" as 42)
     system_prompt: str = ""  # optional system message before every prompt; "" = the model's default
     max_prompt_length: int = 512  # tokens; longer prompts are an error at start (say which to change)
     num_arithmetic_problems: int = 5000  # size of the embedded task's training set
@@ -82,6 +93,8 @@ class Config:
     mask_truncated_completions: bool = False  # completions cut at max_completion_length get no loss (DAPO)
     reward_funcs: str = "accuracy,format"  # comma-separated names from rewards.py
     reward_weights: str = ""  # comma-separated floats, one per reward function; "" = all 1.0
+    max_unscored_steps: int = 5  # stop after this many steps in a row in which a reward function failed on every
+                                 # completion, or none was scored; 0 = never
     # optimization
     max_steps: int = 16  # optimizer steps (= generation rounds); tuned*
     learning_rate: float = 5e-5  # peak AdamW learning rate; tuned* (TRL's default is 1e-6, for larger models)
@@ -92,6 +105,8 @@ class Config:
     adam_beta2: float = 0.99  # AdamW beta2
     max_grad_norm: float = 1.0  # gradient clipping; 0 = off
     micro_batch_size: int = 16  # completions per forward/backward pass (memory knob; never changes the math)
+    disable_dropout: bool = True  # no dropout in the training forward (the model's and LoRA's): the policy trained
+                                  # is the one that sampled (README: Loss choices)
     gradient_checkpointing: bool = False  # recompute activations in the backward: less memory (README: Memory)
     bf16: bool | str = "auto"  # bf16 autocast, fp32 master weights: true | false | auto = where native
                                # (GPU, avx512_bf16)
@@ -102,7 +117,7 @@ class Config:
     use_peft: bool = False  # train a LoRA adapter instead of all weights; the reference is the base (adapter off)
     lora_r: int = 16  # LoRA rank
     lora_alpha: float = 32.0  # LoRA scaling numerator: the update is B A * lora_alpha / lora_r
-    lora_dropout: float = 0.05  # dropout on the adapter's input while training
+    lora_dropout: float = 0.05  # dropout on the adapter's input while training (off with --disable_dropout)
     lora_target_modules: str = "all-linear"  # comma-separated module names (e.g. q_proj,v_proj) or all-linear
     save_merged_model: bool = False  # with --use_peft, also save the base with the adapter merged (output_dir/model)
     # server
@@ -244,6 +259,8 @@ class Config:
                           "FSDP2 and LoRA), or drop --fsdp")
         if self.num_arithmetic_problems < 1:
             errors.append("--num_arithmetic_problems must be at least 1")
+        if self.max_unscored_steps < 0:
+            errors.append("--max_unscored_steps must be >= 0 (0 = never stop)")
         if self.save_steps < 0 or self.save_total_limit < 0:
             errors.append("--save_steps and --save_total_limit must be >= 0 (0 = never / keep all)")
         if errors:

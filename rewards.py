@@ -34,7 +34,7 @@ import sys
 import traceback
 from types import SimpleNamespace
 
-from config import UsageError
+from config import RunStopped, UsageError
 
 MATH_TIMEOUT = 2  # seconds math-verify may spend parsing or comparing one completion (pathological input)
 BOXED_NUMBER = re.compile(r"\\boxed\{\s*-?[\d,]*\.?\d+\s*\}")
@@ -63,27 +63,38 @@ def final_answer(text: str) -> str:
     return numbers[-1] if numbers else ""
 
 
+def reference_answers(answer) -> list[str]:
+    """The acceptable answers of a row's `answer`: the items of a list, or the one value; GSM8K's
+    "... #### 42" is 42."""
+    out = []
+    for a in answer if isinstance(answer, (list, tuple)) else [answer]:
+        if a is not None:
+            text = str(a)
+            out.append(text.split("####")[-1].strip().replace(",", "") if "####" in text else text.strip())
+    return out
+
+
 def accuracy(completions, answer, **kwargs) -> list[float]:
     """1.0 if the completion's final answer is mathematically equal (math-verify) to the reference in the
-    `answer` column, else 0.0. A numeric reference (GSM8K, the embedded task) needs a number as the final
-    answer (final_answer: the last \\boxed{}, else the last number), so that restating the question
-    ("13 + 14 is a classic puzzle") or boxing an expression that equals the answer earns nothing; any other
-    reference (LaTeX: \\frac{1}{2}, x^2) is matched by math-verify's own extraction: a \\boxed{} answer
-    first, else the last expression."""
+    `answer` column (to one of them, if it holds a list; GSM8K's "#### 42" is 42), else 0.0. A numeric
+    reference (GSM8K, the embedded task) needs a number as the final answer (final_answer: the last
+    \\boxed{}, else the last number), so that restating the question ("13 + 14 is a classic puzzle") or
+    boxing an expression that equals the answer earns nothing; any other reference (LaTeX: \\frac{1}{2},
+    x^2) is matched by math-verify's own extraction: a \\boxed{} answer first, else the last expression."""
+    return [float(any(_matches(completion_text(completion), ref) for ref in reference_answers(refs)))
+            for completion, refs in zip(completions, answer)]
+
+
+def _matches(text: str, ref: str) -> bool:
+    """Whether a completion's final answer equals one reference answer (math-verify, with its timeouts)."""
     from math_verify import parse, verify
-    out = []
-    for completion, ref in zip(completions, answer):  # math-verify gives up on a sample after its timeouts (s)
-        ref, text = str(ref), completion_text(completion)
-        gold = parse(ref if "$" in ref or "\\boxed" in ref else f"${ref}$", parsing_timeout=MATH_TIMEOUT)
-        if NUMBER.fullmatch(ref.strip()):
-            number = final_answer(text).strip("$ .").replace(",", "")
-            if not NUMBER.fullmatch(number):
-                out.append(0.0)
-                continue
-            text = f"${number}$"
-        out.append(float(bool(gold) and verify(gold, parse(text, parsing_timeout=MATH_TIMEOUT),
-                                               timeout_seconds=MATH_TIMEOUT)))
-    return out
+    gold = parse(ref if "$" in ref or "\\boxed" in ref else f"${ref}$", parsing_timeout=MATH_TIMEOUT)
+    if NUMBER.fullmatch(ref):
+        number = final_answer(text).strip("$ .").replace(",", "")
+        if not NUMBER.fullmatch(number):
+            return False
+        text = f"${number}$"
+    return bool(gold) and bool(verify(gold, parse(text, parsing_timeout=MATH_TIMEOUT), timeout_seconds=MATH_TIMEOUT))
 
 
 def format(completions, **kwargs) -> list[float]:  # noqa: A001 - TRL's name for it
@@ -95,6 +106,14 @@ def tag_count(completions, **kwargs) -> list[float]:
     """0.25 for each of <think>, </think>, <answer>, </answer> that appears exactly once."""
     tags = ("<think>", "</think>", "<answer>", "</answer>")
     return [sum(0.25 for t in tags if completion_text(c).count(t) == 1) for c in completions]
+
+
+def weighted_rewards(matrix, weights):
+    """(N, k) rewards of k functions (NaN = not scored) and their (k,) weights -> (N,) weighted sums over the
+    functions that scored each completion; NaN for a completion no function scored (it has no reward: the
+    advantages leave it out of its group's statistics and give it 0, as TRL does)."""
+    scored = ~matrix.isnan()
+    return (matrix * weights).nansum(dim=1).where(scored.any(dim=1), float("nan"))
 
 
 def postprocess_rewards(matrix, names: list[str]):
@@ -283,6 +302,7 @@ class RewardScorer:
         self.is_async = {name: inspect.iscoroutinefunction(load_reward_func(name, columns))
                          for name in names if name not in self.models}
         self.failures = 0  # (function, completion) scores lost: the function raised, or hung
+        self.failed = dict.fromkeys(names, 0)  # the same, of each function in the last call
         self.calls, self.reported = dict.fromkeys(names, 0), set()
         self.metrics, self.extra = {}, {}  # what functions logged with log_metric / log_extra in the last call
         self._pool = None
@@ -332,14 +352,15 @@ class RewardScorer:
     def _account(self, name: str, result: dict, n: int):
         """Count and report a function's failures; stop on a bug (bad output, or nothing scored in its first batch)."""
         if "error" in result:
-            raise ValueError(result["error"])
+            raise RunStopped(result["error"])
         self.calls[name] += 1
         self.failures += result["failed"]
+        self.failed[name] = result["failed"]
         self.metrics |= result["metrics"]
         self.extra |= result["extra"]
         if result["failed"] == n and self.calls[name] == 1:
-            raise RuntimeError(f"reward function {name} failed on every completion of its first batch, so it would "
-                               f"never score anything; its error:\n{result['traceback']}")
+            raise RunStopped(f"reward function {name} failed on every completion of its first batch, so it would "
+                             f"never score anything; its error:\n{result['traceback']}")
         if result["failed"] and name not in self.reported:
             self.reported.add(name)
             print(f"reward function {name} failed on {result['failed']} of {n} completions (not scored; counted in "

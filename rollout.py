@@ -16,10 +16,13 @@ The contract:
   - completion_ids are every token after the prompt; `sampled` marks those the policy sampled:
     only they get loss and importance weights and are compared with the server's log-probs. Mark
     tokens the policy did not sample (a forced prefix, a tool's output) False; `logprobs` holds the
-    sampler's log-prob of each sampled token (any number, e.g. 0.0, for the others).
+    sampler's log-prob of each sampled token, NaN where it is not known (that token then gets no
+    importance weight, ratio 1, and no sync comparison), any number for the tokens not sampled.
 """
 import dataclasses
 import importlib
+import json
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -34,7 +37,8 @@ class Episode:
     prompt_ids: list[int]  # the prompt as the model sees it (chat template applied)
     completion_ids: list[int]  # every token after the prompt
     sampled: list[bool]  # per completion token: sampled by the policy (gets loss, importance weight, sync check)
-    logprobs: list[float]  # per completion token: the sampler's log-prob (meaningless where not sampled)
+    logprobs: list[float]  # per completion token: the sampler's log-prob; NaN = not known (meaningless where
+                           # not sampled)
     finish_reason: str  # "stop" or "length" (cut at max_tokens)
     model_inputs: dict = field(default_factory=dict)  # extra inputs of the model for this prompt; none for text
 
@@ -55,9 +59,10 @@ class RolloutContext:
 
 def sampled_episode(row: dict, prompt_ids: list[int], completion_ids: list[int], logprobs: list[float] | None = None,
                     finish_reason: str = "stop") -> Episode:
-    """An episode whose every completion token the policy sampled; `logprobs`: the sampler's (0.0 if not known)."""
+    """An episode whose every completion token the policy sampled; `logprobs`: the sampler's (None: not known,
+    NaN each, which weights those tokens as if the sampler were the policy)."""
     return Episode(row, prompt_ids, completion_ids, [True] * len(completion_ids),
-                   [0.0] * len(completion_ids) if logprobs is None else logprobs, finish_reason)
+                   [math.nan] * len(completion_ids) if logprobs is None else logprobs, finish_reason)
 
 
 def generate(rows: list[dict], ctx: RolloutContext) -> list[Episode]:
@@ -108,8 +113,15 @@ def episodes_to_json(episodes: list[Episode]) -> list[dict]:
     return [{k: v for k, v in dataclasses.asdict(e).items() if k != "row"} for e in episodes]
 
 
-def episodes_from_json(records: list[dict], rows: list[dict], G: int) -> list[Episode]:
-    return [Episode(row=rows[i // G], **r) for i, r in enumerate(records)]
+def presampled_from_json(lines: list[str] | None, rows: list[dict], first: int, G: int) -> tuple | None:
+    """A checkpoint's batch sampled ahead, (policy version, episodes), as every rank saved it (one JSON line
+    per rank, in rank order: the step's rows in order) -> the version and the episodes of `rows`, which are
+    the step's rows from `first` on; so any number of processes can resume it. None if there is none."""
+    saved = [json.loads(line) for line in lines or []]
+    if not saved or not saved[0]:
+        return None
+    records = [r for _, part in saved for r in part][first * G:(first + len(rows)) * G]
+    return saved[0][0], [Episode(row=rows[i // G], **r) for i, r in enumerate(records)]
 
 
 def collate(episodes: list[Episode], pad_id: int) -> tuple[dict, dict]:

@@ -41,33 +41,44 @@ from contextlib import nullcontext
 
 import torch
 
-from config import Config, UsageError, native_bf16, parse_config, resolve_model, run_main
+from config import Config, UsageError, native_bf16, parse_config, resolve_model
 from plot import plot_run
-from rewards import RewardScorer, postprocess_rewards
-from rollout import RolloutContext, collate, episodes_from_json, episodes_to_json, load_rollout, run_rollout
-from utils import (MetricsLogger, ServerWeights, StepTimer, StopRequest, add_lora, barrier, check_finite, check_sync,
-                   completion_logprobs, console_line, distribute, encode_prompt, eval_summary, extremes_over_ranks,
-                   find_checkpoint, full_tensor, gather_lines, gradient_sync, length_sorted, load_checkpoint,
-                   load_model, load_rows, mean_over_ranks, merge_stats, no_grad_logprobs, pass_at_k, prepare_output_dir,
-                   print0, progress, reference_model, restore_training_state, reward_metrics, rollout_records,
-                   save_checkpoint, save_model, setup_distributed, step_prompt_indices, sum_over_ranks, take,
-                   teardown_distributed, to_device, training_metrics, trim_padding)
+from rewards import RewardScorer, postprocess_rewards, weighted_rewards
+from rollout import RolloutContext, collate, episodes_to_json, load_rollout, presampled_from_json, run_rollout
+from utils import (MetricsLogger, ScoringWatch, ServerWeights, StepTimer, StopRequest, add_lora, barrier, check_finite,
+                   check_sync, completion_logprobs, console_line, disable_dropout, distribute, encode_prompt,
+                   eval_summary, extremes_over_ranks, find_checkpoint, full_tensor, gather_lines, gradient_sync,
+                   length_sorted, load_checkpoint, load_model, load_rows, mean_over_ranks, merge_stats,
+                   no_grad_logprobs, pass_at_k, prepare_output_dir, print0, progress, reference_model,
+                   restore_training_state, reward_metrics, rollout_records, run_and_exit, save_checkpoint, save_model,
+                   setup_distributed, step_prompt_indices, sum_over_ranks, take, to_device, training_metrics,
+                   trim_padding)
 from vllm_server import InThread, ServerGuard, VLLMClient, WeightSync
 
+
+
+def group_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(N,) rewards of N / G consecutive groups (NaN = not scored) -> (N/G,) each group's unbiased std over its
+    scored completions (as TRL), 0 for a group with fewer than two."""
+    grouped = rewards.view(-1, group_size)  # (N/G, G)
+    n = (~grouped.isnan()).sum(dim=1)
+    squares = (grouped - grouped.nanmean(dim=1, keepdim=True)).pow(2).nansum(dim=1)
+    return (squares / (n - 1).clamp(min=1)).sqrt()
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", batch_std: float = 1.0,
                      eps: float = 1e-4) -> torch.Tensor:
     """(N,) rewards of N / G consecutive groups -> (N,) advantages r - group mean, divided by the group's
     std ("group", GRPO), by the std of the whole batch over all ranks ("batch", `batch_std`), or by
-    nothing ("none", Dr. GRPO: no difficulty bias from low-variance groups)."""
+    nothing ("none", Dr. GRPO: no difficulty bias from low-variance groups). A completion that was not
+    scored (NaN) stays out of its group's mean and std and gets advantage 0 (TRL does the same)."""
     grouped = rewards.view(-1, group_size)  # (N/G, G)
-    adv = grouped - grouped.mean(dim=1, keepdim=True)
+    adv = grouped - grouped.nanmean(dim=1, keepdim=True)
     if scale == "group":
-        adv = adv / (grouped.std(dim=1, keepdim=True) + eps)  # unbiased std, as in TRL
+        adv = adv / (group_std(rewards, group_size).unsqueeze(1) + eps)
     elif scale == "batch":
         adv = adv / (batch_std + eps)
-    return adv.view(-1)
+    return adv.view(-1).where(~rewards.isnan(), 0.0)
 
 
 def token_weights(mask: torch.Tensor, loss_type: str, num_seqs: float, num_tokens: float, max_completion_length: int,
@@ -125,9 +136,10 @@ def sampler_is_weights(old_logp, sampler_logp, mask, mode: str, cap: float):
     """Importance weights pi_old / pi_sampler that correct for the sampler (vLLM) not computing
     exactly the trainer's distribution (other kernels, bf16, a stale weight). Per token, or per
     sequence (the product over its tokens); "truncate" caps the weight at `cap` (TIS), "mask" drops
-    tokens or sequences whose ratio is above `cap` or below 1/cap. (B, C) inputs -> (B, C) weights
+    tokens or sequences whose ratio is above `cap` or below 1/cap. A sampler log-prob that is not known
+    (NaN: a rollout that did not have it) counts as ratio 1, as in TRL. (B, C) inputs -> (B, C) weights
     and the raw ratios ((B, C) or (B, 1)) before truncation, for metrics."""
-    log_ratio = (old_logp - sampler_logp) * mask
+    log_ratio = (old_logp - sampler_logp).where((mask > 0) & ~sampler_logp.isnan(), 0.0)
     if mode.startswith("sequence"):
         log_ratio = log_ratio.sum(dim=1, keepdim=True)
     ratio = torch.exp(log_ratio)
@@ -230,6 +242,7 @@ def main(cfg: Config):
     from transformers import AutoTokenizer
     model_path = resolve_model(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    pad_id = 0 if tokenizer.pad_token_id is None else tokenizer.pad_token_id  # masked out: any id (Llama 3 has none)
     rows = load_rows(cfg.dataset, cfg.dataset_split, cfg.prompt_column, cfg.answer_column, cfg.num_arithmetic_problems,
                      cfg.seed)
     prompt_ids = [encode_prompt(tokenizer, r["prompt"], cfg.system_prompt) for r in rows]  # chat template applied
@@ -262,6 +275,8 @@ def main(cfg: Config):
     if cfg.use_peft:  # train a LoRA adapter; the base weights stay frozen and serve as the reference
         policy = add_lora(policy, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
                           os.path.join(resume, "adapter") if resume else None)
+    if cfg.disable_dropout:  # the server samples without dropout: train that policy, and pi_old = its log-probs
+        disable_dropout(policy)
     model = distribute(policy, cfg.fsdp, cfg.bf16, world_size)  # FSDP2 shards per layer; else DDP copies
     ref_model = None
     if cfg.beta > 0 and not cfg.use_peft:  # a frozen copy for the KL penalty (with LoRA: the adapter switched off)
@@ -274,9 +289,10 @@ def main(cfg: Config):
                                   weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
     if resume:
-        restore_training_state(state, model, optimizer, scheduler, rank, world_size)
-        scorer.failures = state["scorer_failures"]
-        print0(f"resuming from {resume} after step {state['step']}")
+        changed = restore_training_state(state, model, optimizer, scheduler, rank, world_size)
+        scorer.failures = state["scorer_failures"] if is_main else 0  # the sum over the ranks that wrote it
+        print0(f"resuming from {resume} after step {state['step']}"
+               + "".join(f"; {change} (this run's flag applies)" for change in changed))
 
     # a fixed probe the server scores after pushes, to catch a sync that silently went wrong
     probe_ids = prompt_ids[0] + tokenizer(" Let me think. 12 + 7 = 19, so the answer is \\boxed{19}.")["input_ids"]
@@ -302,17 +318,18 @@ def main(cfg: Config):
         return functools.partial(run_rollout, rollout_fn, [rows[i] for i in rows_of(step)], ctx)
 
     # async generation: {step: (policy version, this rank's episodes)} drawn while the step before trained;
-    # checkpoints keep it (a resumed run then trains on the same batch as an uninterrupted one)
-    ahead = json.loads(state["presampled"][rank]) if cfg.async_generation and state.get("presampled") else None
-    presampled = {state["step"]: (ahead[0], episodes_from_json(ahead[1], [rows[i] for i in rows_of(state["step"])], G))
-                  } if ahead else {}
+    # checkpoints keep every rank's, in rank order (the step's prompts in order), so a resumed run, with any
+    # number of processes, trains on the same batch as an uninterrupted one
+    ahead = presampled_from_json(state.get("presampled"), [rows[i] for i in rows_of(state["step"])],
+                                 rank * prompts_per_rank, G) if cfg.async_generation else None
+    presampled = {state["step"]: ahead} if ahead else {}
 
     def checkpoint(steps_done: int) -> str:  # every rank: FSDP2 gathers; rank 0 writes
         ahead = presampled.get(steps_done)
         extra = ({"presampled": gather_lines([json.dumps(ahead and (ahead[0], episodes_to_json(ahead[1])))])}
                  if cfg.async_generation else {})
         path = save_checkpoint(cfg.output_dir, steps_done, model, optimizer, scheduler, tokenizer, vars(cfg), is_main,
-                               cfg.save_total_limit, {"scorer_failures": scorer.failures, **extra})
+                               cfg.save_total_limit, {**sum_over_ranks({"scorer_failures": scorer.failures}), **extra})
         print0(f"saved {path}")
         return path
     # If the server dies or restarts, wait for it, push the current weights and repeat the call; if it does
@@ -334,7 +351,7 @@ def main(cfg: Config):
         scores = scorer([e.row for e in episodes], texts, [e.completion_ids for e in episodes], scheduler.last_epoch)
         reward_matrix = postprocess_rewards(torch.tensor(scores, dtype=torch.float32).T.reshape(len(texts), len(names)),
                                             names)
-        return texts, reward_matrix, (reward_matrix * reward_weights).nansum(dim=1)  # a skipped function adds nothing
+        return texts, reward_matrix, weighted_rewards(reward_matrix, reward_weights)  # NaN where nothing scored
 
     def evaluate() -> dict:
         """Mean rewards and pass@k on the evaluation prompts, through the server (each rank its share). The
@@ -345,11 +362,11 @@ def main(cfg: Config):
         episodes = server.run(run_rollout, rollout_fn, [eval_rows[i] for i in mine], ctx)
         texts, matrix, rewards = score(episodes)
         correct = (matrix[:, 0] >= 1).view(-1, n).sum(dim=1).tolist()  # per prompt: passed by the first function
-        logger.log_rollouts(rollout_records(episodes, texts, matrix, names, reward_weights, tokenizer,
+        logger.log_rollouts(rollout_records(episodes, texts, matrix, names, rewards, tokenizer,
                                             [mine[i // n] for i in range(len(episodes))], split="eval",
                                             step=scheduler.last_epoch // updates_per_round,
                                             policy_version=scheduler.last_epoch, rank=rank))
-        t = sum_over_ranks({"n": len(texts), "prompts": len(mine), "reward": rewards.sum(),
+        t = sum_over_ranks({"n": len(texts), "prompts": len(mine), "reward": rewards.nansum(),
                             "length": sum(len(e.completion_ids) for e in episodes),
                             **{name: matrix[:, i].nan_to_num(0.0).sum() for i, name in enumerate(names)},
                             **{f"pass@{k}": sum(pass_at_k(n, c, k) for c in correct) for k in cfg.pass_k()}})
@@ -366,6 +383,7 @@ def main(cfg: Config):
         logger.log(metrics)
         log_eval(0, metrics)
     bad_steps, t_start = 0, time.perf_counter()  # steps in a row whose loss was not finite; for the progress bar
+    scoring = ScoringWatch(names, cfg.max_unscored_steps)  # steps in a row with a reward function down
     for step in range(state["step"], cfg.max_steps):
         timer = StepTimer()
         # ---------------------------------------------------------------------- sample
@@ -382,16 +400,17 @@ def main(cfg: Config):
 
         # ---------------------------------------------------------------------- score
         texts, reward_matrix, rewards = score(episodes)  # (N, k) per function, NaN = not scored; (N,) weighted sum
+        scoring.update(scorer.failed, rewards, step + 1)  # stops a run whose rewards stopped coming
         timer.lap("score")
 
         # ---------------------------------------------------------------------- advantages
-        r = sum_over_ranks({"n": len(rewards), "sum": rewards.sum(), "sq": (rewards ** 2).sum()})
-        batch_std = math.sqrt(max(r["sq"] - r["sum"] ** 2 / r["n"], 0.0) / max(r["n"] - 1, 1))  # over all ranks
-        advantages = group_advantages(rewards, G, cfg.scale_rewards, batch_std)  # (N,)
-        zero_std = (rewards.view(-1, G).std(dim=1) < 1e-6).repeat_interleave(G)  # (N,) groups with no signal
+        r = sum_over_ranks({"n": (~rewards.isnan()).sum(), "sum": rewards.nansum(), "sq": rewards.pow(2).nansum()})
+        batch_std = math.sqrt(max(r["sq"] - r["sum"] ** 2 / max(r["n"], 1), 0.0) / max(r["n"] - 1, 1))  # all ranks
+        advantages = group_advantages(rewards, G, cfg.scale_rewards, batch_std)  # (N,), 0 where not scored
+        zero_std = (group_std(rewards, G) < 1e-6).repeat_interleave(G)  # (N,) groups with no signal
 
         # ---------------------------------------------------------------------- old / ref log-probs
-        inputs, tokens = collate(episodes, tokenizer.pad_token_id)  # the model's inputs; (N, C) mask, sampled, logp
+        inputs, tokens = collate(episodes, pad_id)  # the model's inputs; (N, C) mask, sampled, logp
         C, sampler_logp = tokens["mask"].shape[1], tokens["sampler_logp"]
         truncated = torch.tensor([e.finish_reason == "length" for e in episodes])  # (N,)
         loss_mask = loss_mask_of(tokens["sampled"], truncated, cfg.mask_truncated_completions)  # (N, C) sampled tokens
@@ -427,8 +446,9 @@ def main(cfg: Config):
                     first_pass_logp[part] = logp
         bad_steps = check_finite(sum(not g.isfinite() for g in grad_norms), bad_steps, step + 1)
         # the server's log-probs of what it sampled vs ours for the same weights: a sync check
-        compared = tokens["sampled"] * (1 if data["keep"] is None else data["keep"].unsqueeze(1))  # in rows we ran
-        diff = ((first_pass_logp if old_logp is None else old_logp) - sampler_logp).abs() * compared
+        compared = (tokens["sampled"] * ~sampler_logp.isnan()  # sampled, its sampler log-prob known, in rows we ran
+                    * (1 if data["keep"] is None else data["keep"].unsqueeze(1)))
+        diff = ((first_pass_logp if old_logp is None else old_logp) - sampler_logp).abs().where(compared > 0, 0.0)
         timer.lap("train")
 
         # ---------------------------------------------------------------------- sync weights
@@ -452,7 +472,7 @@ def main(cfg: Config):
                    **training_metrics(sums, grad_norms, tokens["mask"].sum(dim=1).float(), truncated, diff, compared),
                    **probe, "server_reconnects": server.reconnects, "lr": scheduler.get_last_lr()[0],
                    "optimizer_steps": scheduler.last_epoch, "old_logprob_pass": int(off_policy), **timer.metrics()}
-        logger.log_rollouts(rollout_records(episodes, texts, reward_matrix, names, reward_weights, tokenizer,
+        logger.log_rollouts(rollout_records(episodes, texts, reward_matrix, names, rewards, tokenizer,
                                             [mine[i // G] for i in range(len(episodes))], scorer.extra, advantages,
                                             step=step + 1, split="train", policy_version=version, rank=rank))
         if cfg.evaluates() and ((step + 1) % cfg.eval_every() == 0 or step + 1 == cfg.max_steps):
@@ -487,7 +507,4 @@ def main(cfg: Config):
 
 
 if __name__ == "__main__":
-    try:
-        run_main(main, parse_config())  # a mistake found at start: one line, exit code 2
-    finally:
-        teardown_distributed()
+    run_and_exit(main, parse_config())  # a mistake found at start: one line, exit code 2

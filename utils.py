@@ -3,6 +3,7 @@ data, log-probs, distributed (and the models' wrappers), weights out (sync, prob
 checkpoints, logging.
 """
 import collections
+import functools
 import json
 import math
 import os
@@ -11,14 +12,16 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
+import zlib
 from contextlib import contextmanager, nullcontext, suppress
 
 import torch
 import torch.distributed as dist
 
-from config import DEFAULT_DATASET, UsageError
+from config import DEFAULT_DATASET, RunStopped, UsageError, run_main
 
 
 # -----------------------------------------------------------------------------
@@ -43,14 +46,6 @@ def arithmetic_problems(n: int, seed: int, split: str = "train") -> list[dict]:
     return [question(*rng.choice(easy if rng.random() < 0.5 else harder)) for _ in range(n)]
 
 
-def gold_answer(text):
-    """The reference answer of a row; GSM8K writes the final one after '####'. None stays None."""
-    if text is None:
-        return None
-    text = str(text)
-    return text.split("####")[-1].strip().replace(",", "") if "####" in text else text.strip()
-
-
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -68,9 +63,9 @@ def check_prompt(prompt, where: str):
 
 def load_rows(dataset: str, split: str, prompt_column: str, answer_column: str, num_arithmetic: int,
               seed: int) -> list[dict]:
-    """The rows of the embedded task, a local json/jsonl/parquet file or a hub dataset, every column kept,
-    with the prompt under "prompt" (text, or a list of chat messages) and the reference answer, if the
-    dataset has one, under "answer" (GSM8K's "... #### 42" reduced to "42")."""
+    """The rows of the embedded task, a local json/jsonl/parquet file or a hub dataset, every column kept as it
+    is, with the prompt also under "prompt" (text, or a list of chat messages) and the reference answer, if the
+    dataset has one, under "answer" (the built-in accuracy reads GSM8K's "... #### 42" as 42)."""
     if dataset == DEFAULT_DATASET:
         return arithmetic_problems(num_arithmetic, seed, "test" if split == "test" else "train")
     import datasets
@@ -102,11 +97,15 @@ def load_rows(dataset: str, split: str, prompt_column: str, answer_column: str, 
     if answer_column and answer_column not in columns and answer_column != "answer":  # the default is optional
         raise UsageError(f"dataset {dataset} has no column {answer_column!r} (it has {columns}); set --answer_column, "
                          "or --answer_column '' for a dataset without reference answers")
+    if answer_column not in ("", "answer") and "answer" in columns:
+        raise UsageError(f"--answer_column {answer_column}: dataset {dataset} has a column 'answer' of its own, which "
+                         f"this would replace; rename one of them, or name the column your reward reads "
+                         f"(answer=..., {answer_column}=...) and drop --answer_column")
     rows = []
-    for i, row in enumerate(data):
+    for i, row in enumerate(data):  # every column as it is; the answer column also as `answer`
         check_prompt(row[prompt_column], f"dataset {dataset}, row {i}, column {prompt_column!r}")
         rows.append({**row, "prompt": row[prompt_column]} | (
-            {"answer": gold_answer(row[answer_column])} if answer_column in row else {}))
+            {"answer": row[answer_column]} if answer_column in row else {}))
     if not rows:
         raise UsageError(f"dataset {dataset} (split {split}) is empty")
     return rows
@@ -146,8 +145,13 @@ def step_prompt_indices(step: int, num_rows: int, prompts_per_step: int, seed: i
     out = []
     for k in range(step * prompts_per_step, (step + 1) * prompts_per_step):
         epoch, pos = divmod(k, num_rows)
-        out.append(torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))[pos].item())
+        out.append(epoch_order(num_rows, seed, epoch)[pos])
     return out
+
+
+@functools.lru_cache(maxsize=2)  # a step spans at most two epochs
+def epoch_order(num_rows: int, seed: int, epoch: int) -> list[int]:
+    return torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
 
 
 # -----------------------------------------------------------------------------
@@ -247,10 +251,28 @@ class _LogprobHead(torch.nn.Module):
 
 
 def has_plain_lm_head(model) -> bool:
-    """Whether the model's logits are lm_head(hidden) (Llama, Qwen, Mistral, SmolLM, ...), with no
-    soft-capping or scaling after the head."""
-    config = hf_model(model).config
-    return not any(getattr(config, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+    """Whether the model's logits are what its output embedding returns (Llama, Qwen, Mistral, SmolLM, ...),
+    with nothing after it: no soft-capping (Gemma 2), scaling (Cohere, Granite) or anything else, whatever the
+    config calls it. Checked numerically, once per model, on a short probe: the logits of a forward against
+    the head's output in that same forward. Under FSDP2 this is a forward, so every rank checks at once."""
+    hf = hf_model(model)
+    if not hasattr(hf, "_plain_lm_head"):
+        seen = {}
+        hook = hf.get_output_embeddings().register_forward_hook(lambda module, args, out: seen.update(head=out))
+        vocab = hf.config.get_text_config().vocab_size
+        ids = torch.arange(4, device=next(model.parameters()).device).unsqueeze(0) % vocab  # (1, 4)
+        training = model.training
+        model.eval()  # no dropout: the probe draws no random numbers (a resumed run's RNG stays in step)
+        try:
+            with torch.no_grad():
+                logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+        finally:
+            hook.remove()
+            model.train(training)
+        head = seen.get("head")
+        hf._plain_lm_head = (head is not None and head.shape == logits.shape
+                             and torch.equal(head.to(logits.dtype), logits))
+    return hf._plain_lm_head
 
 
 def positions(inputs: dict) -> torch.Tensor:
@@ -323,6 +345,25 @@ def teardown_distributed():
         dist.destroy_process_group()
 
 
+def run_and_exit(main, *args):
+    """config.run_main(main, *args) (a start-up mistake: one line, exit code 2), then the process groups are
+    destroyed and the process ends without Python's interpreter shutdown. gloo's worker threads outlive
+    destroy_process_group while FSDP2's DTensors still reference their group, and a worker that frees a finished
+    collective (whose tensors are Python objects) takes the GIL: during interpreter shutdown that aborts the
+    process (SIGABRT, "terminate called without an active exception"), after a run that saved everything. An
+    unforeseen error keeps its traceback and Python's usual exit."""
+    try:
+        run_main(main, *args)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    finally:
+        teardown_distributed()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """Sum (or `op`) of a tensor over all ranks, in place; identity in a single process."""
     if dist.is_initialized():
@@ -331,9 +372,15 @@ def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
 
 
 def sum_over_ranks(values: dict) -> dict[str, float]:
-    """{name: number or 0-d tensor} -> {name: float}, each summed over all ranks in one collective."""
-    total = all_reduce(torch.tensor([float(v) for v in values.values()], dtype=torch.float64))
-    return dict(zip(values, total.tolist()))
+    """{name: number or 0-d tensor} -> {name: float}, each summed over all ranks in one collective. The values
+    are summed by position: the names must be the same, in the same order, on every rank (checked: a hash h of
+    them goes along as h and h^2, and sum(h)^2 = ranks * sum(h^2) only if every rank's h is the same)."""
+    h = float(zlib.crc32("\0".join(values).encode()) % 1024)
+    total = all_reduce(torch.tensor([float(v) for v in values.values()] + [h, h * h], dtype=torch.float64))
+    if dist.is_initialized() and total[-2] ** 2 != dist.get_world_size() * total[-1]:
+        raise RuntimeError(f"sum_over_ranks: the ranks summed different names (this rank: {list(values)}); every "
+                           "rank must pass the same names in the same order")
+    return dict(zip(values, total[:-2].tolist()))
 
 
 def extremes_over_ranks(values: dict) -> dict[str, float]:
@@ -353,6 +400,16 @@ def load_model(path: str, device, dtype=torch.float32):
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # one line per step on the console, no loading bars
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+
+
+def disable_dropout(model):
+    """Dropout off in every forward (--disable_dropout): nn.Dropout modules (LoRA's lora_dropout among them)
+    drop nothing, and attention modules' dropout rates are 0."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
 
 
 def hf_model(model):
@@ -539,7 +596,7 @@ def check_sync(client, model, probe_ids: list[int], autocast, is_main: bool, tol
     if error:
         raise error
     if probe["sync_probe_diff_mean"] > tolerance:
-        raise RuntimeError(
+        raise RunStopped(
             f"weight sync check failed after step {step}: the server's log-probs of a fixed probe differ from the "
             f"trainer's by {probe['sync_probe_diff_mean']:.4g} on average > {tolerance:g}. The server is not "
             "computing with the weights we trained. Likely causes: a weight not pushed or pushed under a name the "
@@ -594,7 +651,8 @@ def save_model(model, tokenizer, output_dir: str, is_main: bool, merged: bool = 
 CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 
 RESUME_MUST_MATCH = ("model", "dataset", "dataset_split", "num_arithmetic_problems", "seed", "prompts_per_step",
-                     "num_generations", "use_peft")  # what decides the weights and the order of the prompts
+                     "num_generations", "use_peft",  # what decides the weights and the order of the prompts
+                     "num_iterations", "steps_per_generation")  # how optimizer steps map to steps (the schedule)
 
 
 def checkpoints(output_dir: str) -> list[str]:
@@ -688,7 +746,7 @@ def save_checkpoint(output_dir: str, step: int, model, optimizer, scheduler, tok
         shutil.rmtree(staging, ignore_errors=True)
         error = e
     if sum_over_ranks({"failed": error is not None})["failed"]:
-        raise RuntimeError(f"could not write checkpoint {path}: {error or 'failed on rank 0'}. The earlier "
+        raise RunStopped(f"could not write checkpoint {path}: {error or 'failed on rank 0'}. The earlier "
                            f"checkpoints in {output_dir} are intact; free disk space and resume with "
                            "--resume_from_checkpoint latest") from error
     return path
@@ -706,12 +764,25 @@ def load_checkpoint(path: str, config: dict) -> dict:
     return torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
 
 
-def restore_training_state(state: dict, model, optimizer, scheduler, rank: int, world_size: int):
-    """Optimizer (whatever the sharding), scheduler and this rank's RNG from a checkpoint's trainer state."""
+def restore_training_state(state: dict, model, optimizer, scheduler, rank: int, world_size: int) -> list[str]:
+    """Optimizer (whatever the sharding), scheduler and this rank's RNG from a checkpoint's trainer state. The
+    optimizer's moments and the schedule's position come from the checkpoint; its hyperparameters (learning
+    rate, betas, weight decay, eps) are this run's, as built from the flags. Returns what changed, e.g.
+    ["learning_rate 5e-05 -> 1e-05"]."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    keys = {"initial_lr": "learning_rate", "betas": "adam_beta1/2", "weight_decay": "weight_decay", "eps": "adam eps"}
+    ours = [{k: g[k] for k in keys} for g in optimizer.param_groups]
     set_optimizer_state_dict(getattr(model, "module", model), optimizer, state["optimizer"],
                              options=StateDictOptions(full_state_dict=True))
-    scheduler.load_state_dict(state["scheduler"])
+    scheduler.load_state_dict(state["scheduler"])  # its base_lrs are the checkpoint's too
+    changed = [f"{keys[k]} {g[k]} -> {mine[k]}" for g, mine in zip(optimizer.param_groups, ours) for k in keys
+               if g[k] != mine[k]]
+    for g, mine in zip(optimizer.param_groups, ours):
+        g.update(mine)
+    scheduler.base_lrs = [g["initial_lr"] for g in optimizer.param_groups]
+    for g, base, fn in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        g["lr"] = base * fn(scheduler.last_epoch)  # where the schedule is now, at this run's peak
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
     rng = state["rng"]
     if len(rng["cpu"]) == world_size:
         torch.set_rng_state(rng["cpu"][rank].clone())  # a row of the stack: its own storage
@@ -720,6 +791,7 @@ def restore_training_state(state: dict, model, optimizer, scheduler, rank: int, 
     else:
         print0(f"warning: the checkpoint was written by {len(rng['cpu'])} processes, this run has {world_size}: the "
                "random state of dropout is not restored (everything else is)")
+    return list(dict.fromkeys(changed))
 
 
 class StopRequest:
@@ -780,8 +852,8 @@ def mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
 
 
 def gather_lines(lines: list[str]) -> list[str]:
-    """Every rank's lines, in rank order, on rank 0 (the other ranks get []). As byte tensors, which gloo and the
-    CPU side of "cpu:gloo,cuda:nccl" carry."""
+    """Every rank's lines, in rank order, on rank 0 (the other ranks get []): the lengths go to every rank, the
+    text only to rank 0. As byte tensors, which gloo and the CPU side of "cpu:gloo,cuda:nccl" carry."""
     if not dist.is_initialized():
         return lines
     text = bytearray("".join(line + "\n" for line in lines).encode())
@@ -789,10 +861,12 @@ def gather_lines(lines: list[str]) -> list[str]:
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
     dist.all_gather(sizes, torch.tensor([len(data)]))
     longest = max(int(n) for n in sizes)
-    parts = [torch.zeros(longest, dtype=torch.uint8) for _ in sizes]
-    dist.all_gather(parts, torch.cat([data, torch.zeros(longest - len(data), dtype=torch.uint8)]))
+    padded = torch.cat([data, torch.zeros(longest - len(data), dtype=torch.uint8)])
     if dist.get_rank() != 0:
+        dist.gather(padded, dst=0)
         return []
+    parts = [torch.zeros(longest, dtype=torch.uint8) for _ in sizes]
+    dist.gather(padded, parts, dst=0)
     return [line for part, n in zip(parts, sizes) for line in part[:int(n)].numpy().tobytes().decode().splitlines()]
 
 
@@ -901,22 +975,53 @@ def mean_and_std(total: float, squares: float, n: float) -> tuple[float, float]:
 
 def reward_metrics(rewards: torch.Tensor, reward_matrix: torch.Tensor, names: list[str], zero_std: torch.Tensor,
                    failures: int) -> dict:
-    """The step's rewards over all ranks: the weighted sum's mean and std, each function's mean and std over the
+    """The step's rewards over all ranks: the weighted sum's mean and std over the completions that have one and
+    the share that has none (`unscored_frac`: no function scored them), each function's mean and std over the
     completions it scored and the share it did not score (NaN), the share of groups without signal (`zero_std`,
     per completion), and the reward functions' failures so far."""
     scored = ~reward_matrix.isnan()
     r = reward_matrix.nan_to_num(0.0)
-    t = sum_over_ranks({"n": len(rewards), "reward": rewards.sum(), "sq": (rewards ** 2).sum(),
-                        "zero_std": zero_std.sum(), "failures": failures,
+    t = sum_over_ranks({"n": len(rewards), "scored": (~rewards.isnan()).sum(), "reward": rewards.nansum(),
+                        "sq": rewards.pow(2).nansum(), "zero_std": zero_std.sum(), "failures": failures,
                         **{f"r/{name}": r[:, i].sum() for i, name in enumerate(names)},
                         **{f"sq/{name}": r[:, i].pow(2).sum() for i, name in enumerate(names)},
                         **{f"n/{name}": scored[:, i].sum() for i, name in enumerate(names)}})
-    metrics = dict(zip(("reward", "reward_std"), mean_and_std(t["reward"], t["sq"], t["n"])))
+    metrics = dict(zip(("reward", "reward_std"), mean_and_std(t["reward"], t["sq"], t["scored"])))
+    metrics["unscored_frac"] = 1 - t["scored"] / t["n"]
     for name in names:
         metrics[f"rewards/{name}"], metrics[f"rewards/{name}_std"] = mean_and_std(t[f"r/{name}"], t[f"sq/{name}"],
                                                                                    t[f"n/{name}"])
         metrics[f"rewards/{name}_nan_frac"] = 1 - t[f"n/{name}"] / t["n"]
     return {**metrics, "frac_zero_std_groups": t["zero_std"] / t["n"], "scorer_failures": t["failures"]}
+
+
+class ScoringWatch:
+    """Stops a run that goes on learning from nothing: counts the steps in a row in which a reward function
+    failed (raised, hung) on every completion over all ranks (a judge whose endpoint went down), or in which
+    no completion got any reward. The first such step of each prints a warning; `limit` steps in a row stop
+    the run (0 = never). A function that returns None for every completion is not failing: it chose not to."""
+
+    NOTHING = "(no function)"
+
+    def __init__(self, names: list[str], limit: int):
+        self.limit, self.streak, self.warned = limit, dict.fromkeys([*names, self.NOTHING], 0), set()
+
+    def update(self, failed: dict[str, int], rewards: torch.Tensor, step: int):
+        t = sum_over_ranks({"n": len(rewards), f"down/{self.NOTHING}": rewards.isnan().sum(),
+                            **{f"down/{name}": failed[name] for name in self.streak if name != self.NOTHING}})
+        for name in self.streak:
+            self.streak[name] = self.streak[name] + 1 if t[f"down/{name}"] == t["n"] else 0
+            what = (f"reward function {name} failed on every completion" if name != self.NOTHING
+                    else "no reward function scored any completion")
+            if self.streak[name] and name not in self.warned:
+                self.warned.add(name)
+                print0(f"warning: {what} of step {step}: those completions teach nothing (unscored_frac, "
+                       f"rewards/<name>_nan_frac, scorer_failures). The run stops after --max_unscored_steps "
+                       f"{self.limit} such steps in a row.")
+            if self.limit and self.streak[name] >= self.limit:
+                raise RunStopped(f"{what} in {self.streak[name]} steps in a row (up to step {step}); nothing was "
+                                 "learned from them. Fix the function (or the service it calls) and continue with "
+                                 "--resume_from_checkpoint latest, or raise --max_unscored_steps (0 = never stop)")
 
 
 def training_metrics(sums: dict, grad_norms: list[torch.Tensor], lengths: torch.Tensor, truncated: torch.Tensor,
@@ -945,7 +1050,7 @@ def training_metrics(sums: dict, grad_norms: list[torch.Tensor], lengths: torch.
     return metrics
 
 
-def rollout_records(episodes, texts: list[str], reward_matrix: torch.Tensor, names: list[str], weights: torch.Tensor,
+def rollout_records(episodes, texts: list[str], reward_matrix: torch.Tensor, names: list[str], rewards: torch.Tensor,
                     tokenizer, prompt_index: list[int], extra: dict | None = None, advantages=None,
                     **fields) -> list[dict]:
     """One rollouts.jsonl record per episode: `fields` (step, split, policy version, rank), the prompt as the
@@ -953,7 +1058,7 @@ def rollout_records(episodes, texts: list[str], reward_matrix: torch.Tensor, nam
     sum, the advantage, and what reward functions logged with log_extra."""
     return [{**fields, "prompt_index": prompt_index[i], "prompt": tokenizer.decode(e.prompt_ids),
              "columns": columns_of(e.row), "completion": texts[i], "rewards": named_rewards(reward_matrix[i], names),
-             "reward": (reward_matrix[i] * weights).nansum().item(),
+             "reward": None if rewards[i].isnan() else rewards[i].item(),
              **({} if advantages is None else {"advantage": advantages[i].item()}),
              "finish_reason": e.finish_reason, "completion_tokens": len(e.completion_ids),
              **{column: values[i] for column, values in (extra or {}).items()}}
@@ -976,7 +1081,7 @@ def check_finite(skipped: int, bad_steps: int, step: int, limit: int = 3) -> int
     if skipped:
         print0(f"step {step}: the loss or gradient was not finite (NaN/inf) in {skipped} update(s), skipped")
     if bad_steps == limit:
-        raise FloatingPointError(
+        raise RunStopped(
             f"the loss or gradient was not finite in {bad_steps} steps in a row (up to step {step}); stopping. The "
             "weights have not changed since; the checkpoints in --output_dir are from before. Likely causes: a reward "
             "function returning inf, a learning rate too high for the model, fp16/bf16 overflow.")

@@ -49,7 +49,7 @@ import requests
 import torch
 import torch.distributed as dist
 
-from config import DEFAULT_MODEL, UsageError, native_bf16, resolve_model, run_main
+from config import DEFAULT_MODEL, RunStopped, UsageError, native_bf16, resolve_model, run_main
 
 DEFAULT_PORT = 8000
 DEFAULT_GROUP_PORT = 51216  # the TCP port of the trainer<->server weight-transfer rendezvous
@@ -198,7 +198,7 @@ class VLLMClient:
         self._post("/reset_prefix_cache")
 
 
-class ServerGone(RuntimeError):
+class ServerGone(RunStopped):
     """The server did not come back within the timeout (after the run's work was saved)."""
 
 

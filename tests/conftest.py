@@ -34,7 +34,7 @@ def collated(prompts: list[list[int]], completions: list[list[int]], pad_id: int
     return inputs, tokens["mask"]
 
 
-def make_tiny_model(path, num_heads: int = 1) -> str:
+def make_tiny_model(path, num_heads: int = 1, max_positions: int = 1024) -> str:
     """A random 2-layer Llama (head_dim 64: vLLM's CPU attention rejects 16) with tied embeddings and the
     SmolLM2 tokenizer; 3 M parameters with one head."""
     import torch
@@ -43,7 +43,7 @@ def make_tiny_model(path, num_heads: int = 1) -> str:
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=num_heads, num_key_value_heads=num_heads, head_dim=64,
-                         max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                         max_position_embeddings=max_positions, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
                          pad_token_id=2)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)

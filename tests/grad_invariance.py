@@ -14,34 +14,41 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from config import Config  # noqa: E402
 from train import accumulate_gradients  # noqa: E402
 from rollout import collate, sampled_episode  # noqa: E402
-from utils import distribute, full_tensor, setup_distributed, take, teardown_distributed  # noqa: E402
+from utils import distribute, full_tensor, run_and_exit, setup_distributed, take  # noqa: E402
 
-loss_type, micro_batch_size, out, options = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
-checkpointing = "checkpointing" in options
-rank, _, world_size, device, is_main = setup_distributed()
-torch.manual_seed(0)
-model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                     num_attention_heads=2, num_key_value_heads=2, head_dim=16)).double()
-if checkpointing:
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-# a fixed global batch of 8 completions: prompts of 2-4 tokens, completions of 1-6 tokens
-g = torch.Generator().manual_seed(1)
-N, C = 8, 6
-prompts = [torch.randint(3, 64, (int(torch.randint(2, 5, (1,), generator=g)),), generator=g).tolist() for _ in range(N)]
-completions = [torch.randint(3, 64, (int(torch.randint(1, C + 1, (1,), generator=g)),), generator=g).tolist() for _ in range(N)]
-inputs, tokens = collate([sampled_episode({}, p, c) for p, c in zip(prompts, completions)], 0)
-completion_mask = tokens["mask"]
-advantages = torch.randn(N, generator=g, dtype=torch.float64)
-ref_logp = -torch.rand(N, completion_mask.shape[1], generator=g, dtype=torch.float64) * 3
-sampler_logp = -torch.rand(N, completion_mask.shape[1], generator=g, dtype=torch.float64) * 6  # IS weights in play
-share = slice(rank * N // world_size, (rank + 1) * N // world_size)
-keep = torch.tensor([True] * 4 + [False] * 3 + [True]) if "uneven" in options else None
-data = dict(inputs=take(inputs, share), loss_mask=completion_mask[share],
-            advantages=advantages[share], ref_logp=ref_logp[share], old_logp=None, sampler_logp=sampler_logp[share],
-            keep=None if keep is None else keep[share])
-cfg = Config(loss_type=loss_type, micro_batch_size=micro_batch_size, beta=0.04, max_completion_length=C, bf16=False)
-accumulate_gradients(distribute(model, "fsdp" in options, False, world_size), data, cfg, world_size, nullcontext())
-grad = torch.cat([full_tensor(p.grad).flatten() for p in model.parameters()])  # FSDP2: gathered on every rank
-if is_main:
-    torch.save(grad, out)
-teardown_distributed()
+
+
+def main(loss_type: str, micro_batch_size: int, out: str, options: list[str]):
+    checkpointing = "checkpointing" in options
+    rank, _, world_size, device, is_main = setup_distributed()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2, head_dim=16)).double()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # a fixed global batch of 8 completions: prompts of 2-4 tokens, completions of 1-6 tokens
+    g = torch.Generator().manual_seed(1)
+    N, C = 8, 6
+    prompts = [torch.randint(3, 64, (int(torch.randint(2, 5, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(N)]
+    completions = [torch.randint(3, 64, (int(torch.randint(1, C + 1, (1,), generator=g)),), generator=g).tolist()
+                   for _ in range(N)]
+    inputs, tokens = collate([sampled_episode({}, p, c) for p, c in zip(prompts, completions)], 0)
+    completion_mask = tokens["mask"]
+    advantages = torch.randn(N, generator=g, dtype=torch.float64)
+    ref_logp = -torch.rand(N, completion_mask.shape[1], generator=g, dtype=torch.float64) * 3
+    sampler_logp = -torch.rand(N, completion_mask.shape[1], generator=g, dtype=torch.float64) * 6  # IS weights in play
+    share = slice(rank * N // world_size, (rank + 1) * N // world_size)
+    keep = torch.tensor([True] * 4 + [False] * 3 + [True]) if "uneven" in options else None
+    data = dict(inputs=take(inputs, share), loss_mask=completion_mask[share], advantages=advantages[share],
+                ref_logp=ref_logp[share], old_logp=None, sampler_logp=sampler_logp[share],
+                keep=None if keep is None else keep[share])
+    cfg = Config(loss_type=loss_type, micro_batch_size=micro_batch_size, beta=0.04, max_completion_length=C, bf16=False)
+    accumulate_gradients(distribute(model, "fsdp" in options, False, world_size), data, cfg, world_size, nullcontext())
+    grad = torch.cat([full_tensor(p.grad).flatten() for p in model.parameters()])  # FSDP2: gathered on every rank
+    if is_main:
+        torch.save(grad, out)
+
+
+if __name__ == "__main__":  # as train.py ends: no abort at exit after FSDP2 (utils.run_and_exit)
+    run_and_exit(main, sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:])

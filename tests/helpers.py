@@ -71,3 +71,13 @@ def logs_extra(completions, log_extra, log_metric, **kwargs):
 def logs_extra_short(completions, log_extra, **kwargs):
     log_extra("length", [len(completions[0])])  # one value for the whole batch: refused
     return [1.0] * len(completions)
+
+
+def judge_down_after_first_call(completions, **kwargs):
+    """brevity on the first call; from the second on, raises on every completion (an LLM judge whose endpoint
+    went down mid-run). The scorer process keeps the count."""
+    global _calls
+    _calls += 1
+    if _calls > 1:
+        raise ConnectionError("the judge's endpoint is down")
+    return brevity(completions)

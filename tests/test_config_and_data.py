@@ -46,7 +46,7 @@ def test_train_help_lists_the_flags_with_their_whole_comments():
     from config import _field_comments
     comments = _field_comments()
     assert set(comments) == {f.name for f in dataclasses.fields(Config)}  # every flag has its help
-    assert comments["answer_column"].endswith('reaches rewards as `answer` ("#### 42" -> 42)')  # a comment on 2 lines
+    assert comments["answer_column"].endswith('(the built-in accuracy reads "#### 42" as 42)')  # a comment on 2 lines
     assert comments["eval_steps"].endswith("N = also every N steps; 0 = never")
     assert comments["num_generations"] == "G: completions per prompt; the group for the advantage baseline"
 
@@ -68,10 +68,35 @@ def test_embedded_task_is_seeded_and_answers_are_right():
         assert int(r["answer"]) == int(a) + int(b)
 
 
-def test_gsm8k_jsonl_loads_with_final_answers():
+def test_gsm8k_jsonl_loads_with_its_answers_as_they_are_and_accuracy_reads_them():
+    from rewards import accuracy, reference_answers
     rows = utils.load_rows(GSM8K, "train", "question", "answer", 0, 0)
     with open(GSM8K) as f:
         first = json.loads(f.readline())
     assert len(rows) > 1000 and rows[0]["question"] == first["question"]
-    assert rows[0]["answer"] == first["answer"].split("####")[-1].strip()
-    assert all(r["answer"].lstrip("-").replace(".", "").isdigit() for r in rows[:200])
+    assert rows[0]["answer"] == first["answer"]  # the column as it is: "... #### 72"
+    final = first["answer"].split("####")[-1].strip()
+    assert reference_answers(rows[0]["answer"]) == [final]
+    assert accuracy([f"so \\boxed{{{final}}}", "\\boxed{-1}"], [rows[0]["answer"]] * 2) == [1.0, 0.0]
+
+
+def test_every_column_reaches_rewards_as_it_is_and_the_answer_column_replaces_nothing(tmp_path):
+    import pytest
+    from config import UsageError
+    from rewards import accuracy
+    data = tmp_path / "lists.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "half of 1?", "answer": ["1/2", "0.5"], "level": 3},
+        {"prompt": "2 + 2?", "answer": 4, "level": 1}]) + "\n")
+    rows = utils.load_rows(str(data), "train", "", "answer", 0, 0)
+    assert rows[0]["answer"] == ["1/2", "0.5"] and rows[1]["answer"] == 4 and rows[0]["level"] == 3
+    assert accuracy(["\\boxed{0.5}", "\\boxed{\\frac{1}{2}}", "\\boxed{4}"], [rows[0]["answer"]] * 2 + [4]) \
+        == [1.0, 1.0, 1.0]
+    both = tmp_path / "both.jsonl"
+    both.write_text(json.dumps({"prompt": "p", "answer": "their own", "solution": "42"}) + "\n")
+    with pytest.raises(UsageError, match="has a column 'answer' of its own"):
+        utils.load_rows(str(both), "train", "", "solution", 0, 0)
+    solution_only = tmp_path / "solution.jsonl"
+    solution_only.write_text(json.dumps({"prompt": "p", "solution": ["42", "42.0"]}) + "\n")
+    row, = utils.load_rows(str(solution_only), "train", "", "solution", 0, 0)
+    assert row["solution"] == row["answer"] == ["42", "42.0"]

@@ -50,3 +50,29 @@ def test_fsdp2_gives_the_gradient_of_one_process_also_when_ranks_run_different_r
         assert (gradient(tmp_path, loss_type, 2, 2, "fsdp", *rows) - one).abs().max() < 1e-6, rows
         assert (gradient(tmp_path, loss_type, 2, 2, *rows) - one).abs().max() < 1e-6, rows  # DDP
     assert (gradient(tmp_path, loss_type, 1, 2, "uneven") - gradient(tmp_path, loss_type, 1, 2)).abs().max() > 1e-6
+
+
+KEYS = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch.distributed as dist
+from utils import sum_over_ranks
+dist.init_process_group("gloo")
+print(sum_over_ranks({"a": 1, "b": dist.get_rank()}))  # the same names: summed
+try:
+    sum_over_ranks({"a": 1, "b": 2} if dist.get_rank() == 0 else {"b": 2, "a": 1})  # the same numbers, other order
+except RuntimeError as e:
+    print("refused:", e)
+dist.destroy_process_group()
+"""
+
+
+def test_sums_over_ranks_refuse_names_that_differ_between_ranks(tmp_path):
+    """Values are summed by position: ranks that built their dicts in another order would mix numbers silently."""
+    script = tmp_path / "keys.py"
+    script.write_text(KEYS)
+    proc = subprocess.run(launcher(2) + [str(script), ROOT], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("{'a': 2.0, 'b': 1.0}") == 2
+    assert proc.stdout.count("refused: sum_over_ranks: the ranks summed different names") == 2  # every rank

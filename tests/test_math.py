@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from transformers import LlamaForCausalLM
 
 from train import group_advantages, grpo_loss, lr_factor, token_weights
 from config import Config
@@ -27,6 +28,58 @@ def test_group_advantages_match_naive_loop_in_each_scaling_mode():
             for i in range(G):
                 assert abs(got[g * G + i].item() - (r[i] - mean) / divisor) < 1e-12
         assert torch.all(got[4:8] == 0)
+
+
+def test_unscored_completions_stay_out_of_their_group_and_get_advantage_zero():
+    """NaN = no function scored it: its group's mean and std are over the scored ones (a naive loop here), its
+    advantage is 0. With rewards [1, 1, 1, 0-as-unscored] it used to get -1.5, and with rewards that are never
+    positive an unscored completion (0) was the best of its group."""
+    from rewards import weighted_rewards
+    from train import group_std
+    nan = math.nan
+    matrix = torch.tensor([[1.0, nan], [1.0, 0.5], [nan, nan], [0.0, 1.0],  # partly scored rows add what they have
+                           [-2.0, nan], [-1.0, nan], [nan, nan], [-3.0, nan],  # rewards never positive
+                           [nan, nan], [nan, nan], [0.4, nan], [nan, nan]], dtype=torch.float64)  # one scored
+    rewards = weighted_rewards(matrix, torch.tensor([1.0, 2.0], dtype=torch.float64))
+    assert rewards[:4].tolist()[:2] == [1.0, 2.0] and rewards[2].isnan() and rewards[3] == 2.0
+    G = 4
+    for scale in ("group", "batch", "none"):
+        got = group_advantages(rewards, G, scale, batch_std=0.7)
+        for g in range(3):
+            r = [x for x in rewards[g * G:(g + 1) * G].tolist() if not math.isnan(x)]
+            mean = sum(r) / len(r)
+            std = math.sqrt(sum((x - mean) ** 2 for x in r) / max(len(r) - 1, 1))
+            divisor = {"group": std + 1e-4, "batch": 0.7 + 1e-4, "none": 1.0}[scale]
+            for i in range(G):
+                x = rewards[g * G + i].item()
+                assert abs(got[g * G + i].item() - (0.0 if math.isnan(x) else (x - mean) / divisor)) < 1e-12
+        assert got[2] == got[6] == 0 and got[8:].abs().max() == 0 and not got.isnan().any()
+        assert got[4:8].argmax() != 2  # the unscored one is not the best of a group whose rewards are all negative
+    assert group_std(rewards, G)[2] == 0  # one scored completion: no signal (drop_zero_std_groups drops it)
+    inf = torch.tensor([1.0, math.inf, 0.0, 1.0])  # a reward bug stays visible: the loss goes NaN, not zero
+    assert group_advantages(inf, 4).isnan().any()
+
+
+def test_scoring_watch_warns_once_and_stops_after_steps_in_a_row_with_a_function_down(capsys):
+    from config import RunStopped
+    from utils import ScoringWatch
+    watch = ScoringWatch(["accuracy", "judge"], limit=3)
+    scored, unscored = torch.tensor([1.0, 0.0]), torch.tensor([math.nan, math.nan])
+    watch.update({"accuracy": 0, "judge": 2}, scored, 1)  # the judge failed on both completions
+    watch.update({"accuracy": 0, "judge": 0}, scored, 2)  # back: the count starts again
+    watch.update({"accuracy": 0, "judge": 2}, scored, 3)
+    watch.update({"accuracy": 0, "judge": 2}, scored, 4)
+    assert capsys.readouterr().out.count("warning: reward function judge failed on every completion of step 1") == 1
+    with pytest.raises(RunStopped, match="judge failed on every completion in 3 steps in a row \\(up to step 5\\)"):
+        watch.update({"accuracy": 0, "judge": 2}, scored, 5)
+    nothing = ScoringWatch(["accuracy"], limit=2)
+    nothing.update({"accuracy": 0}, unscored, 1)  # None for every completion: not a failure, but nothing learned
+    assert "no reward function scored any completion of step 1" in capsys.readouterr().out
+    with pytest.raises(RunStopped, match="no reward function scored any completion in 2 steps"):
+        nothing.update({"accuracy": 0}, unscored, 2)
+    never = ScoringWatch(["judge"], limit=0)
+    for step in range(10):
+        never.update({"judge": 2}, scored, step)  # 0 = never stop
 
 
 def naive_loss(logp, old, ref, adv, mask, weights, eps_low, eps_high, delta, beta):
@@ -174,6 +227,16 @@ def test_sampler_is_weights_match_naive_loop_in_each_mode():
         want = naive_is_weights(old.tolist(), sampler.tolist(), mask.tolist(), mode, 1.5)
         assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), atol=1e-12), mode
         assert ratio.shape == ((3, 1) if mode.startswith("sequence") else (3, 4))
+    # a sampler log-prob that is not known (NaN) weighs its token as if the sampler were the policy (ratio 1)
+    unknown = sampler.clone()
+    unknown[1, 2] = unknown[0, 0] = math.nan
+    for mode in ("token_truncate", "token_mask"):
+        got, _ = sampler_is_weights(old, unknown, mask, mode, 1.5)
+        known = sampler_is_weights(old, sampler, mask, mode, 1.5)[0]
+        assert got[1, 2] == got[0, 0] == 1 and not got.isnan().any()
+        assert torch.equal(got[2], known[2]) and got[0, 1] == known[0, 1]
+    got, ratio = sampler_is_weights(old, unknown, mask, "sequence_truncate", 1e9)
+    assert abs(ratio[0, 0].item() - math.exp((old[0, 1] - sampler[0, 1]).item())) < 1e-12  # the known tokens only
     # the modes really differ on this data: something is truncated and something is dropped
     assert (sampler_is_weights(old, sampler, mask, "token_mask", 1.5)[0] == 0)[mask > 0].any()
     assert (sampler_is_weights(old, sampler, mask, "token_truncate", 1.5)[0] == 1.5).any()
@@ -228,11 +291,20 @@ def tiny_model(kind: str):
                  num_key_value_heads=2, head_dim=16)
     if kind == "llama":  # logits = lm_head(hidden), tied to the embeddings
         return LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=True)).double()
+    if kind == "scaled":  # logits scaled after the head, under no config name: found by the numeric check
+        return ScaledLlama(LlamaConfig(**shape)).double()
     # soft-capped logits (30 tanh(z / 30)): the lm_head cannot be swapped, the model's own logits are used
     return Gemma2ForCausalLM(Gemma2Config(**shape, final_logit_softcapping=3.0)).double()
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+class ScaledLlama(LlamaForCausalLM):
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 0.5
+        return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2", "scaled"])
 def test_completion_logprobs_and_their_gradient_match_a_naive_loop(kind):
     """The one log-prob implementation, with grad (training) and without (pi_old, reference, probe) in
     several chunk sizes, against log-softmax written out token by token over the model's own logits, and
@@ -267,6 +339,27 @@ def test_completion_logprobs_and_their_gradient_match_a_naive_loop(kind):
             logp, entropy = completion_logprobs(model, inputs, 5, T, chunk)
             assert (logp - expected_logp).abs().max() < 1e-10 and (entropy - expected_entropy).abs().max() < 1e-10
     assert model.get_output_embeddings() is model.lm_head and isinstance(model.lm_head, torch.nn.Linear)  # restored
+
+
+def test_disable_dropout_makes_the_training_forward_deterministic():
+    """LoRA's dropout (and the model's) in the training forward made pi_old, the importance weights and the
+    sync metrics noisy; --disable_dropout (the default) turns every dropout off, LoRA's included."""
+    from utils import add_lora, completion_logprobs, disable_dropout
+    model = tiny_model("llama")
+    model.config.attention_dropout = 0.3
+    model = add_lora(model, 4, 8.0, 0.5, "all-linear")
+    for module in model.modules():  # LoRA's B starts at 0; a nonzero B lets its dropout show
+        if hasattr(module, "lora_B"):
+            torch.nn.init.normal_(module.lora_B["default"].weight)
+    inputs, _ = collated([[5, 6, 7], [8]], [[1, 2, 3, 4, 9], [3, 4]])
+    model.train()
+    with torch.no_grad():
+        noisy = [completion_logprobs(model, inputs, 5, 1.0)[0] for _ in range(2)]
+        assert (noisy[0] - noisy[1]).abs().max() > 1e-3
+        disable_dropout(model)
+        quiet = [completion_logprobs(model, inputs, 5, 1.0)[0] for _ in range(2)]
+        model.eval()
+        assert torch.equal(quiet[0], quiet[1]) and torch.equal(quiet[0], completion_logprobs(model, inputs, 5, 1.0)[0])
 
 
 def test_pass_at_k_is_the_chance_that_k_draws_include_a_correct_one():

@@ -24,7 +24,8 @@ def metrics_of(out) -> dict[int, dict]:
 
 
 @pytest.mark.parametrize("mode", [["--beta", "0.04", "--async_generation"],
-                                  ["--fsdp", "--use_peft", "--lora_dropout", "0.2", "--lora_r", "4"]],
+                                  ["--fsdp", "--use_peft", "--lora_dropout", "0.2", "--lora_r", "4", "--disable_dropout",
+                                   "false"]],
                          ids=["ddp_async", "fsdp_lora_dropout"])
 def test_resumed_run_continues_exactly(server, tmp_path, mode):
     """4 steps in one go vs 2 steps, then a new process resuming from checkpoint-2: the same prompts, the
@@ -64,6 +65,16 @@ def test_resumed_run_continues_exactly(server, tmp_path, mode):
         assert {(r["step"], r["policy_version"]) for r in rows} == {(3, 2), (4, 3)} and len(rows) == 2 * 16
         assert {r["completion"] for r in rows if r["step"] == 3} != {r[3] for r in ledger["a"] if r[0] == 3}
         assert max(c[s]["sampler_logprob_diff_max"] for s in (3, 4)) < 1e-3
+        # resumed by one process instead of two, with another learning rate: the batch sampled ahead by the two
+        # ranks is step 3's, whole and in order; the new learning rate applies (it used to stay the checkpoint's)
+        proc, _ = run_train(server, tmp_path / "d", *RUN, *mode, "--max_steps", "3", "--learning_rate", "5e-3",
+                            "--resume_from_checkpoint", str(tmp_path / "a" / "checkpoint-2"), nproc=1)
+        assert "learning_rate 0.01 -> 0.005 (this run's flag applies)" in proc.stdout
+        d = metrics_of(tmp_path / "d")
+        assert d[3]["lr"] == 5e-3 and a[3]["lr"] == 1e-2
+        ahead = [(r["prompt_index"], r["completion"], r["policy_version"])
+                 for r in map(json.loads, open(tmp_path / "d" / "rollouts.jsonl")) if r["step"] == 3]
+        assert ahead == [(r[2], r[3], r[5]) for r in ledger["a"] if r[0] == 3] and len(ahead) == 16
 
 
 def test_resume_refuses_a_run_that_would_not_continue_exactly(server, tmp_path):
@@ -203,6 +214,8 @@ def test_a_server_killed_mid_run_is_waited_for_and_else_the_run_is_saved(tiny_mo
             stop(proc)
     assert proc.returncode != 0 and "did not answer within 5s" in stderr and "--resume_from_checkpoint latest" in stderr, \
         stdout[-2000:] + stderr[-4000:]
+    # a foreseen stop: each rank's one line, no traceback of ours (torchrun adds its own summary)
+    assert "stopped (rank 0): " in stderr and "stopped (rank 1): " in stderr and 'train.py", line' not in stderr
     names = complete_checkpoints_load(out)
     assert len(names) == 1 and int(names[0].split("-")[1]) >= 2
 
@@ -226,7 +239,8 @@ def test_a_nan_loss_skips_the_update_and_several_in_a_row_stop_the_run(server, t
     out = tmp_path / "stop"
     proc = run_train(server, out, *RUN, *inf, "--max_steps", "8", nproc=1, check=False,
                      env={"NANOGRPO_TEST_INF_CALLS": "3,4,5,6,7,8"})
-    assert proc.returncode != 0 and "not finite in 3 steps in a row (up to step 5)" in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 3 and "not finite in 3 steps in a row (up to step 5)" in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("stopped: the loss") and "Traceback" not in proc.stderr
     names = complete_checkpoints_load(out)
     assert names == [f"checkpoint-{k}" for k in (1, 2, 3, 4)]
     assert all(t.isfinite().all() for name in names for t in weights_of(out / name).values())

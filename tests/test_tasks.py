@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from config import default_model_path
+from config import RunStopped, default_model_path
 from conftest import ROOT, run_train
 from rewards import RewardScorer, load_reward_func
 import utils
@@ -42,7 +42,7 @@ def test_chat_prompts_keep_their_messages_and_every_column(tmp_path):
 def test_prompt_column_defaults_to_prompt_then_question(tmp_path):
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "Hi?", "question": "no", "solution": "x #### 7"}) + "\n")
     rows = rows_of(tmp_path / "p.jsonl", answer="solution")
-    assert (rows[0]["prompt"], rows[0]["answer"], rows[0]["solution"]) == ("Hi?", "7", "x #### 7")
+    assert (rows[0]["prompt"], rows[0]["answer"], rows[0]["solution"]) == ("Hi?", "x #### 7", "x #### 7")  # as it is
     assert rows_of(GSM8K)[0]["prompt"] == rows_of(GSM8K)[0]["question"]  # GSM8K has question/answer
 
 
@@ -134,7 +134,7 @@ def test_log_extra_gives_one_value_per_completion_or_stops_the_run():
         scorer.close()
     scorer = RewardScorer(["tests.helpers:logs_extra_short"], ["prompt"])
     try:
-        with pytest.raises(ValueError, match="log_extra\\('length', ...\\) with 1 values for 3 completions"):
+        with pytest.raises(RunStopped, match="log_extra\\('length', ...\\) with 1 values for 3 completions"):
             scorer(rows, ["a", "bb", "cccc"], [[1]] * 3)
     finally:
         scorer.close()
@@ -147,7 +147,7 @@ def test_a_function_returning_what_cannot_be_rewards_stops_with_its_name(fn, mes
     """Also when the batch raised and the completions are retried one at a time (raises_on_x_else_text)."""
     scorer = RewardScorer([f"tests.helpers:{fn}"], ["prompt"])
     try:
-        with pytest.raises(ValueError, match=f"reward function tests.helpers:{fn} .*{message}"):
+        with pytest.raises(RunStopped, match=f"reward function tests.helpers:{fn} .*{message}"):
             scorer([{"prompt": "p"}] * 2, ["a", "BAD"], [[1], [2]])
     finally:
         scorer.close()
@@ -278,6 +278,45 @@ def test_a_reward_function_that_always_raises_stops_the_run_at_step_1(server, tm
     proc = run_train(server, tmp_path / "out", "--dataset", GSM8K, "--reward_funcs", "format,tests.helpers:raises",
                      "--num_generations", "2", "--prompts_per_step", "2", "--max_completion_length", "4",
                      "--max_steps", "3", "--bf16", "false", nproc=1, check=False)
-    assert proc.returncode != 0
-    assert "reward function tests.helpers:raises failed on every completion of its first batch" in proc.stderr
+    assert proc.returncode == 3, proc.stderr[-3000:]  # a foreseen stop: README's exit code, one `stopped:` line
+    assert "stopped: reward function tests.helpers:raises failed on every completion of its first batch" in proc.stderr
     assert "RuntimeError: a broken reward function" in proc.stderr and "step 1/3" not in proc.stdout
+    assert "train.py" not in proc.stderr  # the function's own traceback, none of ours
+
+
+@pytest.mark.slow
+def test_a_reward_function_that_fails_on_everything_mid_run_warns_and_stops_the_run(server, tmp_path):
+    """A judge that scores the first step and then fails on every completion: the run warns once, goes on
+    with the other function (unscored_frac stays 0: brevity still scores), and stops after
+    --max_unscored_steps steps in a row, saying so in one line (exit code 3)."""
+    proc = run_train(server, tmp_path / "out", "--reward_funcs", "tests.helpers:brevity,tests.helpers:judge_down_after_first_call",
+                     "--num_generations", "2", "--prompts_per_step", "2", "--max_completion_length", "4",
+                     "--max_steps", "6", "--max_unscored_steps", "2", "--bf16", "false", nproc=1, check=False)
+    assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("warning: reward function tests.helpers:judge_down_after_first_call failed on every "
+                             "completion of step 2") == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("stopped: reward function tests.helpers:judge_down_after_first_call failed on every "
+                           "completion in 2 steps in a row (up to step 3)"), proc.stderr[-3000:]
+    metrics = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [1, 2]  # step 3 stopped before training on it
+    judge = "rewards/tests.helpers:judge_down_after_first_call_nan_frac"
+    assert [m[judge] for m in metrics] == [0.0, 1.0] and [m["unscored_frac"] for m in metrics] == [0.0, 0.0]
+
+
+@pytest.mark.slow
+def test_a_tokenizer_without_a_pad_token_trains(server, tmp_path):
+    """Llama 3's and Mistral's tokenizers have no pad token; the padded positions are masked, any id does."""
+    import shutil
+    from transformers import AutoTokenizer
+    model = tmp_path / "no-pad"
+    shutil.copytree(server["model"], model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(model)
+    assert AutoTokenizer.from_pretrained(model).pad_token_id is None
+    _, metrics = run_train(server, tmp_path / "out", "--model", str(model), "--reward_funcs", "tests.helpers:brevity",
+                           "--num_generations", "4", "--prompts_per_step", "2", "--max_completion_length", "8",
+                           "--max_steps", "2", "--bf16", "false", nproc=1)
+    assert [m["step"] for m in metrics] == [1, 2] and all(math.isfinite(m["loss"]) for m in metrics)
+    assert metrics[-1]["sync_probe_diff_max"] < 1e-3
