@@ -63,10 +63,8 @@ if __name__ == "__main__":
                              capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
         results[path] = json.loads(out)
         print(f"{path:19s} peak RSS growth {results[path]['peak_growth_mb']:8.0f} MB   {results[path]['seconds']:.2f} s")
-    for path in ("plain", "chunked"):
-        print(f"{path} / logits: memory {results[path]['peak_growth_mb'] / results['logits']['peak_growth_mb']:.2f}x, "
-              f"time {results[path]['seconds'] / results['logits']['seconds']:.2f}x")
-    print(f"train_checkpointing / train: memory "
-          f"{results['train_checkpointing']['peak_growth_mb'] / results['train']['peak_growth_mb']:.2f}x, "
-          f"time {results['train_checkpointing']['seconds'] / results['train']['seconds']:.2f}x")
+    def ratio(path: str, base: str, key: str) -> str:  # a tiny model's pass may not grow the peak at all
+        return f"{results[path][key] / results[base][key]:.2f}x" if results[base][key] > 0 else "n/a (no growth)"
+    for path, base in (("plain", "logits"), ("chunked", "logits"), ("train_checkpointing", "train")):
+        print(f"{path} / {base}: memory {ratio(path, base, 'peak_growth_mb')}, time {ratio(path, base, 'seconds')}")
     print(f"(batch {a.batch}, {a.prompt} prompt + {a.completion} completion tokens, bf16 autocast)")

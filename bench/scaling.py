@@ -4,7 +4,7 @@ the other. Prints each run's phases (mean over the steps after the first; "other
 step: batching, logging, waiting for the other rank) and its step time over the base run's (1 process,
 G=8, 128 tokens).
 
-    .venv/bin/python bench/scaling.py [--steps 3] [-- more train.py flags]
+    .venv/bin/python bench/scaling.py [--steps 3] [--runs 1:8:128,2:8:128] [-- more train.py flags]
 """
 import argparse
 import os
@@ -12,14 +12,14 @@ import tempfile
 
 from common import PHASES, mean, serving, steady, train
 
-RUNS = [  # (processes, G, completion length); the first is the base
-    (1, 8, 128), (2, 8, 128), (1, 4, 128), (1, 16, 128), (1, 8, 64), (1, 8, 256)]
+RUNS = "1:8:128,2:8:128,1:4:128,1:16:128,1:8:64,1:8:256"  # processes:G:completion length; the first is the base
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--runs", default=RUNS, help="comma-separated processes:G:length; the first is the base")
     p.add_argument("train_flags", nargs="*", help="more train.py flags for every run, after --")
     a = p.parse_args()
     from config import resolve_model
@@ -29,7 +29,7 @@ if __name__ == "__main__":
           + f" {'other':>8s} {'step':>7s} {'vs base':>7s} {'peak GiB':>8s}")
     base = None
     with tempfile.TemporaryDirectory() as tmp, serving(model, tmp) as server:
-        for i, (nproc, G, length) in enumerate(RUNS):
+        for i, (nproc, G, length) in enumerate(tuple(map(int, run.split(":"))) for run in a.runs.split(",")):
             metrics, peak = train(model, server["port"], os.path.join(tmp, f"run{i}"), a.steps, a.prompts, G, length, nproc,
                                   tuple(a.train_flags))
             rows = steady(metrics)

@@ -38,7 +38,7 @@ def run_trl(model: str, a, checkpointing: str) -> tuple[dict, float]:
     from utils import stop_process_group
     proc = subprocess.Popen([trl_python(), os.path.join(ROOT, "bench", "trl_grpo.py"), "--model", model, "--steps", str(a.steps),
                              "--prompts", str(a.prompts), "--G", str(a.G), "--length", str(a.length),
-                             "--gradient_checkpointing", checkpointing],
+                             "--gradient_checkpointing", checkpointing, "--micro_batch_size", str(min(16, a.prompts * a.G))],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     memory = PeakRSS(proc.pid)
     try:
@@ -71,7 +71,7 @@ if __name__ == "__main__":
             metrics, peak = train(model, server["port"], os.path.join(tmp, f"run{i}"), a.steps, a.prompts, a.G, a.length,
                                   flags=tuple(shlex.split(flags)))
             results.append((f"nanogrpo {flags or '(defaults)'}", mean(steady(metrics), "time/step"), peak,
-                            "reward " + " ".join(f"{m['reward']:.2f}" for m in metrics)))
+                            "reward " + " ".join(f"{m['reward']:.2f}" for m in metrics if "reward" in m)))  # not evals
             print(results[-1], flush=True)
         server_peak = server["memory"].peak
     print(f"\n{a.model} | {a.prompts} prompts x G={a.G}, up to {a.length} tokens | {a.steps} steps, mean over steps 2-{a.steps}"
