@@ -177,7 +177,7 @@ def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autoca
         inputs, c = trim_padding(take(data["inputs"], s), C)  # only c of the C completion columns
         part = {k: None if data[k] is None else data[k][s, :c].to(device)
                 for k in ("old_logp", "ref_logp", "sampler_logp")}
-        with gradient_sync(model, j == num_micro - 1), autocast:  # gradients are reduced on the last micro-batch only
+        with gradient_sync(model, j == num_micro - 1), autocast:  # DDP reduces on the last micro-batch only
             logp, entropy = completion_logprobs(model, to_device(inputs, device), c, cfg.temperature)  # (b, c) each
             # pi_old: the policy before this round's first update. On-policy it is the current policy,
             # whose detached log-probs are these; off-policy the loop computed them before updating.
@@ -268,7 +268,7 @@ def main(cfg: Config):
 
     resume = find_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir) if cfg.resume_from_checkpoint else None
     state = load_checkpoint(resume, vars(cfg)) if resume else {"step": 0}  # optimizer, scheduler, RNG, step
-    policy = load_model(os.path.join(resume, "model") if resume and not cfg.use_peft else model_path, device)
+    policy = load_model(os.path.join(resume, "model") if resume and not cfg.use_peft else model_path, device, cfg.fsdp)
     policy.config.use_cache = False
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -277,11 +277,11 @@ def main(cfg: Config):
                           os.path.join(resume, "adapter") if resume else None)
     if cfg.disable_dropout:  # the server samples without dropout: train that policy, and pi_old = its log-probs
         disable_dropout(policy)
-    model = distribute(policy, cfg.fsdp, cfg.bf16, world_size)  # FSDP2 shards per layer; else DDP copies
+    model = distribute(policy, device, cfg.fsdp, cfg.bf16, world_size)  # FSDP2 shards per layer; else DDP copies
     ref_model = None
     if cfg.beta > 0 and not cfg.use_peft:  # a frozen copy for the KL penalty (with LoRA: the adapter switched off)
-        ref_model = distribute(load_model(model_path, device).eval().requires_grad_(False), cfg.fsdp, cfg.bf16,
-                               world_size, trainable=False)
+        ref_model = distribute(load_model(model_path, device, cfg.fsdp).eval().requires_grad_(False), device, cfg.fsdp,
+                               cfg.bf16, world_size, trainable=False)
     off_policy = cfg.num_iterations > 1 or cfg.steps_per_generation > 1  # then pi_old needs its own pass
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
     trainable = [p for p in policy.parameters() if p.requires_grad]

@@ -20,6 +20,7 @@ from contextlib import contextmanager, nullcontext, suppress
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from config import DEFAULT_DATASET, RunStopped, UsageError, run_main
 
@@ -395,11 +396,18 @@ def barrier():
         dist.barrier()
 
 
-def load_model(path: str, device, dtype=torch.float32):
-    from transformers import AutoModelForCausalLM
+def load_model(path: str, device, fsdp: bool = False, dtype=torch.float32):
+    """A causal LM from a Hugging Face folder, on `device`. With FSDP2 (`fsdp`) only rank 0 reads the weights, on
+    the CPU; the other ranks build the same model on the meta device (no memory), and `distribute` gives every
+    rank its shard from rank 0's copy: no rank but the first ever holds the whole model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # one line per step on the console, no loading bars
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    if fsdp and dist.is_initialized() and dist.get_rank() > 0:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model if fsdp else model.to(device)
 
 
 def disable_dropout(model):
@@ -429,10 +437,12 @@ def add_lora(model, r: int, alpha: float, dropout: float, target_modules: str, s
                                             task_type="CAUSAL_LM"))
 
 
-def distribute(model, fsdp: bool, bf16: bool, world_size: int, trainable: bool = True):
+def distribute(model, device, fsdp: bool, bf16: bool, world_size: int, trainable: bool = True):
     """FSDP2: every decoder layer its own shard group, then the root (embeddings, norm, head), so a
     forward all-gathers one layer at a time; with bf16 the gathered weights are bf16 and gradients are
-    reduced in fp32. Otherwise DDP (a full copy per rank) for a trained model on several ranks."""
+    reduced in fp32. The model comes from load_model(fsdp=True): rank 0's copy (on the CPU) is the source,
+    sent one tensor at a time, and each rank keeps its shard (shard_from_rank0). Otherwise DDP (a full
+    copy per rank) for a trained model on several ranks."""
     if fsdp:
         if not dist.is_initialized():
             raise UsageError("--fsdp needs torch.distributed: launch with torchrun (e.g. torchrun --nproc_per_node 2 "
@@ -440,24 +450,42 @@ def distribute(model, fsdp: bool, bf16: bool, world_size: int, trainable: bool =
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
               else MixedPrecisionPolicy())
-        layer_classes = set(getattr(model, "_no_split_modules", None) or [])  # e.g. {"LlamaDecoderLayer"}
-        for module in model.modules():
-            if type(module).__name__ in layer_classes:
-                fully_shard(module, mp_policy=mp)
-        return fully_shard(model, mp_policy=mp)
+        with shard_from_rank0(model, device):
+            layer_classes = set(getattr(model, "_no_split_modules", None) or [])  # e.g. {"LlamaDecoderLayer"}
+            for module in model.modules():
+                if type(module).__name__ in layer_classes:
+                    fully_shard(module, mp_policy=mp)
+            fully_shard(model, mp_policy=mp)
+        return model
     if world_size > 1 and trainable:
         from torch.nn.parallel import DistributedDataParallel as DDP
         return DDP(model, broadcast_buffers=False)  # no buffer is trained; no collective in no-grad forwards
     return model
 
 
-def gradient_sync(model, sync: bool):
-    """A context for one micro-batch's backward: reduce gradients over ranks only if `sync` (the last
-    micro-batch of an optimizer step); before that they accumulate locally."""
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(sync)
-        return nullcontext()
-    return model.no_sync() if hasattr(model, "no_sync") and not sync else nullcontext()  # DDP
+@contextmanager
+def shard_from_rank0(model, device):
+    """Around fully_shard, which keeps each rank's part of the tensors it finds: rank 0 holds the model's weights
+    (load_model), the other ranks an empty model on the meta device. Their shards are then allocated on `device`
+    and every rank gets its part of rank 0's weights, one tensor at a time, and rank 0's buffers (rotary
+    frequencies are not in the state dict). Rank 0's whole copy is freed at the end."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    rank0 = dist.get_rank() == 0
+    weights = model.state_dict() if rank0 else {}  # rank 0's full tensors, which sharding would drop
+    yield
+    if not rank0:
+        model.to_empty(device=device)  # keeps tied weights one parameter
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+
+
+def gradient_sync(model, last: bool):
+    """A context for one micro-batch's backward. DDP reduces the gradients over ranks on the `last` micro-batch
+    of an optimizer step only; before that they accumulate locally, in the full copy every rank has anyway.
+    FSDP2 reduce-scatters every micro-batch's gradients, so that a rank only ever accumulates its shard: a
+    gradient kept unreduced until the last micro-batch would be a whole unsharded copy (bench/fsdp_memory.py)."""
+    return model.no_sync() if hasattr(model, "no_sync") and not last else nullcontext()  # DDP has no_sync
 
 
 @contextmanager
@@ -474,7 +502,7 @@ def reference_model(model, ref_model):
 def sharded_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
     """named_parameters() of a model that FSDP2 may have left gathered: after a forward, the root's
     weights stay gathered (in the compute dtype, bf16 with mixed precision); reshard to read the fp32 shards."""
-    if hasattr(model, "reshard"):
+    if isinstance(model, FSDPModule):
         model.reshard()
     return list(model.named_parameters())
 
@@ -761,7 +789,8 @@ def load_checkpoint(path: str, config: dict) -> dict:
     if changed:
         raise UsageError(f"cannot resume from {path} exactly: {', '.join(changed)}. Use the checkpoint's values "
                          "(see its checkpoint.json), or start a new run")
-    return torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
+    # memory-mapped: the optimizer's moments are read where they are used (restore_training_state: rank 0)
+    return torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True, mmap=True)
 
 
 def restore_training_state(state: dict, model, optimizer, scheduler, rank: int, world_size: int) -> list[str]:
@@ -772,8 +801,10 @@ def restore_training_state(state: dict, model, optimizer, scheduler, rank: int, 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     keys = {"initial_lr": "learning_rate", "betas": "adam_beta1/2", "weight_decay": "weight_decay", "eps": "adam eps"}
     ours = [{k: g[k] for k in keys} for g in optimizer.param_groups]
-    set_optimizer_state_dict(getattr(model, "module", model), optimizer, state["optimizer"],
-                             options=StateDictOptions(full_state_dict=True))
+    sharded = isinstance(model, FSDPModule)  # then rank 0 reads the moments (memory-mapped) and sends them a tensor
+    mine = state["optimizer"] if rank == 0 or not sharded else {}  # at a time, and each rank keeps its part
+    set_optimizer_state_dict(getattr(model, "module", model), optimizer, mine,
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=sharded))
     scheduler.load_state_dict(state["scheduler"])  # its base_lrs are the checkpoint's too
     changed = [f"{keys[k]} {g[k]} -> {mine[k]}" for g, mine in zip(optimizer.param_groups, ours) for k in keys
                if g[k] != mine[k]]

@@ -44,7 +44,8 @@ def main(loss_type: str, micro_batch_size: int, out: str, options: list[str]):
                 ref_logp=ref_logp[share], old_logp=None, sampler_logp=sampler_logp[share],
                 keep=None if keep is None else keep[share])
     cfg = Config(loss_type=loss_type, micro_batch_size=micro_batch_size, beta=0.04, max_completion_length=C, bf16=False)
-    accumulate_gradients(distribute(model, "fsdp" in options, False, world_size), data, cfg, world_size, nullcontext())
+    model = distribute(model, device, "fsdp" in options, False, world_size)
+    accumulate_gradients(model, data, cfg, world_size, nullcontext())
     grad = torch.cat([full_tensor(p.grad).flatten() for p in model.parameters()])  # FSDP2: gathered on every rank
     if is_main:
         torch.save(grad, out)

@@ -61,3 +61,9 @@ def test_vs_trl_runs_trl_and_nanogrpo(model):
     out = bench("vs_trl.py", "--model", model, *SMALL, "--trl_gradient_checkpointing", "true", "--nanogrpo", "",
                 timeout=1200)
     assert "TRL 1.16.0, gradient checkpointing true" in out and "nanogrpo (defaults) / gradient checkpointing true" in out
+
+
+def test_fsdp_memory(model):
+    out = bench("fsdp_memory.py", "--model", model, "--micro_batches", "2", "--micro_batch_size", "1", "--length", "8")
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[2:]}
+    assert list(rows) == ["load", "backward", "step", "save", "resume"], out

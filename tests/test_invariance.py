@@ -1,7 +1,8 @@
 """The gradient of one optimizer step does not depend on how the step is split: one process with 4
 accumulation steps, two processes (torchrun, gloo) with 2 each, and one process with one big batch
 give the same gradient in float64 (dapo, dr_grpo, grpo; bnpo is split-dependent by definition), under
-DDP and under FSDP2, also when the ranks run different numbers of rows."""
+DDP and under FSDP2, also when the ranks run different numbers of rows. FSDP2's ranks other than 0 never read
+the model and still train exactly the one in the folder."""
 import os
 import subprocess
 
@@ -53,16 +54,23 @@ def test_fsdp2_gives_the_gradient_of_one_process_also_when_ranks_run_different_r
 
 
 KEYS = """
+import os
 import sys
 sys.path.insert(0, sys.argv[1])
 import torch.distributed as dist
 from utils import sum_over_ranks
+
+
+def say(text):  # one write of a whole line: the ranks share stdout, and print() may split a line in two writes
+    os.write(1, (text + "\\n").encode())
+
+
 dist.init_process_group("gloo")
-print(sum_over_ranks({"a": 1, "b": dist.get_rank()}))  # the same names: summed
+say(str(sum_over_ranks({"a": 1, "b": dist.get_rank()})))  # the same names: summed
 try:
     sum_over_ranks({"a": 1, "b": 2} if dist.get_rank() == 0 else {"b": 2, "a": 1})  # the same numbers, other order
 except RuntimeError as e:
-    print("refused:", e)
+    say(f"refused: {e}")
 dist.destroy_process_group()
 """
 
@@ -76,3 +84,22 @@ def test_sums_over_ranks_refuse_names_that_differ_between_ranks(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("{'a': 2.0, 'b': 1.0}") == 2
     assert proc.stdout.count("refused: sum_over_ranks: the ranks summed different names") == 2  # every rank
+
+
+@pytest.mark.parametrize("options", [[], ["lora"], ["adapter"]])
+def test_fsdp2_ranks_get_their_shards_of_rank_0s_model(tiny_model, tmp_path, options):
+    """Only rank 0 reads the model (the others build it on the meta device, no memory): every rank must end up
+    training exactly the model in the folder, with LoRA too, fresh or continued from a saved adapter."""
+    if options == ["adapter"]:
+        from utils import add_lora, load_model
+        model = add_lora(load_model(tiny_model, "cpu"), 4, 8, 0.0, "q_proj,v_proj")
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_()  # a trained adapter: it changes the logits
+        model.save_pretrained(tmp_path / "adapter")
+        options = ["adapter", str(tmp_path / "adapter")]
+    proc = subprocess.run(launcher(2) + [os.path.join(ROOT, "tests", "fsdp_load.py"), tiny_model, *options],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sorted(proc.stdout.split()) == sorted("ok 0 ok 1".split())
