@@ -8,13 +8,25 @@ import os
 import sys
 
 
+def read_jsonl(path: str) -> list[dict]:
+    """The records of a JSONL log, read line by line; a line that is not whole JSON (a record cut short by a kill
+    or a full disk) is skipped."""
+    records = []
+    with open(path) as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue
+    return records
+
+
 def plot_run(output_dir: str) -> str | None:
     """Writes output_dir/metrics.png and returns its path; None if no step has been logged yet."""
     import matplotlib
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
-    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    rows = read_jsonl(os.path.join(output_dir, "metrics.jsonl"))
     train, evals = [r for r in rows if "reward" in r], [r for r in rows if "eval/reward" in r]
     if not train:
         return None

@@ -324,6 +324,10 @@ class RewardScorer:
             return [_unscored(len(batch["completions"]), f"{why}\n") for _ in names]
 
     def __call__(self, rows: list[dict], completions: list[str], completion_ids: list[list[int]], step: int = 0):
+        self.metrics, self.extra = {}, {}
+        if not rows:  # a rank with no prompts (more processes than evaluation prompts): no call, nothing scored
+            self.failed = dict.fromkeys(self.names, 0)
+            return [[] for _ in self.names]
         prompts = [r["prompt"] for r in rows]
         completions = [c if isinstance(p, str) else [{"role": "assistant", "content": c}]
                        for p, c in zip(prompts, completions)]
@@ -337,7 +341,6 @@ class RewardScorer:
                 results |= dict(zip(names, self._run(names, batch)))
         for name, model in self.models.items():
             results[name] = self._score_model(name, model, batch)
-        self.metrics, self.extra = {}, {}
         for name in self.names:
             self._account(name, results[name], len(completions))
         return [results[name]["scores"] for name in self.names]

@@ -3,6 +3,7 @@ data, log-probs, distributed (and the models' wrappers), weights out (sync, prob
 checkpoints, logging.
 """
 import collections
+import errno
 import functools
 import json
 import math
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from config import DEFAULT_DATASET, RunStopped, UsageError, run_main
+from plot import read_jsonl
 
 
 # -----------------------------------------------------------------------------
@@ -901,14 +903,38 @@ def gather_lines(lines: list[str]) -> list[str]:
     return [line for part, n in zip(parts, sizes) for line in part[:int(n)].numpy().tobytes().decode().splitlines()]
 
 
-def keep_steps_up_to(path: str, step: int):
-    """Drop the lines of a JSONL file whose "step" is after `step` (a resumed run rewrites those)."""
-    if os.path.exists(path):
-        with open(path) as f:
-            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-        with open(path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(path + ".tmp", path)
+def keep_steps_up_to(path: str, step: int) -> int:
+    """Drop the records of a JSONL log whose "step" is after `step` (a resumed run writes those again), and any
+    line that is not whole JSON (a record cut short by a kill or a full disk). Reads the file a line at a time
+    (rollouts.jsonl can be large) into a copy that replaces it. Returns how many cut lines were dropped."""
+    if not os.path.exists(path):
+        return 0
+    torn = 0
+    with open(path) as f, open(path + ".tmp", "w") as out:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                torn += 1
+                continue
+            if record["step"] <= step:
+                out.write(line.rstrip("\n") + "\n")
+    os.replace(path + ".tmp", path)
+    return torn
+
+
+def append_lines(f, lines: list[str]):
+    """Append whole lines to `f` (a file opened "ab" without buffering) in one write. If the write fails (a full
+    disk, a size limit), the file is cut back to where it was and the error raised: a log never ends in half a
+    record."""
+    data = "".join(line + "\n" for line in lines).encode()
+    end = f.seek(0, os.SEEK_END)
+    try:
+        if f.write(data) != len(data):
+            raise OSError(errno.ENOSPC, f"only part of a record could be written to {f.name}")
+    except BaseException:
+        f.truncate(end)
+        raise
 
 
 class MetricsLogger:
@@ -924,16 +950,17 @@ class MetricsLogger:
         os.makedirs(output_dir, exist_ok=True)
         paths = [os.path.join(output_dir, name) for name in ("metrics.jsonl", "rollouts.jsonl")]
         for path in paths:  # a new run starts afresh; a resumed one keeps the steps up to its checkpoint
-            keep_steps_up_to(path, resume_step)
-        self.file, self.rollouts = (open(path, "a") for path in paths)
+            if torn := keep_steps_up_to(path, resume_step):
+                print(f"warning: dropped {torn} line(s) of {path} cut short by an earlier run's end (a kill or a "
+                      "full disk while writing); the records before them are kept", flush=True)
+        self.file, self.rollouts = (open(path, "ab", buffering=0) for path in paths)
         if report_to == "wandb":
             import wandb
             self.wandb = wandb.init(project=project, name=run_name or None, config=config)
 
     def log(self, metrics: dict):
         if self.file is not None:
-            self.file.write(json.dumps(metrics) + "\n")
-            self.file.flush()
+            append_lines(self.file, [json.dumps(metrics)])
         if self.wandb is not None:
             self.wandb.log(metrics, step=metrics["step"])
 
@@ -942,8 +969,7 @@ class MetricsLogger:
         lines = gather_lines([json.dumps(r) for r in records])
         if self.rollouts is None:
             return
-        self.rollouts.writelines(line + "\n" for line in lines)
-        self.rollouts.flush()
+        append_lines(self.rollouts, lines)
         if self.wandb is not None and lines:
             import wandb
             rows = [json.loads(line) for line in lines]
@@ -965,8 +991,7 @@ def eval_summary(output_dir: str, names: list[str], samples: int) -> str | None:
     """One line comparing the run's first and last evaluation in output_dir/metrics.jsonl (a resumed run's
     too), e.g. `held-out accuracy 0.18 -> 0.41, format 0.10 -> 0.80 (52 problems x 4 samples, steps 0 -> 12)`;
     None with fewer than two evaluations."""
-    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        evals = [r for r in map(json.loads, filter(str.strip, f)) if "eval/reward" in r]
+    evals = [r for r in read_jsonl(os.path.join(output_dir, "metrics.jsonl")) if "eval/reward" in r]
     if len(evals) < 2:
         return None
     first, last = evals[0], evals[-1]

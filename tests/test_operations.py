@@ -134,8 +134,12 @@ def test_kill_9_while_saving_leaves_the_earlier_checkpoints_intact(server, tmp_p
     names = complete_checkpoints_load(out)
     assert names and any(n.endswith(".tmp") for n in os.listdir(out))  # killed mid-save, and the others are whole
     last = int(names[-1].split("-")[1])
-    _, metrics = run_train(server, out, *RUN, "--max_steps", str(last + 1), "--resume_from_checkpoint", "latest", nproc=1)
-    assert metrics[-1]["step"] == last + 1
+    for name in ("metrics.jsonl", "rollouts.jsonl"):  # and as if the kill had cut a record short
+        with open(out / name, "a") as f:
+            f.write('{"step": 99, "cut')
+    proc, metrics = run_train(server, out, *RUN, "--max_steps", str(last + 1), "--resume_from_checkpoint", "latest",
+                              nproc=1)  # every line of metrics.jsonl whole again
+    assert metrics[-1]["step"] == last + 1 and proc.stdout.count("dropped 1 line(s) of") == 2
 
 
 def test_full_disk_while_saving_keeps_the_earlier_checkpoint_and_says_so(server, tmp_path):

@@ -139,3 +139,13 @@ def test_evaluation_rollout_ledger_plot_and_wandb_table(server, tmp_path):
     tables = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "files" / "media" / "table" / "**" / "*.json"),
                        recursive=True)
     assert any("train" in t for t in tables) and any("eval" in t for t in tables), tables
+
+
+def test_more_processes_than_evaluation_prompts(server, tmp_path):
+    """Two processes, one held-out prompt: the rank without one takes part in the evaluation with nothing."""
+    proc, metrics = run_train(server, tmp_path / "out", "--reward_funcs", "tests.helpers:brevity", "--num_generations",
+                              "2", "--prompts_per_step", "2", "--max_completion_length", "4", "--max_steps", "1",
+                              "--bf16", "false", "--no_save_model", "--eval_steps", "-1", "--eval_num_prompts", "1")
+    evals = [m for m in metrics if "eval/reward" in m]
+    assert [m["step"] for m in evals] == [0, 1] and all(m["eval/num_prompts"] == 1 for m in evals)
+    assert proc.stdout.strip().splitlines()[-1].endswith("(1 problems x 4 samples, steps 0 -> 1)")
