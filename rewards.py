@@ -24,12 +24,15 @@ Either way the lost scores are counted (`scorer_failures`) and the first traceba
 printed; a function that fails on every completion of its first batch stops the run with its error.
 """
 import asyncio
+import contextlib
+import ctypes
 import importlib
 import inspect
 import math
 import multiprocessing as mp
 import os
 import re
+import signal
 import sys
 import traceback
 from types import SimpleNamespace
@@ -251,11 +254,25 @@ def _score(names: list[str], batch: dict) -> list[dict]:
     return asyncio.run(all_of())
 
 
-def _own_session():
-    """The scorer process leaves the trainer's process group: Ctrl-C in the terminal and torchrun's SIGTERM
-    (sent to each worker's group) are for the trainer, which finishes scoring, saves and stops. The process
-    still ends with the trainer: its task pipe closes."""
+SECRETS = ("VLLM_API_KEY", "WANDB_API_KEY")  # the trainer's; reward functions are user code and need neither
+
+
+def _scorer_process():
+    """Set-up of the scorer process, which runs the user's reward functions:
+    - a session of its own: Ctrl-C in the terminal and torchrun's SIGTERM (sent to each worker's group) are for
+      the trainer, which finishes scoring, saves and stops; and the trainer stops the scorer together with what a
+      reward function started (a code sandbox, a judge's client) by signalling that group (RewardScorer.stop);
+    - it ends with the trainer even when the trainer is killed (SIGKILL) mid-call (Linux: the parent's death
+      signals it, and it takes its group along); an idle scorer also ends when its task pipe closes;
+    - the trainer's secrets are not in its environment (nor in what it starts)."""
     os.setsid()
+    for name in SECRETS:
+        os.environ.pop(name, None)
+    signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the trainer died before the line above
+        os.killpg(0, signal.SIGKILL)
 
 
 class RewardModel:
@@ -309,7 +326,16 @@ class RewardScorer:
 
     def _start(self):
         # spawn, not fork: math-verify's timeouts use signals, which work in a process's main thread
-        self._pool = mp.get_context("spawn").Pool(1, initializer=_own_session)
+        self._pool = mp.get_context("spawn").Pool(1, initializer=_scorer_process)
+        self._pid = self._pool.apply(os.getpid)  # also its process group's id
+
+    def stop(self):
+        """End the scorer process and everything it started (its process group), at once."""
+        if self._pool is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._pid, signal.SIGKILL)
+            self._pool.terminate()
+            self._pool = None
 
     def _run(self, names: list[str], batch: dict) -> list[dict]:
         if self._pool is None:
@@ -317,8 +343,7 @@ class RewardScorer:
         try:
             return self._pool.apply_async(_score, (names, batch)).get(timeout=self.timeout)
         except Exception as e:  # hung, or the process died: these functions' batch is unscored; a fresh process
-            self._pool.terminate()
-            self._pool = None
+            self.stop()
             why = (f"did not finish within {self.timeout:g} s" if isinstance(e, mp.TimeoutError)
                    else f"crashed the scorer process ({type(e).__name__}: {e})")
             return [_unscored(len(batch["completions"]), f"{why}\n") for _ in names]
@@ -371,6 +396,4 @@ class RewardScorer:
                   flush=True)
 
     def close(self):
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool = None
+        self.stop()

@@ -81,3 +81,14 @@ def judge_down_after_first_call(completions, **kwargs):
     if _calls > 1:
         raise ConnectionError("the judge's endpoint is down")
     return brevity(completions)
+
+
+def starts_a_child_and_hangs(completions, **kwargs):
+    """A code-execution reward whose sandbox never ends: starts `sleep`, writes "scorer_pid child_pid secret" (the
+    secret: VLLM_API_KEY as the function sees it) to NANOGRPO_TEST_PID_FILE, and waits for the child forever."""
+    import subprocess
+    child = subprocess.Popen(["sleep", "600"])
+    with open(os.environ["NANOGRPO_TEST_PID_FILE"], "w") as f:
+        f.write(f"{os.getpid()} {child.pid} {os.environ.get('VLLM_API_KEY', 'none')}")
+    child.wait()
+    return [0.0] * len(completions)

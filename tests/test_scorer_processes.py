@@ -1,0 +1,74 @@
+"""The reward scorer's process runs user code: what a reward function starts ends with it, when the function
+times out, when the run closes the scorer and when the trainer is killed, and it does not see the trainer's
+secrets."""
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT
+from config import RunStopped
+from rewards import RewardScorer
+
+HANGS = "tests.helpers:starts_a_child_and_hangs"
+
+
+def gone(pids: list[int], within: float = 20) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z" for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def pids_from(path) -> tuple[list[int], str]:
+    deadline = time.monotonic() + 60
+    while not (os.path.exists(path) and open(path).read()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    scorer, child, secret = open(path).read().split()
+    return [int(scorer), int(child)], secret
+
+
+def test_a_reward_that_times_out_leaves_nothing_running_and_sees_no_secret(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOGRPO_TEST_PID_FILE", str(tmp_path / "pids"))
+    monkeypatch.setenv("VLLM_API_KEY", "secret-key")
+    scorer = RewardScorer([HANGS], ["prompt"], timeout=5)
+    try:  # a function that scores none of its first batch stops the run (after stopping the scorer)
+        with pytest.raises(RunStopped, match="did not finish within 5 s"):
+            scorer([{"prompt": "p"}], ["c"], [[1]])
+    finally:
+        scorer.close()
+    pids, secret = pids_from(tmp_path / "pids")
+    assert secret == "none"
+    assert gone(pids), "the scorer process or the reward's child outlived the time-out"
+
+
+KILLED = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from config import RunStopped
+from rewards import RewardScorer
+RewardScorer([sys.argv[2]], ["prompt"], timeout=600)([{"prompt": "p"}], ["c"], [[1]])
+"""
+
+
+def test_the_scorer_and_what_it_started_end_when_the_trainer_is_killed(tmp_path):
+    trainer = subprocess.Popen([sys.executable, "-c", KILLED, ROOT, HANGS], start_new_session=True,
+                               env=dict(os.environ, NANOGRPO_TEST_PID_FILE=str(tmp_path / "pids")))
+    try:
+        pids, _ = pids_from(tmp_path / "pids")  # the reward function is running
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait(timeout=30)
+        assert gone(pids), "the scorer process or the reward's child outlived the killed trainer"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(trainer.pid, signal.SIGKILL)
+        if os.path.exists(tmp_path / "pids"):
+            for pid in map(int, open(tmp_path / "pids").read().split()[:2]):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
