@@ -19,6 +19,9 @@ print(*[s.getsockname()[1] for s in socks])")
 MODEL=smollm2-135m
 for ((i = 1; i <= $#; i++)); do [ "${!i}" = "--model" ] && { j=$((i + 1)); MODEL=${!j}; }; done
 
+# a fresh key for this run, given to both sides in the environment (a command line is visible to every
+# local user in /proc): no other program on this machine can use the server or replace its weights
+export VLLM_API_KEY=${VLLM_API_KEY:-$($PY -c "import secrets; print(secrets.token_urlsafe(24))")}
 echo "starting the vLLM server on 127.0.0.1:$PORT (log: $OUT/server.log)"
 setsid $PY vllm_server.py --model "$MODEL" --port "$PORT" --enforce-eager --max-model-len 2048 \
   ${SERVER_ARGS:-} > "$OUT/server.log" 2>&1 &

@@ -79,8 +79,14 @@ def tensor_nbytes(shape: list[int], dtype: torch.dtype) -> int:
 
 def gloo_group(address: str, port: int, rank: int, world_size: int, timeout_s: float = 600):
     """A gloo process group of its own (not torch's default group, which torchrun and vLLM use
-    for their own ranks), rendezvousing through a TCPStore that rank 0 hosts."""
-    store = dist.TCPStore(address, port, world_size, is_master=(rank == 0), timeout=timedelta(seconds=timeout_s))
+    for their own ranks), rendezvousing through a TCPStore that rank 0 hosts on `address` only: given an
+    address, TCPStore itself would listen on every interface, open to anyone who can reach the machine."""
+    listen_fd = None
+    if rank == 0:
+        family = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0][0]
+        listen_fd = socket.create_server((address, port), family=family, backlog=128).detach()  # the store's now
+    store = dist.TCPStore(address, port, world_size, is_master=(rank == 0), timeout=timedelta(seconds=timeout_s),
+                          master_listen_fd=listen_fd)
     return dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))
 
 
@@ -672,7 +678,9 @@ def main(argv: list[str] | None = None):
         os.environ["NANOGRPO_CPU_SERVER"] = "1"  # read by this module in every process of the server
         tune_cpu_server_process()
     here = os.path.dirname(os.path.abspath(__file__))
-    os.environ["PYTHONPATH"] = here + os.pathsep + os.environ.get("PYTHONPATH", "")  # workers import this module
+    # workers import this module; no empty entry (it would put each child's working folder on its import path)
+    paths = [here, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     sys.path.insert(0, here)
     argv = serve_args(argv)
     check_port_free(flag_value(argv, "--host"), int(flag_value(argv, "--port")), "--port")

@@ -36,3 +36,48 @@ def test_the_trainer_sends_the_key_and_says_when_it_is_missing(keyed_server, tmp
     _, metrics = run_train(keyed_server, tmp_path / "key", *args, nproc=1, env={"VLLM_API_KEY": KEY})
     assert len(metrics) == 1 and metrics[0]["sync_probe_diff_max"] < 1e-4
     assert KEY not in open(tmp_path / "key" / "metrics.jsonl").read()
+
+
+def test_the_servers_processes_do_not_import_from_their_working_folder(keyed_server):
+    """vllm_server.py puts its own folder on PYTHONPATH for vLLM's workers, and nothing empty: an empty entry
+    is the working folder of every process the server starts, whatever module lies there."""
+    import os
+    from utils import descendants
+    pids = [keyed_server["proc"].pid] + [pid for pid, _ in descendants(keyed_server["proc"].pid)]
+    seen = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+        if b"PYTHONPATH" in env:  # the launcher's own is its parent's; its children got the one it set
+            seen += pid != keyed_server["proc"].pid
+            assert b"" not in env[b"PYTHONPATH"].split(os.pathsep.encode()), env[b"PYTHONPATH"]
+    assert seen >= 1  # vLLM's engine process at least
+
+
+def listening_addresses(port: int) -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp and tcp6 write them) of the sockets listening on `port`."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).readlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A" and int(local.split(":")[1], 16) == port:
+                found.append(local.split(":")[0])
+    return found
+
+
+def test_the_weight_transfer_rendezvous_listens_on_its_address_only():
+    """The trainer hosts the weight transfer's rendezvous on --vllm_group_host (127.0.0.1 by default): not on
+    every interface of the machine, where anyone could join the group and read or replace the weights."""
+    import socket
+    import subprocess
+    from conftest import free_port
+    from vllm_server import gloo_group
+    port = free_port()
+    group = gloo_group("127.0.0.1", port, 0, 1, timeout_s=10)
+    assert listening_addresses(port) == ["0100007F"]  # 127.0.0.1
+    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    for other in subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split():
+        if ":" not in other:  # another interface of this machine: refused
+            with pytest.raises(OSError):
+                socket.create_connection((other, port), timeout=5).close()
+    del group
