@@ -329,13 +329,19 @@ class RewardScorer:
         self._pool = mp.get_context("spawn").Pool(1, initializer=_scorer_process)
         self._pid = self._pool.apply(os.getpid)  # also its process group's id
 
-    def stop(self):
-        """End the scorer process and everything it started (its process group), at once."""
-        if self._pool is not None:
+    def stop(self, busy: bool = False):
+        """End the scorer process and everything it started (its process group). A `busy` one (hung in a
+        reward function) is killed at once; an idle one first takes the pool's sign to finish (killed while it
+        waits for work, it would leave the pool's task queue locked), then what it left running is killed."""
+        if self._pool is None:
+            return
+        if busy:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self._pid, signal.SIGKILL)
-            self._pool.terminate()
-            self._pool = None
+        self._pool.terminate()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self._pid, signal.SIGKILL)
+        self._pool = None
 
     def _run(self, names: list[str], batch: dict) -> list[dict]:
         if self._pool is None:
@@ -343,7 +349,7 @@ class RewardScorer:
         try:
             return self._pool.apply_async(_score, (names, batch)).get(timeout=self.timeout)
         except Exception as e:  # hung, or the process died: these functions' batch is unscored; a fresh process
-            self.stop()
+            self.stop(busy=True)
             why = (f"did not finish within {self.timeout:g} s" if isinstance(e, mp.TimeoutError)
                    else f"crashed the scorer process ({type(e).__name__}: {e})")
             return [_unscored(len(batch["completions"]), f"{why}\n") for _ in names]

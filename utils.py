@@ -636,12 +636,25 @@ def check_sync(client, model, probe_ids: list[int], autocast, is_main: bool, tol
     return probe
 
 
+def fsync_folder(path: str, files: bool = True):
+    """Make a folder durable: its files' contents (`files`) and its entries reach the disk, so that after a power
+    loss a renamed folder is never there with empty files."""
+    for folder, _, names in os.walk(path) if files else [(path, [], [])]:
+        for name in [*names, "."]:  # "." : the folder's own entries
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
 def replace_folder(out: str, write):
     """Call write(folder) on a temporary folder, then rename it to `out`: a crash never leaves a
     half-written folder where a complete one was."""
     staging, old = out.rstrip("/") + ".tmp", out.rstrip("/") + ".old"
     shutil.rmtree(staging, ignore_errors=True)
     write(staging)
+    fsync_folder(staging)
     if os.path.exists(out):
         shutil.rmtree(old, ignore_errors=True)
         os.replace(out, old)
@@ -747,8 +760,9 @@ def save_checkpoint(output_dir: str, step: int, model, optimizer, scheduler, tok
                     keep: int, extra: dict | None = None) -> str:
     """output_dir/checkpoint-{step}: the model (model/, or adapter/ with LoRA), trainer_state.pt (optimizer,
     scheduler, RNG of every rank, step, `extra`) and checkpoint.json (step, config, git revision). Written
-    into checkpoint-{step}.tmp and renamed when complete, so a crash, kill -9 or full disk at any moment
-    leaves the earlier checkpoints as they were; then only the newest `keep` are kept (0 = all).
+    into checkpoint-{step}.tmp, flushed to the disk and renamed when complete, so a crash, kill -9, full disk or
+    power loss at any moment leaves the earlier checkpoints as they were; then only the newest `keep` are kept
+    (0 = all).
     Called on every rank (FSDP2 gathers); rank 0 writes. A failed write raises on every rank."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     path = os.path.join(output_dir, f"checkpoint-{step}")
@@ -768,10 +782,10 @@ def save_checkpoint(output_dir: str, step: int, model, optimizer, scheduler, tok
             with open(os.path.join(staging, "checkpoint.json"), "w") as f:  # written last: the folder is complete
                 json.dump({"step": step, "git_revision": git_revision(), "world_size": len(rngs["cpu"]),
                            "config": config}, f, indent=1)
+            fsync_folder(staging)  # complete on the disk before it takes its name and older ones go
             shutil.rmtree(path, ignore_errors=True)
             os.replace(staging, path)
-            for old in checkpoints(output_dir)[:-keep] if keep > 0 else []:
-                shutil.rmtree(old)
+            fsync_folder(output_dir, files=False)
     except Exception as e:  # e.g. a full disk (OSError, or the writer's own error): earlier checkpoints are untouched
         shutil.rmtree(staging, ignore_errors=True)
         error = e
@@ -779,7 +793,20 @@ def save_checkpoint(output_dir: str, step: int, model, optimizer, scheduler, tok
         raise RunStopped(f"could not write checkpoint {path}: {error or 'failed on rank 0'}. The earlier "
                            f"checkpoints in {output_dir} are intact; free disk space and resume with "
                            "--resume_from_checkpoint latest") from error
+    if is_main:
+        prune_checkpoints(output_dir, keep)
     return path
+
+
+def prune_checkpoints(output_dir: str, keep: int):
+    """Delete all but the newest `keep` checkpoints (0 = keep all). One that cannot be deleted (say a file held
+    open on NFS) is reported and left, and the run goes on: the newest checkpoint is complete either way."""
+    for old in checkpoints(output_dir)[:-keep] if keep > 0 else []:
+        try:
+            shutil.rmtree(old)
+        except OSError as e:
+            print(f"warning: could not delete the old checkpoint {old} ({e}); the run goes on, and the newest "
+                  "checkpoint is complete. Delete it by hand", flush=True)
 
 
 def load_checkpoint(path: str, config: dict) -> dict:

@@ -1,7 +1,9 @@
 """Shared fixtures: a tiny random model with the SmolLM2 tokenizer, and the real vLLM server on it."""
 import contextlib
+import ctypes
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +15,69 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+# Every process the tests start inherits this mark, wherever it ends up (torchrun's ranks and vLLM's workers run in
+# sessions of their own): after the session, one still running is found by it, killed, and fails the run.
+os.environ["NANOGRPO_TEST_SUITE"] = str(os.getpid())
+
+
+def die_with_parent():
+    """preexec_fn of a process a test starts: SIGTERM when the test process dies, even by SIGKILL (Linux)."""
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def run(cmd: list[str], timeout: float, env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True) for a command that may start a process tree (torchrun
+    and its ranks, a script and its server): in a session of its own, and stopped whole on every way out, a
+    time-out or an interrupted test too (subprocess.run would kill the first process only)."""
+    also = kwargs.pop("preexec_fn", None) or (lambda: None)  # e.g. a resource limit
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=env, preexec_fn=lambda: (die_with_parent(), also()), **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        stop(proc)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def left_running() -> list[tuple[int, str]]:
+    """(pid, command line) of the processes this test session started that still run (zombies aside)."""
+    mark, found = f"NANOGRPO_TEST_SUITE={os.getpid()}".encode(), []
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if mark not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # ended meanwhile, or not ours to read
+            continue
+        if "multiprocessing.resource_tracker" not in command:  # ends with this process
+            found.append((pid, command))
+    return found
+
+
+def pytest_configure(config):
+    def interrupted(signum, frame):  # a test run stopped with SIGTERM tears its fixtures (servers) down, as Ctrl-C
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, interrupted)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    deadline = time.monotonic() + 15  # a process killed by a fixture's teardown may still be on its way out
+    while (left := left_running()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid, _ in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    if left:
+        print("\nprocesses started by the tests were still running after them (killed now):\n"
+              + "\n".join(f"  {pid} {command[:200]}" for pid, command in left), file=sys.stderr)
+        session.exitstatus = 1
 
 
 def free_port() -> int:
@@ -70,7 +135,8 @@ def running_server(model: str, log_path, *extra: str, port: int | None = None):
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "vllm_server.py"), "--model", model, "--port", str(port),
                              "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--seed", "0", *extra],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+                            preexec_fn=die_with_parent)
     from config import UsageError
     from vllm_server import VLLMClient
     client = VLLMClient(port=port, api_key=extra[extra.index("--api-key") + 1] if "--api-key" in extra else None)
@@ -112,8 +178,8 @@ def launcher(nproc: int) -> list[str]:
 def run_train(server, out, *args, nproc=2, check=True, env=None, **kwargs):
     """train.py on the tiny model against `server`: under torchrun with `nproc` processes (gloo), or plain
     python for 1. Returns the process and the metrics of each step (or only the process, if not `check`)."""
-    proc = subprocess.run([*launcher(nproc), *train_args(server, out, *args)], capture_output=True, text=True, timeout=900,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})), **kwargs)
+    proc = run([*launcher(nproc), *train_args(server, out, *args)], timeout=900,
+               env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})), **kwargs)
     if not check:
         return proc
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

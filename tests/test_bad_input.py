@@ -4,13 +4,12 @@ import contextlib
 import json
 import os
 import socket
-import subprocess
 import sys
 
 import pytest
 
 from config import Config, parse_config
-from conftest import ROOT, free_port, train_args
+from conftest import ROOT, free_port, run, train_args
 from rewards import RewardScorer
 import config
 import utils
@@ -122,8 +121,7 @@ def test_unknown_or_unimportable_reward_functions():
 def start_fails(args: list[str], *, timeout=300, python=(sys.executable,)) -> str:
     """Run a script that must fail at start, as a user's mistake: its message as the last line of stderr,
     `error: ...`, no traceback, exit code 2. Returns that line."""
-    proc = subprocess.run([*python, *args], capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = run([*python, *args], timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]

@@ -2,12 +2,11 @@
 included), and prints its result: a bench that cannot run cannot back a number in README. The numbers
 themselves are not checked here (the machine is shared; README's come from full-size runs)."""
 import os
-import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, make_tiny_model
+from conftest import ROOT, make_tiny_model, run
 
 pytestmark = pytest.mark.slow
 SMALL = ["--steps", "2", "--prompts", "2", "--G", "2", "--length", "8"]  # one step after the warm-up one
@@ -19,8 +18,8 @@ def model(tmp_path_factory) -> str:
 
 
 def bench(name: str, *args: str, timeout: int = 600) -> str:
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", name), *args], capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT)
+    proc = run([sys.executable, os.path.join(ROOT, "bench", name), *args], timeout=timeout,
+               env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc.stdout
 

@@ -4,12 +4,11 @@ give the same gradient in float64 (dapo, dr_grpo, grpo; bnpo is split-dependent 
 DDP and under FSDP2, also when the ranks run different numbers of rows. FSDP2's ranks other than 0 never read
 the model and still train exactly the one in the folder."""
 import os
-import subprocess
 
 import pytest
 import torch
 
-from conftest import ROOT, launcher
+from conftest import ROOT, launcher, run
 
 pytestmark = pytest.mark.slow
 SCRIPT = os.path.join(ROOT, "tests", "grad_invariance.py")
@@ -17,8 +16,8 @@ SCRIPT = os.path.join(ROOT, "tests", "grad_invariance.py")
 
 def gradient(tmp_path, loss_type, nproc, micro_batch_size, *extra):
     out = tmp_path / f"{loss_type}-{nproc}-{micro_batch_size}-{'-'.join(extra)}.pt"
-    proc = subprocess.run(launcher(nproc) + [SCRIPT, loss_type, str(micro_batch_size), str(out), *extra], capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = run(launcher(nproc) + [SCRIPT, loss_type, str(micro_batch_size), str(out), *extra], timeout=300,
+               env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out)
 
@@ -79,8 +78,7 @@ def test_sums_over_ranks_refuse_names_that_differ_between_ranks(tmp_path):
     """Values are summed by position: ranks that built their dicts in another order would mix numbers silently."""
     script = tmp_path / "keys.py"
     script.write_text(KEYS)
-    proc = subprocess.run(launcher(2) + [str(script), ROOT], capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = run(launcher(2) + [str(script), ROOT], timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("{'a': 2.0, 'b': 1.0}") == 2
     assert proc.stdout.count("refused: sum_over_ranks: the ranks summed different names") == 2  # every rank
@@ -99,7 +97,7 @@ def test_fsdp2_ranks_get_their_shards_of_rank_0s_model(tiny_model, tmp_path, opt
                     p.normal_()  # a trained adapter: it changes the logits
         model.save_pretrained(tmp_path / "adapter")
         options = ["adapter", str(tmp_path / "adapter")]
-    proc = subprocess.run(launcher(2) + [os.path.join(ROOT, "tests", "fsdp_load.py"), tiny_model, *options],
-                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = run(launcher(2) + [os.path.join(ROOT, "tests", "fsdp_load.py"), tiny_model, *options], timeout=300,
+               env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert sorted(proc.stdout.split()) == sorted("ok 0 ok 1".split())

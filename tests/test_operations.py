@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import launcher, run_train, running_server, stop, train_args
+from conftest import die_with_parent, launcher, run_train, running_server, stop, train_args
 
 pytestmark = pytest.mark.slow
 RUN = ["--reward_funcs", "tests.helpers:brevity", "--num_generations", "4", "--prompts_per_step", "4",
@@ -111,6 +111,7 @@ def test_kill_9_while_saving_leaves_the_earlier_checkpoints_intact(server, tmp_p
     proc = subprocess.Popen([*launcher(1), *train_args(server, out, *RUN, "--max_steps", "200", "--save_steps", "1",
                                                       "--save_total_limit", "3")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=die_with_parent,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     started = None
     try:
@@ -157,7 +158,8 @@ def test_full_disk_while_saving_keeps_the_earlier_checkpoint_and_says_so(server,
 def test_sigterm_saves_a_checkpoint_and_stops_every_rank(server, tmp_path):
     out = tmp_path / "out"
     proc = subprocess.Popen([*launcher(2), *train_args(server, out, *RUN, "--max_steps", "500")], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            preexec_fn=die_with_parent)
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and proc.poll() is None and \
@@ -177,7 +179,8 @@ def test_sigterm_saves_a_checkpoint_and_stops_every_rank(server, tmp_path):
 
 def start_run(server, out, *args) -> subprocess.Popen:
     return subprocess.Popen([*launcher(2), *train_args(server, out, *args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                            text=True, start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            preexec_fn=die_with_parent)
 
 
 def wait_for_steps(proc, out, n: int):

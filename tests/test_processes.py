@@ -46,3 +46,38 @@ def test_stop_process_group_stops_a_child_in_its_own_session_and_nothing_else():
         if child and alive(child):
             os.kill(child, signal.SIGKILL)
         bystander.wait()
+
+
+CASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "interrupted_case.py")
+
+
+def test_a_test_run_stopped_with_sigterm_stops_what_its_fixtures_started(tmp_path):
+    """pytest killed by a CI's time-out or a user: the fixtures' teardown still runs (as on Ctrl-C), so no server
+    or torchrun rank outlives the run."""
+    pid_file = tmp_path / "pid"
+    inner = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                              f"{CASE}::test_holds_a_tree_until_stopped"], start_new_session=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=dict(os.environ, NANOGRPO_TEST_PID_FILE=str(pid_file)))
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        tree = int(pid_file.read_text())
+        while not descendants(tree) and time.monotonic() < deadline:  # the tree's child is starting
+            time.sleep(0.1)
+        (child, _), = descendants(tree)
+        os.kill(inner.pid, signal.SIGTERM)
+        output = inner.communicate(timeout=60)[0]
+        assert not alive(tree) and not alive(child), output[-3000:]
+    finally:
+        stop_process_group(inner, timeout=1)
+
+
+def test_a_process_left_running_after_the_tests_fails_the_run():
+    inner = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            f"{CASE}::test_forgets_a_process"], capture_output=True, text=True, timeout=120)
+    assert inner.returncode != 0 and "1 passed" in inner.stdout
+    assert "processes started by the tests were still running after them (killed now):" in inner.stderr
+    pid = int(inner.stderr.split("(killed now):")[1].split()[0])
+    assert "sleep 600" in inner.stderr and not alive(pid)

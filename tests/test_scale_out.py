@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import free_port, make_tiny_model, run_train, running_server, stop, train_args
+from conftest import die_with_parent, free_port, make_tiny_model, run_train, running_server, stop, train_args
 from vllm_server import VLLMClient
 
 pytestmark = pytest.mark.slow
@@ -65,7 +65,8 @@ def test_two_nodes_on_loopback(server, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(r),
                                "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port), *args],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+                              preexec_fn=die_with_parent)
              for r in (0, 1)]
     try:
         results = [node.communicate(timeout=900) for node in nodes]

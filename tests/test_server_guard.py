@@ -3,11 +3,10 @@ its weight transfer): wait and carry on when it comes back, save and stop when i
 weights again. tests/test_operations.py kills and restarts the real server under torchrun."""
 import json
 import os
-import subprocess
 
 import pytest
 
-from conftest import ROOT, launcher
+from conftest import ROOT, launcher, run
 from config import UsageError
 from vllm_server import ServerGone, ServerGuard, ServerLost
 
@@ -141,8 +140,8 @@ def test_every_rank_waits_and_probes_again_when_rank_0_loses_the_server(tmp_path
     """Under torchrun: rank 0 loses the server inside the sync probe, whose other ranks are already in a
     collective. Before, rank 0's next collective met theirs (a hang or garbage); now all reconnect once."""
     out = tmp_path / "ranks.json"
-    proc = subprocess.run([*launcher(2), os.path.join(ROOT, "tests", "guard_ranks.py"), str(out)], capture_output=True,
-                          text=True, timeout=180, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = run([*launcher(2), os.path.join(ROOT, "tests", "guard_ranks.py"), str(out)], timeout=180,
+               env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     ranks = json.loads(out.read_text())
     assert [r["reconnects"] for r in ranks] == [1, 1] and [r["pushes"] for r in ranks] == [1, 1]

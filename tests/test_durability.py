@@ -1,5 +1,6 @@
-"""metrics.jsonl and rollouts.jsonl survive the way runs end: a record cut short by a kill or a full disk never
-blocks a resume or the plot, and a write that does not fit leaves no half record behind."""
+"""Logs and checkpoints survive the way runs end: a record of metrics.jsonl or rollouts.jsonl cut short by a kill
+or a full disk never blocks a resume or the plot, and a write that does not fit leaves no half record behind; a
+checkpoint is on the disk before older ones are pruned, and one that cannot be pruned does not stop the run."""
 import json
 import os
 import subprocess
@@ -57,3 +58,35 @@ def test_a_record_that_does_not_fit_leaves_no_half_record(tmp_path):
     assert text.endswith("\n") and len(text) <= 4000
     steps = [json.loads(line)["step"] for line in text.splitlines()]  # every line whole
     assert steps == list(range(1, len(steps) + 1)) and int(proc.stdout.split()[2]) == len(steps) + 1
+
+
+def test_a_checkpoint_is_on_the_disk_before_it_counts_and_an_old_one_held_open_is_reported(tiny_model, tmp_path,
+                                                                                          monkeypatch, capsys):
+    """Every file of a new checkpoint and the folders are fsynced before the older checkpoints are pruned; an old
+    checkpoint that cannot be deleted (a file held open on NFS) is reported as that, and the save succeeds."""
+    import shutil
+    import torch
+    from transformers import AutoTokenizer
+    from utils import load_model, save_checkpoint
+    model = load_model(tiny_model, "cpu")
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    args = (model, optimizer, scheduler, AutoTokenizer.from_pretrained(tiny_model), {"seed": 1}, True, 1)
+    out = str(tmp_path / "out")
+    save_checkpoint(out, 1, *args)
+    synced, fsync, rmtree = [], os.fsync, shutil.rmtree
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), fsync(fd)))
+
+    def held_open(path, *a, **kw):
+        if path.endswith("checkpoint-1"):
+            raise OSError(16, "Device or resource busy")
+        return rmtree(path, *a, **kw)
+    monkeypatch.setattr(shutil, "rmtree", held_open)
+    path = save_checkpoint(out, 2, *args)
+    said = capsys.readouterr().out
+    assert "warning: could not delete the old checkpoint" in said and "checkpoint-1" in said
+    assert sorted(os.listdir(out)) == ["checkpoint-1", "checkpoint-2"]
+    assert torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)["step"] == 2
+    staged = [p.replace(".tmp", "") for p in synced]
+    files = [os.path.join(d, n) for d, _, names in os.walk(path) for n in names]
+    assert set(files) <= set(staged) and path in staged and out in staged  # the files, the folder, its parent
