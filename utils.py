@@ -831,8 +831,8 @@ def restore_training_state(state: dict, model, optimizer, scheduler, rank: int, 
     keys = {"initial_lr": "learning_rate", "betas": "adam_beta1/2", "weight_decay": "weight_decay", "eps": "adam eps"}
     ours = [{k: g[k] for k in keys} for g in optimizer.param_groups]
     sharded = isinstance(model, FSDPModule)  # then rank 0 reads the moments (memory-mapped) and sends them a tensor
-    mine = state["optimizer"] if rank == 0 or not sharded else {}  # at a time, and each rank keeps its part
-    set_optimizer_state_dict(getattr(model, "module", model), optimizer, mine,
+    saved = state["optimizer"] if rank == 0 or not sharded else {}  # at a time, and each rank keeps its part
+    set_optimizer_state_dict(getattr(model, "module", model), optimizer, saved,
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=sharded))
     scheduler.load_state_dict(state["scheduler"])  # its base_lrs are the checkpoint's too
     changed = [f"{keys[k]} {g[k]} -> {mine[k]}" for g, mine in zip(optimizer.param_groups, ours) for k in keys
