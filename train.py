@@ -347,7 +347,7 @@ def main(cfg: Config):
 
     def score(episodes: list) -> tuple[list[str], torch.Tensor, torch.Tensor]:
         """The completions' texts, each function's rewards (N, k) (NaN = not scored), their weighted sum (N,)."""
-        texts = tokenizer.batch_decode([e.completion_ids for e in episodes], skip_special_tokens=True)
+        texts = [tokenizer.decode(e.completion_ids, skip_special_tokens=True) for e in episodes]  # ([] -> [], not [""])
         scores = scorer([e.row for e in episodes], texts, [e.completion_ids for e in episodes], scheduler.last_epoch)
         reward_matrix = postprocess_rewards(torch.tensor(scores, dtype=torch.float32).T.reshape(len(texts), len(names)),
                                             names)
