@@ -24,7 +24,7 @@ for ((i = 1; i <= $#; i++)); do [ "${!i}" = "--model" ] && { j=$((i + 1)); MODEL
 export VLLM_API_KEY=${VLLM_API_KEY:-$($PY -c "import secrets; print(secrets.token_urlsafe(24))")}
 echo "starting the vLLM server on 127.0.0.1:$PORT (log: $OUT/server.log)"
 setsid $PY vllm_server.py --model "$MODEL" --port "$PORT" --enforce-eager --max-model-len 2048 \
-  ${SERVER_ARGS:-} > "$OUT/server.log" 2>&1 &
+  ${SERVER_ARGS:-} >> "$OUT/server.log" 2>&1 &
 SERVER_PID=$!
 trap 'kill -TERM -- -$SERVER_PID 2>/dev/null || true; wait $SERVER_PID 2>/dev/null || true' EXIT
 until $PY -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; do

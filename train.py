@@ -45,11 +45,11 @@ from config import Config, UsageError, native_bf16, parse_config, resolve_model
 from plot import plot_run
 from rewards import RewardScorer, postprocess_rewards, weighted_rewards
 from rollout import RolloutContext, collate, episodes_to_json, load_rollout, presampled_from_json, run_rollout
-from utils import (MetricsLogger, ScoringWatch, ServerWeights, StepTimer, StopRequest, add_lora, barrier, check_finite,
-                   check_sync, completion_logprobs, console_line, disable_dropout, distribute, encode_prompt,
-                   eval_summary, extremes_over_ranks, find_checkpoint, full_tensor, gather_lines, gradient_sync,
-                   length_sorted, load_checkpoint, load_model, load_rows, mean_over_ranks, merge_stats,
-                   no_grad_logprobs, pass_at_k, prepare_output_dir, print0, progress, reference_model,
+from utils import (MetricsLogger, ScoringWatch, ServerWeights, StepTimer, StopRequest, add_lora, barrier,
+                   check_checkpoint, check_finite, check_sync, completion_logprobs, console_line, disable_dropout,
+                   distribute, encode_prompt, eval_summary, extremes_over_ranks, find_checkpoint, full_tensor,
+                   gather_lines, gradient_sync, length_sorted, load_checkpoint, load_model, load_rows, mean_over_ranks,
+                   merge_stats, no_grad_logprobs, pass_at_k, prepare_output_dir, print0, progress, reference_model,
                    restore_training_state, reward_metrics, rollout_records, run_and_exit, save_checkpoint, save_model,
                    setup_distributed, step_prompt_indices, sum_over_ranks, take, to_device, training_metrics,
                    trim_padding)
@@ -236,8 +236,10 @@ def main(cfg: Config):
     torch.manual_seed(cfg.seed + rank)
     G = cfg.num_generations
     prompts_per_rank = cfg.prompts_per_step // world_size
-    if is_main:  # writable, and no earlier run's checkpoints to overwrite: say so now, not at the first save
-        prepare_output_dir(cfg.output_dir, resuming=bool(cfg.resume_from_checkpoint))
+    resume = find_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir) if cfg.resume_from_checkpoint else None
+    resume_step = check_checkpoint(resume, vars(cfg)) if resume else 0  # a run that would continue it exactly
+    # writable, ours alone (locked), no earlier run's output to mix with: said now, not at the first save
+    output_lock = prepare_output_dir(cfg.output_dir, resume, resume_step) if is_main else None
 
     from transformers import AutoTokenizer
     model_path = resolve_model(cfg.model)
@@ -266,8 +268,7 @@ def main(cfg: Config):
                     min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty)
     names, reward_weights = cfg.reward_names(), torch.tensor(cfg.reward_weight_list())  # k functions, (k,) weights
 
-    resume = find_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir) if cfg.resume_from_checkpoint else None
-    state = load_checkpoint(resume, vars(cfg)) if resume else {"step": 0}  # optimizer, scheduler, RNG, step
+    state = load_checkpoint(resume) if resume else {"step": 0}  # optimizer, scheduler, RNG, step
     policy = load_model(os.path.join(resume, "model") if resume and not cfg.use_peft else model_path, device, cfg.fsdp)
     policy.config.use_cache = False
     if cfg.gradient_checkpointing:
@@ -302,8 +303,7 @@ def main(cfg: Config):
     # every rank takes part (the gathers), rank 0 alone sends
     sync = WeightSync(client, ServerWeights(model, server_dtype), rank, cfg.vllm_group_host, cfg.vllm_group_port,
                       cfg.weight_sync_bucket_mb)
-    logger = MetricsLogger(cfg.output_dir, is_main, cfg.report_to, vars(cfg), cfg.wandb_project, cfg.run_name,
-                           state["step"])
+    logger = MetricsLogger(cfg.output_dir, is_main, cfg.report_to, vars(cfg), cfg.wandb_project, cfg.run_name)
     stop = StopRequest()  # SIGTERM / Ctrl-C: save a checkpoint, then stop
 
     def rows_of(step: int) -> list[int]:
@@ -503,6 +503,8 @@ def main(cfg: Config):
     if is_main and (summary := eval_summary(cfg.output_dir, names, cfg.eval_num_generations)):
         print0(summary)  # the last line: what the run learned, on problems it never trained on
     scorer.close()
+    if output_lock:
+        output_lock.close()  # the folder is free for another run
     barrier()  # no rank tears the process group down while another still uses it (gloo aborts at exit otherwise)
 
 

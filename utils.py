@@ -4,6 +4,7 @@ checkpoints, logging.
 """
 import collections
 import errno
+import fcntl
 import functools
 import json
 import math
@@ -12,6 +13,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -707,20 +709,71 @@ def checkpoints(output_dir: str) -> list[str]:
     return [path for _, path in sorted(found)]
 
 
-def prepare_output_dir(output_dir: str, resuming: bool):
-    """At start, rather than at the first save hours later: the folder must be writable, and a new run must
-    not rotate away (--save_total_limit) or mix with the checkpoints of an earlier run in it."""
+OUTPUTS = ("metrics.jsonl", "rollouts.jsonl", "model", "adapter")  # what a run leaves, besides checkpoints
+LOGS = ("metrics.jsonl", "rollouts.jsonl")
+
+
+def prepare_output_dir(output_dir: str, resume: str | None, step: int = 0):
+    """Rank 0, at start (not at the first save, hours later). The folder must be writable, and it is locked for
+    the run: a second run into it stops at once. A new run does not mix with an earlier run's output there. A run
+    resumed from a checkpoint of this folder keeps the logs up to its step; the checkpoints after it (of a run
+    abandoned from there) are moved aside with the logs as they were, so that `latest` never jumps back to
+    them. Resumed from another folder's checkpoint, this folder starts as a new run's, with the logs up to the
+    checkpoint copied in. Returns the lock: held while it is open (the kernel frees it when the process ends)."""
     try:
         os.makedirs(output_dir, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=output_dir):
             pass
+        lock = open(os.path.join(output_dir, ".lock"), "a+")
     except OSError as e:
         raise UsageError(f"--output_dir {output_dir} is not a writable folder ({e.strerror}): choose another") from None
-    earlier = [] if resuming else checkpoints(output_dir)
-    if earlier:
-        raise UsageError(f"--output_dir {output_dir} holds checkpoints of an earlier run "
-                         f"({', '.join(map(os.path.basename, earlier))}): continue that run with "
-                         "--resume_from_checkpoint latest, or choose another --output_dir (or delete them)")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        raise UsageError(f"--output_dir {output_dir} is in use by another run ({lock.read().strip() or 'starting'}): "
+                         "wait for it to end, or choose another --output_dir") from None
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    lock.flush()
+    same_folder = resume is not None and os.path.samefile(os.path.dirname(os.path.abspath(resume)), output_dir)
+    if not same_folder:
+        earlier = [name for name in sorted(os.listdir(output_dir), key=lambda n: (not CHECKPOINT.fullmatch(n), n))
+                   if CHECKPOINT.fullmatch(name) or name in OUTPUTS
+                   and not (name in LOGS and os.path.getsize(os.path.join(output_dir, name)) == 0)]
+        if earlier:
+            raise UsageError(f"--output_dir {output_dir} holds an earlier run's output ({', '.join(earlier)}): "
+                             + ("continue that run with --resume_from_checkpoint latest, " if resume is None else "")
+                             + "choose another --output_dir, or delete them")
+    aside = retire_checkpoints_after(output_dir, step) if same_folder else None
+    for name in LOGS:
+        source = os.path.join(os.path.dirname(os.path.abspath(resume)) if resume else output_dir, name)
+        if resume and os.path.exists(source) and (torn := keep_steps_up_to(source, step, os.path.join(output_dir, name))):
+            print(f"warning: dropped {torn} line(s) of {source} cut short by an earlier run's end (a kill or a full "
+                  "disk while writing); the records before them are kept", flush=True)
+    if aside:
+        print(f"resuming from step {step} of a run that went further: its later checkpoints and its logs as they "
+              f"were are moved to {aside} (`latest` would resume them)", flush=True)
+    return lock
+
+
+def retire_checkpoints_after(output_dir: str, step: int) -> str | None:
+    """Move the checkpoints of `output_dir` after `step` into output_dir/abandoned-after-step-{step}-{time}, with
+    hard links (else copies) of the logs as they are; returns that folder (None if there were none)."""
+    later = [path for path in checkpoints(output_dir) if int(CHECKPOINT.fullmatch(os.path.basename(path))[1]) > step]
+    if not later:
+        return None
+    aside = os.path.join(output_dir, f"abandoned-after-step-{step}-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.makedirs(aside)
+    for name in LOGS:  # linked first: the logs are cut back to `step` (a new file) only after
+        if os.path.exists(path := os.path.join(output_dir, name)):
+            try:
+                os.link(path, os.path.join(aside, name))
+            except OSError:
+                shutil.copyfile(path, os.path.join(aside, name))
+    for path in reversed(later):
+        os.replace(path, os.path.join(aside, os.path.basename(path)))
+    return aside
 
 
 def find_checkpoint(spec: str, output_dir: str) -> str:
@@ -809,16 +862,21 @@ def prune_checkpoints(output_dir: str, keep: int):
                   "checkpoint is complete. Delete it by hand", flush=True)
 
 
-def load_checkpoint(path: str, config: dict) -> dict:
-    """trainer_state.pt of a checkpoint (tensors and plain values only: weights_only), after checking that
-    the run continues the one that wrote it."""
+def check_checkpoint(path: str, config: dict) -> int:
+    """The step of a checkpoint, after checking that this run continues the one that wrote it."""
     with open(os.path.join(path, "checkpoint.json")) as f:
-        saved = json.load(f)["config"]
-    changed = [f"--{k} {saved.get(k)!r} -> {config[k]!r}" for k in RESUME_MUST_MATCH if saved.get(k) != config[k]]
+        saved = json.load(f)
+    changed = [f"--{k} {saved['config'].get(k)!r} -> {config[k]!r}" for k in RESUME_MUST_MATCH
+               if saved["config"].get(k) != config[k]]
     if changed:
         raise UsageError(f"cannot resume from {path} exactly: {', '.join(changed)}. Use the checkpoint's values "
                          "(see its checkpoint.json), or start a new run")
-    # memory-mapped: the optimizer's moments are read where they are used (restore_training_state: rank 0)
+    return saved["step"]
+
+
+def load_checkpoint(path: str) -> dict:
+    """trainer_state.pt of a checkpoint (tensors and plain values only: weights_only), memory-mapped: the
+    optimizer's moments are read where they are used (restore_training_state: rank 0)."""
     return torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True, mmap=True)
 
 
@@ -930,14 +988,14 @@ def gather_lines(lines: list[str]) -> list[str]:
     return [line for part, n in zip(parts, sizes) for line in part[:int(n)].numpy().tobytes().decode().splitlines()]
 
 
-def keep_steps_up_to(path: str, step: int) -> int:
-    """Drop the records of a JSONL log whose "step" is after `step` (a resumed run writes those again), and any
-    line that is not whole JSON (a record cut short by a kill or a full disk). Reads the file a line at a time
-    (rollouts.jsonl can be large) into a copy that replaces it. Returns how many cut lines were dropped."""
-    if not os.path.exists(path):
-        return 0
+def keep_steps_up_to(path: str, step: int, to: str | None = None) -> int:
+    """Write the records of a JSONL log up to `step` (dropping those after it, which a resumed run writes again,
+    and any line that is not whole JSON: a record cut short by a kill or a full disk) to `to` (default: in
+    place), through a copy that then takes its name. Reads a line at a time: rollouts.jsonl can be large.
+    Returns how many cut lines were dropped."""
+    to = to or path
     torn = 0
-    with open(path) as f, open(path + ".tmp", "w") as out:
+    with open(path) as f, open(to + ".tmp", "w") as out:
         for line in f:
             try:
                 record = json.loads(line)
@@ -946,7 +1004,7 @@ def keep_steps_up_to(path: str, step: int) -> int:
                 continue
             if record["step"] <= step:
                 out.write(line.rstrip("\n") + "\n")
-    os.replace(path + ".tmp", path)
+    os.replace(to + ".tmp", to)
     return torn
 
 
@@ -970,17 +1028,12 @@ class MetricsLogger:
     Only rank 0 writes; log_rollouts is a collective (the other ranks send theirs)."""
 
     def __init__(self, output_dir: str, is_main: bool, report_to: str = "none", config: dict | None = None,
-                 project: str = "nanogrpo", run_name: str = "", resume_step: int = 0):
+                 project: str = "nanogrpo", run_name: str = ""):
         self.file = self.rollouts = self.wandb = None
         if not is_main:
             return
-        os.makedirs(output_dir, exist_ok=True)
-        paths = [os.path.join(output_dir, name) for name in ("metrics.jsonl", "rollouts.jsonl")]
-        for path in paths:  # a new run starts afresh; a resumed one keeps the steps up to its checkpoint
-            if torn := keep_steps_up_to(path, resume_step):
-                print(f"warning: dropped {torn} line(s) of {path} cut short by an earlier run's end (a kill or a "
-                      "full disk while writing); the records before them are kept", flush=True)
-        self.file, self.rollouts = (open(path, "ab", buffering=0) for path in paths)
+        os.makedirs(output_dir, exist_ok=True)  # prepare_output_dir has cut a resumed run's logs back to its step
+        self.file, self.rollouts = (open(os.path.join(output_dir, name), "ab", buffering=0) for name in LOGS)
         if report_to == "wandb":
             import wandb
             self.wandb = wandb.init(project=project, name=run_name or None, config=config)

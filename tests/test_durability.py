@@ -8,7 +8,7 @@ import sys
 
 from conftest import ROOT
 from plot import plot_run, read_jsonl
-from utils import MetricsLogger
+from utils import MetricsLogger, prepare_output_dir
 
 
 def write(path, steps: list[int], torn: str = ""):
@@ -20,9 +20,10 @@ def write(path, steps: list[int], torn: str = ""):
 def test_a_torn_last_line_is_dropped_on_resume_and_said(tmp_path, capsys):
     write(tmp_path / "metrics.jsonl", [1, 2, 3], torn='{"step": 4, "rew')  # killed while writing step 4
     write(tmp_path / "rollouts.jsonl", [1, 2, 3])
-    logger = MetricsLogger(str(tmp_path), True, resume_step=2)  # resumed from checkpoint-2
+    lock = prepare_output_dir(str(tmp_path), str(tmp_path / "checkpoint-2"), 2)  # resumed from checkpoint-2
+    logger = MetricsLogger(str(tmp_path), True)
     logger.log({"step": 3, "reward": 0.5})
-    logger.close()
+    logger.close(), lock.close()
     said = capsys.readouterr().out
     assert "dropped 1 line(s) of" in said and "metrics.jsonl" in said and "rollouts.jsonl" not in said
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3]

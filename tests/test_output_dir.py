@@ -1,0 +1,103 @@
+"""One output folder, one run: a second run into a folder in use stops at once; a new run never mixes with an
+earlier run's output; a run resumed from an older checkpoint moves the later ones (and the logs as they were)
+aside, so that `latest` cannot jump back to an abandoned run; a run resumed from another folder's checkpoint
+starts its own folder with the logs up to that checkpoint and never prunes what was there."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from config import UsageError
+from conftest import ROOT
+from utils import find_checkpoint, prepare_output_dir
+
+
+def fake_checkpoint(out, step: int):
+    os.makedirs(out / f"checkpoint-{step}")
+    (out / f"checkpoint-{step}" / "checkpoint.json").write_text(json.dumps({"step": step, "config": {}}))
+
+
+def logs(out, steps: list[int]):
+    for name in ("metrics.jsonl", "rollouts.jsonl"):
+        (out / name).write_text("".join(json.dumps({"step": s, "name": name}) + "\n" for s in steps))
+
+
+def steps_in(path) -> list[int]:
+    return [json.loads(line)["step"] for line in open(path)]
+
+
+def visible(out) -> list[str]:
+    return sorted(n for n in os.listdir(out) if n != ".lock")
+
+
+HOLD = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from utils import prepare_output_dir
+lock = prepare_output_dir(sys.argv[2], None)
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_second_run_into_a_folder_in_use_stops_and_the_folder_is_free_after(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, ROOT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        with pytest.raises(UsageError, match=f"is in use by another run \\(pid {holder.pid} on .*choose another"):
+            prepare_output_dir(str(tmp_path), None)
+    finally:
+        holder.kill()
+        holder.wait()
+    prepare_output_dir(str(tmp_path), None).close()  # the kernel freed it with the process
+
+
+def test_a_new_run_refuses_an_earlier_runs_output_and_touches_nothing(tmp_path):
+    logs(tmp_path, [0, 1])
+    with pytest.raises(UsageError, match=r"holds an earlier run's output \(metrics.jsonl, rollouts.jsonl\): "
+                                         "continue that run with --resume_from_checkpoint latest"):
+        prepare_output_dir(str(tmp_path), None)
+    assert steps_in(tmp_path / "metrics.jsonl") == [0, 1]
+    (tmp_path / "metrics.jsonl").write_text(""), (tmp_path / "rollouts.jsonl").write_text("")  # a run that died at start
+    (tmp_path / "server.log").write_text("not ours")
+    prepare_output_dir(str(tmp_path), None).close()
+    os.makedirs(tmp_path / "model")
+    fake_checkpoint(tmp_path, 3)
+    with pytest.raises(UsageError, match=r"\(checkpoint-3, model\)"):
+        prepare_output_dir(str(tmp_path), None)
+
+
+def test_resuming_an_older_checkpoint_moves_the_later_ones_and_their_logs_aside(tmp_path, capsys):
+    for step in (2, 4, 6):
+        fake_checkpoint(tmp_path, step)
+    logs(tmp_path, [0, 1, 2, 3, 4, 5, 6, 7])  # the run went on to step 7, then was abandoned
+    prepare_output_dir(str(tmp_path), str(tmp_path / "checkpoint-2"), 2).close()
+    aside = [n for n in visible(tmp_path) if n.startswith("abandoned-after-step-2-")]
+    assert len(aside) == 1 and f"moved to {tmp_path / aside[0]}" in capsys.readouterr().out
+    assert visible(tmp_path) == sorted(["checkpoint-2", "metrics.jsonl", "rollouts.jsonl", aside[0]])
+    assert sorted(os.listdir(tmp_path / aside[0])) == ["checkpoint-4", "checkpoint-6", "metrics.jsonl", "rollouts.jsonl"]
+    for name in ("metrics.jsonl", "rollouts.jsonl"):
+        assert steps_in(tmp_path / name) == [0, 1, 2] and steps_in(tmp_path / aside[0] / name) == list(range(8))
+    assert find_checkpoint("latest", str(tmp_path)) == str(tmp_path / "checkpoint-2")  # not the abandoned 6
+    prepare_output_dir(str(tmp_path), str(tmp_path / "checkpoint-2"), 2).close()  # again: nothing more to move
+    assert len([n for n in visible(tmp_path) if n.startswith("abandoned")]) == 1
+
+
+def test_resuming_another_folders_checkpoint_starts_this_folder_with_its_logs(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    for step in (2, 4):
+        fake_checkpoint(a, step)
+    logs(a, [0, 1, 2, 3, 4])
+    prepare_output_dir(str(b), str(a / "checkpoint-2"), 2).close()
+    assert visible(b) == ["metrics.jsonl", "rollouts.jsonl"] and steps_in(b / "metrics.jsonl") == [0, 1, 2]
+    assert visible(a) == ["checkpoint-2", "checkpoint-4", "metrics.jsonl", "rollouts.jsonl"]  # untouched
+    assert steps_in(a / "metrics.jsonl") == [0, 1, 2, 3, 4]
+    c = tmp_path / "c"
+    c.mkdir()
+    fake_checkpoint(c, 9)  # another run's checkpoints: never pruned by this one, never mixed with it
+    with pytest.raises(UsageError, match=r"\(checkpoint-9\): choose another --output_dir, or delete them"):
+        prepare_output_dir(str(c), str(a / "checkpoint-2"), 2)
+    assert visible(c) == ["checkpoint-9"]
