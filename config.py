@@ -124,6 +124,7 @@ class Config:
     vllm_server_host: str = "127.0.0.1"  # where vllm_server.py listens
     vllm_server_port: int = 8000  # the --port of vllm_server.py
     vllm_server_timeout: float = 300  # seconds to wait for the server at start, and to come back if it dies mid-run
+    vllm_request_timeout: float = 0  # seconds one request may take (0: no limit); a dead server is found by /health
     vllm_group_host: str = "127.0.0.1"  # address of trainer rank 0 as the server sees it (weight-transfer rendezvous)
     vllm_group_port: int = 51216  # TCP port of that rendezvous, hosted by trainer rank 0
     weight_sync_bucket_mb: float = 64  # weights leave the trainer packed in buckets of this size
@@ -259,6 +260,9 @@ class Config:
                           "FSDP2 and LoRA), or drop --fsdp")
         if self.num_arithmetic_problems < 1:
             errors.append("--num_arithmetic_problems must be at least 1")
+        if self.vllm_server_timeout < 0 or self.vllm_request_timeout < 0:
+            errors.append("--vllm_server_timeout and --vllm_request_timeout must be >= 0 (seconds; a request: 0 = no "
+                          "limit)")
         if self.max_unscored_steps < 0:
             errors.append("--max_unscored_steps must be >= 0 (0 = never stop)")
         if self.save_steps < 0 or self.save_total_limit < 0:

@@ -255,7 +255,8 @@ def main(cfg: Config):
     if longest > cfg.max_prompt_length:
         raise UsageError(f"the longest prompt has {longest} tokens > --max_prompt_length {cfg.max_prompt_length}: "
                          "raise it (and the server's --max-model-len) or drop the long prompts from the dataset")
-    client = VLLMClient(cfg.vllm_server_host, cfg.vllm_server_port, os.environ.get("VLLM_API_KEY"))  # its --api-key
+    client = VLLMClient(cfg.vllm_server_host, cfg.vllm_server_port, os.environ.get("VLLM_API_KEY"),  # its --api-key
+                        cfg.vllm_request_timeout, cfg.vllm_server_timeout)
     client.wait_for_health(cfg.vllm_server_timeout)
     server_dtype, max_model_len = client.server_dtype_and_max_len()
     if longest + cfg.max_completion_length > max_model_len:
@@ -335,8 +336,11 @@ def main(cfg: Config):
     # If the server dies or restarts, wait for it, push the current weights and repeat the call; if it does
     # not come back, save the rounds done (optimizer steps taken / steps per round) and stop with a message.
     updates_per_round = cfg.num_iterations * cfg.steps_per_generation  # optimizer steps per step (round) of the loop
-    server = ServerGuard(client, sync, cfg.vllm_server_timeout,
-                         on_gone=lambda: checkpoint(scheduler.last_epoch // updates_per_round))
+    def save_on_stop() -> str | None:  # the work since the start, if any (else the checkpoint resumed, or None)
+        steps_done = scheduler.last_epoch // updates_per_round
+        return checkpoint(steps_done) if steps_done > state["step"] else resume
+
+    server = ServerGuard(client, sync, cfg.vllm_server_timeout, on_gone=save_on_stop)
     server.run(sync.push)  # the server = our step-0 policy (LoRA: its adapter starts at zero, but the names must map)
     barrier()  # no rank samples while weights are being pushed
     parallel = "FSDP2" if cfg.fsdp else "DDP" if world_size > 1 else "single process"

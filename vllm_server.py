@@ -53,6 +53,7 @@ from config import DEFAULT_MODEL, RunStopped, UsageError, native_bf16, resolve_m
 
 DEFAULT_PORT = 8000
 DEFAULT_GROUP_PORT = 51216  # the TCP port of the trainer<->server weight-transfer rendezvous
+HEALTH_EVERY_S = 10  # while a request runs, the client asks the server's /health this often
 
 
 # -----------------------------------------------------------------------------
@@ -102,12 +103,12 @@ class VLLMClient:
     """What the trainer needs from the server: health, completions of token ids, weight pushes."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, api_key: str | None = None,
-                 timeout: float = 600):
+                 request_timeout: float = 0, server_timeout: float = 300):
         self.base = f"http://{host}:{port}"
-        self.session = requests.Session()
+        self.session, self.health_session = requests.Session(), requests.Session()
         if api_key:
             self.session.headers["Authorization"] = f"Bearer {api_key}"
-        self.timeout = timeout
+        self.request_timeout, self.server_timeout = request_timeout, server_timeout
         self.group = None  # the weight-transfer process group, after init_weight_transfer
         self.model_name = None
 
@@ -118,8 +119,25 @@ class VLLMClient:
         return self._request("GET", path, params=params)
 
     def _request(self, method: str, path: str, **kwargs) -> dict:
+        """One call, which may take as long as its work does (a batch of long generations is not a lost server).
+        While it runs, /health is asked every HEALTH_EVERY_S: a server silent there for `server_timeout` s is lost
+        (ServerLost: the trainer waits for it). A call longer than `request_timeout` (0: no limit) stops the run."""
+        call = InThread(self.session.request, method, self.base + path, **kwargs)
+        started = answered = time.monotonic()
+        limit = self.request_timeout or math.inf
+        while not call.wait(min(HEALTH_EVERY_S, max(limit - (time.monotonic() - started), 0) + 0.01)):
+            now = time.monotonic()
+            if self.request_timeout and now - started > self.request_timeout:
+                raise RunStopped(f"the vLLM server has not answered {path} within --vllm_request_timeout "
+                                 f"{self.request_timeout:g}s, while it still answers /health: the work is slower than "
+                                 "that limit (long generations, a large model, a slow machine); raise it, or 0 for none")
+            if self.healthy():
+                answered = time.monotonic()
+            elif now - answered > self.server_timeout:
+                raise ServerLost(f"{path}: the server stopped answering /health ({now - answered:.0f}s > "
+                                 f"--vllm_server_timeout) while the request ran")
         try:
-            r = self.session.request(method, self.base + path, timeout=self.timeout, **kwargs)
+            r = call.result()
         except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as e:
             raise ServerLost(f"{path}: {type(e).__name__}: {e}") from e
         if r.status_code >= 500:  # the engine died or the server is going down
@@ -129,27 +147,35 @@ class VLLMClient:
         return r.json()
 
     def wait_for_health(self, timeout: float = 300):
-        """Wait until the server answers /health; a clear error if it does not within `timeout` s."""
-        deadline = time.monotonic() + timeout
+        """Wait until the server answers /health and names its model on /v1/models; a clear error if it does
+        not within `timeout` s (a server that dies in between, or another program on the port, is waited for)."""
+        deadline, problem = time.monotonic() + timeout, ""
         while True:
-            try:
-                if self.session.get(self.base + "/health", timeout=5).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
+            if self.healthy():
+                try:
+                    models = self.session.get(self.base + "/v1/models", timeout=30)
+                    if models.status_code != 401:
+                        self.model_name = models.json()["data"][0]["id"]
+                        return
+                except (requests.RequestException, ValueError, KeyError, IndexError, TypeError) as e:
+                    problem = f" (/health answers, but /v1/models: {type(e).__name__}: {str(e)[:200]})"
+                else:
+                    raise UsageError(f"the vLLM server at {self.base} was started with --api-key: " + (
+                        "the key in VLLM_API_KEY is not one of its keys" if "Authorization" in self.session.headers
+                        else "set VLLM_API_KEY to its key for the trainer"))
             if time.monotonic() > deadline:
                 raise UsageError(
-                    f"no vLLM server answered at {self.base}/health within {timeout:.0f}s. Start one with "
+                    f"no vLLM server answered at {self.base}/health within {timeout:.0f}s{problem}. Start one with "
                     "`python vllm_server.py --model <model> --port <port>`, or fix --vllm_server_host/"
                     "--vllm_server_port (or raise --vllm_server_timeout if it is still loading).")
             time.sleep(1)
-        models = self.session.get(self.base + "/v1/models", timeout=30)
-        if models.status_code == 401:
-            raise UsageError(
-                f"the vLLM server at {self.base} was started with --api-key: " + (
-                    "the key in VLLM_API_KEY is not one of its keys" if "Authorization" in self.session.headers else
-                    "set VLLM_API_KEY to its key for the trainer"))
-        self.model_name = models.json()["data"][0]["id"]
+
+    def healthy(self) -> bool:
+        """Whether the server answers /health now (its engine is alive)."""
+        try:
+            return self.health_session.get(self.base + "/health", timeout=5).status_code == 200
+        except requests.RequestException:
+            return False
 
     def server_config(self) -> dict:
         """The server's vLLM config (model, parallel and weight-transfer settings) as JSON."""
@@ -222,15 +248,39 @@ class ServerGuard:
 
     def run(self, fn, *args, **kwargs):
         for attempt in range(self.attempts):
+            failure = None
             try:
                 return_value, error = fn(*args, **kwargs), None
             except ServerLost as e:
                 return_value, error = None, str(e)  # not the exception: its frames would keep the broken transfer alive
-            if not self._anywhere(error is not None):
+            except Exception as e:  # what waiting cannot mend (the server refused a request, a rollout raised, ...)
+                return_value, error, failure = None, None, e
+            lost, failed = self._anywhere(error is not None, failure is not None)
+            if failed:
+                self._stop_for(failure)
+            if not lost:
                 return return_value
             self._reconnect(error)
         self._give_up(f"a call to the server failed {self.attempts} times in a row "
                       f"(last: {error or 'on another rank'})")
+
+    def _stop_for(self, failure: Exception | None):
+        """An error on some rank that stops the run: every rank saves (the run's work is not lost with the
+        default --save_steps 0), then the rank that had it raises it, the others say where it is."""
+        try:
+            saved = self._saved()
+        except Exception as e:
+            saved = f"Could not save a checkpoint ({e})"
+        if failure is None:
+            raise RunStopped(f"another rank stopped with an error (see its traceback). {saved}.")
+        print(f"[rank {os.environ.get('RANK', 0)}] stopped by an error in a call to the vLLM server (its traceback "
+              f"follows). {saved}.", flush=True)
+        raise failure
+
+    def _saved(self) -> str:
+        path = self.on_gone()  # None: nothing done yet that a checkpoint would keep
+        return (f"Saved {path}: continue with --resume_from_checkpoint latest" if path else
+                "No step was done, nothing to save; start again")
 
     def _reconnect(self, error):
         print(f"[rank {os.environ.get('RANK', 0)}] lost the vLLM server at {self.client.base} "
@@ -269,19 +319,18 @@ class ServerGuard:
         return not self._anywhere(problem is not None)
 
     def _give_up(self, why: str, hint: str = "raise --vllm_server_timeout to wait longer"):
-        path = self.on_gone()
+        saved = self._saved()
         port = self.client.base.rsplit(":", 1)[1]
-        raise ServerGone(f"{why}. Saved {path}. Restart the server (same --model, port {port}) and continue with "
-                         f"--resume_from_checkpoint latest; {hint}.")
+        raise ServerGone(f"{why}. {saved} once the server is back (same --model, port {port}); {hint}.")
 
     @staticmethod
-    def _anywhere(flag: bool) -> bool:
-        """Whether `flag` is true on any rank (a collective)."""
-        if not dist.is_initialized():
-            return flag
-        t = torch.tensor([float(flag)])
-        dist.all_reduce(t)
-        return t.item() > 0
+    def _anywhere(*flags: bool):
+        """Whether each flag is true on any rank (a collective): a bool, or a tuple for several flags."""
+        t = torch.tensor([float(f) for f in flags])
+        if dist.is_initialized():
+            dist.all_reduce(t)
+        anywhere = tuple(bool(x > 0) for x in t)
+        return anywhere if len(flags) > 1 else anywhere[0]
 
 
 
@@ -303,7 +352,7 @@ class GlooWeightSender:
                            dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
                            shapes=[list(m.shape) for m in meta], bucket_bytes=self.bucket_bytes)
         self.client.start_weight_update()
-        thread = InThread(self.client.update_weights, update_info)
+        answer = InThread(self.client.update_weights, update_info)  # answered once every bucket has arrived
         weights = iter(self.source)  # one tensor at a time: a bucket is the most this process holds
         for bucket in bucket_plan([tensor_nbytes(list(m.shape), m.dtype) for m in meta], self.bucket_bytes):
             parts = []
@@ -313,12 +362,36 @@ class GlooWeightSender:
                     raise RuntimeError(f"the weights iterate out of step with their metadata at {name}: the server "
                                        "would cut the bytes into the wrong tensors")
                 parts.append(tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8))
-            try:
-                self.group.broadcast(torch.cat(parts), 0).wait()
-            except RuntimeError as e:  # gloo: a worker went away
-                raise ServerLost(f"weight transfer: {e}") from e
-        thread.result()
+            self._broadcast(torch.cat(parts), answer)
+        if answer.wait(None):
+            self._check(answer)
         self.client.finish_weight_update()
+
+    def _broadcast(self, data: torch.Tensor, answer):
+        """Send one bucket; if the server answers /update_weights before it is through, that answer is an error
+        (it will not take the bucket), raised instead of waiting for the broadcast's time-out."""
+        try:
+            work = self.group.broadcast(data, 0)
+            while not work.is_completed():
+                if answer.wait(0.001):  # the server answered before this bucket was through: an error raises
+                    self._check(answer)  # here, else (the last bucket) it has them all
+                    break
+            work.wait()
+        except (RunStopped, ServerLost):
+            raise
+        except RuntimeError as e:  # gloo: a worker went away
+            raise ServerLost(f"weight transfer: {e}") from e
+
+    def _check(self, answer):
+        """The server's answer to /update_weights (once). An error from a server that is still up means it cannot
+        take these weights (another model, other shapes), which waiting for it will not mend."""
+        try:
+            answer.result()
+        except ServerLost as e:
+            if not self.client.healthy():
+                raise
+            raise RunStopped(f"the vLLM server cannot take these weights: {e}. Start it with the trainer's --model "
+                             f"(the same architecture and sizes)") from None
 
 
 class WeightSync:
@@ -416,6 +489,15 @@ class InThread:
         except BaseException as e:  # raised in the caller's thread by result()
             self.error = e
 
+    def wait(self, timeout: float | None) -> bool:
+        """Whether the call has ended and its result is still to be taken, after waiting up to `timeout` s
+        (None: until it ends)."""
+        if self.thread is None:  # taken: nothing more will come
+            time.sleep(timeout or 0)
+            return False
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
+
     def result(self):
         if self.thread is None:  # the threaded call failed before: call again
             return self.call()
@@ -470,8 +552,11 @@ def register_gloo_backend():
             self.receive_weights(self.parse_update_info(update_info))  # the base class also syncs CUDA
 
         def receive_weights(self, info: GlooUpdateInfo):
+            """Every bucket is received, also after one failed to load (another model's shapes): the trainer
+            is never left blocked in a broadcast, and the error is the answer to /update_weights."""
             dtypes = [getattr(torch, d) for d in info.dtype_names]
             nbytes = [tensor_nbytes(s, d) for s, d in zip(info.shapes, dtypes)]
+            error = None
             for bucket in bucket_plan(nbytes, info.bucket_bytes):
                 packed = torch.empty(sum(nbytes[i] for i in bucket), dtype=torch.uint8)
                 self.group.broadcast(packed, 0).wait()
@@ -480,7 +565,14 @@ def register_gloo_backend():
                     raw = packed[offset:offset + nbytes[i]]
                     weights.append((info.names[i], raw.view(dtypes[i]).view(info.shapes[i])))
                     offset += nbytes[i]
-                self.model.load_weights(weights)
+                if error is None:
+                    try:
+                        self.model.load_weights(weights)
+                    except Exception as e:
+                        error = e
+            if error is not None:
+                raise RuntimeError(f"this server's model cannot load the weights it was sent ({type(error).__name__}: "
+                                   f"{error}); its weights are now partly replaced: restart it") from error
 
         def finish_weight_update(self):
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

@@ -16,6 +16,7 @@ alive at once, not what the allocator kept for later. For scale it prints the mo
 size: a full copy of weights, of gradients and of AdamW's two moments is 1x, 1x and 2x that.
 
     .venv/bin/python bench/fsdp_memory.py [--model smollm2-135m] [--micro_batches 4] [--micro_batch_size 1]
+                                          [--phases load,backward,step,save,resume]
 
 The default micro-batches are small, so that the model's state (weights, gradients, AdamW), not the
 activations, is what the peaks show.
@@ -73,7 +74,7 @@ def worker(a):
         save_checkpoint(a.checkpoint, 1, model, optimizer, scheduler, AutoTokenizer.from_pretrained(path), vars(cfg),
                         rank == 0, 0)
     if a.phase == "resume":
-        state = load_checkpoint(os.path.join(a.checkpoint, "checkpoint-1"), vars(cfg))
+        state = load_checkpoint(os.path.join(a.checkpoint, "checkpoint-1"))
         restore_training_state(state, model, optimizer, scheduler, rank, world_size)
     growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20 - start
     os.write(1, ("RESULT " + json.dumps({"rank": rank, "growth": growth}) + "\n").encode())  # one write: ranks share stdout
@@ -99,6 +100,8 @@ if __name__ == "__main__":
     p.add_argument("--micro_batches", type=int, default=4)
     p.add_argument("--micro_batch_size", type=int, default=1)
     p.add_argument("--length", type=int, default=32, help="completion tokens (after a 32-token prompt)")
+    p.add_argument("--phases", default=",".join(PHASES), help="the phases to run, of " + ",".join(PHASES)
+                   + " (save covers the ones before it; resume reads what save wrote)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=["ddp", "fsdp"], help=argparse.SUPPRESS)
     p.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)
@@ -106,7 +109,10 @@ if __name__ == "__main__":
     a = p.parse_args()
     if a.worker:
         from utils import run_and_exit
-        run_and_exit(worker, a)  # torn down without an abort at exit (see utils.run_and_exit)
+        run_and_exit(worker, a)  # torn down without an abort at exit (see utils.run_and_exit); does not return
+    phases = [phase for phase in PHASES if phase in a.phases.split(",")]
+    if not phases or set(a.phases.split(",")) - set(PHASES) or ("resume" in phases and "save" not in phases):
+        p.error(f"--phases {a.phases}: a comma-separated list of {','.join(PHASES)}; resume needs save")
     from config import resolve_model
     from transformers import AutoConfig
     import torch
@@ -122,9 +128,9 @@ if __name__ == "__main__":
         peaks = {}
         for mode in ("ddp", "fsdp"):
             folder = os.path.join(tmp, mode)
-            for phase in PHASES:
+            for phase in phases:
                 peaks[mode, phase] = run(mode, phase, a, folder)
-        for phase in PHASES:
+        for phase in phases:
             ddp, fsdp = (sum(peaks[m, phase]) / 2 for m in ("ddp", "fsdp"))
             ranks = "   ".join(f"{m} {peaks[m, phase][0]:.2f} / {peaks[m, phase][1]:.2f}" for m in ("ddp", "fsdp"))
             print(f"  {phase:8s} {ddp:8.2f} {fsdp:9.2f} {fsdp / ddp:9.2f}   {ranks}")

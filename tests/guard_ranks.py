@@ -1,6 +1,7 @@
 """Run by tests/test_server_guard.py under torchrun (2 processes, gloo): the server is lost while rank 0
 asks it for the sync probe, and every rank must still take part in the same collectives, wait for the
-server, push and probe again. Rank 0 writes {rank: what happened} as JSON to the file given."""
+server, push and probe again. Then a call fails on rank 1 alone with an error that waiting cannot mend:
+every rank saves and stops. Rank 0 writes [what happened on each rank] as JSON to the file given."""
 import json
 import os
 import sys
@@ -48,9 +49,23 @@ class Server:
 
 
 server = Server()
-guard = ServerGuard(server, server, 5, on_gone=lambda: "no checkpoint")
+saved = []
+guard = ServerGuard(server, server, 5, on_gone=lambda: saved.append(1) or "out/checkpoint-1")
 probe = guard.run(check_sync, server, model, probe_ids, nullcontext(), is_main, 1e-6, 1)
 mine = {"probe": probe, "reconnects": guard.reconnects, "pushes": server.pushes, "probes": server.probes}
+
+
+def refused():
+    if rank == 1:
+        raise RuntimeError("vLLM server /v1/completions answered 400: maximum context length is 512 tokens")
+    return "episodes"
+
+
+try:
+    guard.run(refused)
+except Exception as e:
+    mine["stopped"] = f"{type(e).__name__}: {e}"
+mine["saved"] = len(saved)
 everyone = [None] * world_size
 dist.all_gather_object(everyone, mine)
 if is_main:

@@ -63,6 +63,7 @@ def test_vs_trl_runs_trl_and_nanogrpo(model):
 
 
 def test_fsdp_memory(model):
-    out = bench("fsdp_memory.py", "--model", model, "--micro_batches", "2", "--micro_batch_size", "1", "--length", "8")
+    out = bench("fsdp_memory.py", "--model", model, "--micro_batches", "2", "--micro_batch_size", "1", "--length", "8",
+                "--phases", "save,resume")  # save loads, runs the backward and the step first
     rows = {line.split()[0]: line.split() for line in out.splitlines()[2:]}
-    assert list(rows) == ["load", "backward", "step", "save", "resume"], out
+    assert list(rows) == ["save", "resume"], out

@@ -227,6 +227,23 @@ def test_a_server_killed_mid_run_is_waited_for_and_else_the_run_is_saved(tiny_mo
     assert len(names) == 1 and int(names[0].split("-")[1]) >= 2
 
 
+def test_a_server_with_another_model_refuses_the_weights_and_the_run_says_so(tiny_model, tmp_path):
+    """The server runs a model of other shapes (two heads, not one): vLLM cannot load the pushed weights. Before,
+    its HTTP 500 was a lost server (waited for, three times) while rank 0 blocked in the next bucket's
+    broadcast for gloo's 600 s; now the server takes every bucket, answers with its error, and the run stops at
+    the first push saying so (nothing to save before the first step)."""
+    from conftest import make_tiny_model
+    other = make_tiny_model(tmp_path / "two-heads", num_heads=2)
+    with running_server(other, tmp_path / "server.log") as server:
+        proc = run_train({**server, "model": tiny_model}, tmp_path / "out", *RUN, "--max_steps", "2",
+                         "--weight_sync_bucket_mb", "0.5", check=False)  # several buckets: the error comes after the first
+        assert server["proc"].poll() is None  # the server is still up
+    assert proc.returncode != 0 and "the vLLM server cannot take these weights" in proc.stderr, proc.stderr[-4000:]
+    assert "stopped (rank 0): " in proc.stderr and "lost the vLLM server" not in proc.stdout
+    assert "No step was done, nothing to save" in proc.stdout + proc.stderr
+    assert not [n for n in os.listdir(tmp_path / "out") if n.startswith("checkpoint-")]
+
+
 def weights_of(folder) -> dict:
     from safetensors.torch import load_file
     return load_file(folder / "model" / "model.safetensors")

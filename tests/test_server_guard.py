@@ -64,8 +64,9 @@ def test_a_lost_server_that_comes_back_gets_the_weights_and_the_call_runs_again(
 def test_a_server_that_does_not_come_back_is_given_up_after_saving():
     server = Server()
     server.up = False
-    with pytest.raises(ServerGone, match="did not answer within 0s. Saved out/checkpoint-1.*--resume_from_checkpoint "
-                                         "latest; raise --vllm_server_timeout"):
+    with pytest.raises(ServerGone, match="did not answer within 0s. Saved out/checkpoint-1: continue with "
+                                         "--resume_from_checkpoint latest once the server is back \\(same --model, "
+                                         "port 8123\\); raise --vllm_server_timeout"):
         guard(server, timeout=0).run(lost_once(server))
     assert server.saved == ["out/checkpoint-1"] and server.pushes == 0
 
@@ -147,3 +148,25 @@ def test_every_rank_waits_and_probes_again_when_rank_0_loses_the_server(tmp_path
     assert [r["reconnects"] for r in ranks] == [1, 1] and [r["pushes"] for r in ranks] == [1, 1]
     assert [r["probes"] for r in ranks] == [2, 0]  # rank 0 alone asks the server
     assert ranks[0]["probe"]["sync_probe_diff_max"] < 1e-9 and ranks[0]["probe"] == ranks[1]["probe"]
+    # an error on rank 1 alone: both save, rank 1 raises it, rank 0 says where it is
+    assert [r["saved"] for r in ranks] == [1, 1]
+    assert ranks[0]["stopped"].startswith("RunStopped: another rank stopped with an error")
+    assert "Saved out/checkpoint-1" in ranks[0]["stopped"]
+    assert ranks[1]["stopped"] == "RuntimeError: vLLM server /v1/completions answered 400: maximum context length is 512 tokens"
+
+
+def test_an_error_that_waiting_cannot_mend_saves_the_run_and_raises_it(capsys):
+    """Before, a 4xx (a server restarted with a smaller --max-model-len) or a rollout function that raised
+    stopped the run without saving: with the default --save_steps 0, everything was lost."""
+    server = Server()
+
+    def refused():
+        raise RuntimeError("vLLM server /v1/completions answered 400: maximum context length is 512 tokens")
+    with pytest.raises(RuntimeError, match="answered 400"):
+        guard(server).run(refused)
+    assert server.saved == ["out/checkpoint-1"] and server.pushes == 0
+    assert "Saved out/checkpoint-1: continue with --resume_from_checkpoint latest" in capsys.readouterr().out
+    nothing = ServerGuard(server, server, 5, on_gone=lambda: None)  # before the first step: nothing to keep
+    with pytest.raises(RuntimeError):
+        nothing.run(refused)
+    assert "No step was done, nothing to save" in capsys.readouterr().out
