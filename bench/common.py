@@ -80,14 +80,31 @@ def split_cores() -> tuple[set[int], set[int]]:
     return set(cores[:len(cores) // 2]), set(cores[len(cores) // 2:])
 
 
+SHARED_SERVER = "NANOGRPO_BENCH_SERVER"  # "port:pid" of a running vllm_server.py that serving() hands out
+
+
 @contextlib.contextmanager
 def serving(model: str, workdir: str, *flags: str, cores: set[int] | None = None):
     """vllm_server.py on `model` (eager; its default dtype: bf16 where the CPU has it, else fp32) on a free port, on
     `cores` (None: all);
-    yields {"port", "pid" (of its process group), "memory": PeakRSS}."""
+    yields {"port", "pid" (of its process group), "memory": PeakRSS}. With $NANOGRPO_BENCH_SERVER set (the tests
+    run every bench's smallest setting against one server of theirs), that server instead, if it serves `model`
+    and nothing else is asked of it (`flags`, `cores`)."""
     from config import UsageError
     from utils import stop_process_group
     from vllm_server import VLLMClient
+    if os.environ.get(SHARED_SERVER) and not flags and cores is None:
+        port, pid = map(int, os.environ[SHARED_SERVER].split(":"))
+        client = VLLMClient(port=port)
+        client.wait_for_health(timeout=30)
+        if os.path.realpath(client.model_name) != os.path.realpath(model):
+            raise RuntimeError(f"${SHARED_SERVER} serves {client.model_name}, not {model}")
+        memory = PeakRSS(pid)
+        try:
+            yield {"port": port, "pid": pid, "memory": memory}
+        finally:
+            memory.stop()
+        return
     port = free_port()
     log = open(os.path.join(workdir, "server.log"), "w")
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "vllm_server.py"), "--model", model, "--port", str(port),

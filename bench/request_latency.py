@@ -9,7 +9,8 @@ each message). One invocation runs, one server after the other (never two at onc
 
 It prints median, p90 and max of each, in seconds, and the idle CPU in cores.
 
-    .venv/bin/python bench/request_latency.py [--requests 50 --pushes 20 --idle 5]
+    .venv/bin/python bench/request_latency.py [--models tiny,smollm2-135m --pollings "shipped,vLLM's" --requests 50
+                                              --pushes 20 --idle 5]
 """
 import argparse
 import os
@@ -64,10 +65,13 @@ def measure(model: str, flags: tuple, workdir: str, requests: int, pushes: int, 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="tiny,smollm2-135m", help="comma-separated; 'tiny' = the tests' model")
+    parser.add_argument("--pollings", default=",".join(POLLINGS), help="comma-separated, of " + ",".join(POLLINGS))
     parser.add_argument("--requests", type=int, default=50)
     parser.add_argument("--pushes", type=int, default=20)
     parser.add_argument("--idle", type=float, default=5.0, help="seconds of idle CPU measured")
     args = parser.parse_args()
+    if set(args.pollings.split(",")) - set(POLLINGS):
+        parser.error(f"--pollings {args.pollings}: of {','.join(POLLINGS)}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from config import resolve_model
     with tempfile.TemporaryDirectory() as workdir:
@@ -79,7 +83,7 @@ def main():
                 flags = ("--dtype", "float32", "--max-model-len", "1024")  # as the tests serve it
             else:
                 model, flags = resolve_model(name), ()
-            for polling, value in POLLINGS.items():
+            for polling, value in ((k, POLLINGS[k]) for k in args.pollings.split(",")):
                 os.environ["NANOGRPO_VLLM_POLLING"] = value  # the server started next inherits it
                 print(f"{name}, {polling} polling ...", flush=True)
                 results.append((name, polling, measure(model, flags, workdir, args.requests, args.pushes, args.idle)))

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, make_tiny_model, run
+from conftest import ROOT, make_tiny_model, run, running_server
 
 pytestmark = pytest.mark.slow
 SMALL = ["--steps", "2", "--prompts", "2", "--G", "2", "--length", "8"]  # one step after the warm-up one
@@ -17,27 +17,35 @@ def model(tmp_path_factory) -> str:
     return make_tiny_model(tmp_path_factory.mktemp("bench-model"), max_positions=2048)  # the benches' max length
 
 
-def bench(name: str, *args: str, timeout: int = 600) -> str:
+@pytest.fixture(scope="module")
+def shared(model, tmp_path_factory):
+    """One server on the model for the benches that would each start their own the same way (bench/common.serving
+    hands it out); request_latency starts its own, and bench/common.serving is run by it."""
+    with running_server(model, tmp_path_factory.mktemp("bench-server") / "server.log") as server:
+        yield {"NANOGRPO_BENCH_SERVER": f"{server['port']}:{server['proc'].pid}"}
+
+
+def bench(name: str, *args: str, timeout: int = 600, env: dict | None = None) -> str:
     proc = run([sys.executable, os.path.join(ROOT, "bench", name), *args], timeout=timeout,
-               env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT)
+               env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc.stdout
 
 
-def test_step_breakdown_with_a_comparison(model):
-    out = bench("step_breakdown.py", "--model", model, *SMALL, "--compare=--async_generation")
+def test_step_breakdown_with_a_comparison(model, shared):
+    out = bench("step_breakdown.py", "--model", model, *SMALL, "--compare=--async_generation", env=shared)
     assert "generate" in out and "step time --async_generation / base:" in out
 
 
-def test_scaling(model):
-    out = bench("scaling.py", "--model", model, "--steps", "2", "--prompts", "2", "--runs", "1:2:8,2:2:8")
+def test_scaling(model, shared):
+    out = bench("scaling.py", "--model", model, "--steps", "2", "--prompts", "2", "--runs", "1:2:8,2:2:8", env=shared)
     rows = [line.split() for line in out.splitlines() if line.split()[:3] in (["1", "2", "8"], ["2", "2", "8"])]
     assert "vs base" in out and len(rows) == 2 and rows[0][-2] == "1.00"  # the base run over itself
 
 
-def test_learning(model):
+def test_learning(model, shared):
     out = bench("learning.py", "--model", model, "--seeds", "1", "--", "--max_steps", "1", "--prompts_per_step", "2",
-                "--num_generations", "2", "--max_completion_length", "8", "--eval_num_prompts", "2")
+                "--num_generations", "2", "--max_completion_length", "8", "--eval_num_prompts", "2", env=shared)
     assert "seed 42: accuracy" in out and "improved in" in out
 
 
@@ -46,19 +54,20 @@ def test_logprob_memory(model):
     assert "chunked / logits" in out and "train_checkpointing / train" in out
 
 
-def test_limits(model):
-    out = bench("limits.py", "--model", model, *SMALL)
+def test_limits(model, shared):
+    out = bench("limits.py", "--model", model, *SMALL, env=shared)
     assert "weight push (vs vLLM's reload)" in out and "generate (vs vllm.LLM)" in out
 
 
 def test_request_latency():
-    out = bench("request_latency.py", "--models", "tiny", "--requests", "2", "--pushes", "1", "--idle", "0.5")
+    out = bench("request_latency.py", "--models", "tiny", "--pollings", "shipped", "--requests", "2", "--pushes", "1",
+                "--idle", "0.5")
     assert "2 requests" in out and "1 pushes" in out and "idle server, CPU" in out
 
 
-def test_vs_trl_runs_trl_and_nanogrpo(model):
+def test_vs_trl_runs_trl_and_nanogrpo(model, shared):
     out = bench("vs_trl.py", "--model", model, *SMALL, "--trl_gradient_checkpointing", "true", "--nanogrpo", "",
-                timeout=1200)
+                timeout=1200, env=shared)
     assert "TRL 1.16.0, gradient checkpointing true" in out and "nanogrpo (defaults) / gradient checkpointing true" in out
 
 
