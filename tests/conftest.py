@@ -74,9 +74,10 @@ def pytest_sessionfinish(session, exitstatus):
     for pid, _ in left:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    if left:
-        print("\nprocesses started by the tests were still running after them (killed now):\n"
+    if left:  # a test or fixture that does not stop what it started: the run fails
+        print("\nprocesses started by the tests were still running after them (killed now; the run fails):\n"
               + "\n".join(f"  {pid} {command[:200]}" for pid, command in left), file=sys.stderr)
+        session.exitstatus = 1
 
 
 def free_port() -> int:

@@ -74,10 +74,10 @@ def test_a_test_run_stopped_with_sigterm_stops_what_its_fixtures_started(tmp_pat
         stop_process_group(inner, timeout=1)
 
 
-def test_a_process_left_running_after_the_tests_is_killed_and_listed():
+def test_a_process_left_running_after_the_tests_is_killed_listed_and_fails_the_run():
     inner = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                             f"{CASE}::test_forgets_a_process"], capture_output=True, text=True, timeout=120)
-    assert "1 passed" in inner.stdout
-    assert "processes started by the tests were still running after them (killed now):" in inner.stderr
-    pid = int(inner.stderr.split("(killed now):")[1].split()[0])
+    assert "1 passed" in inner.stdout and inner.returncode == 1
+    assert "processes started by the tests were still running after them (killed now; the run fails):" in inner.stderr
+    pid = int(inner.stderr.split("(killed now; the run fails):")[1].split()[0])
     assert "sleep 600" in inner.stderr and not alive(pid)
