@@ -82,6 +82,8 @@ class Config:
     epsilon_high: float = -1.0  # upper clip; -1 = same as epsilon (DAPO's clip-higher uses e.g. 0.28)
     delta: float = 0.0  # also cap the unclipped ratio at delta (two-sided clip, INTELLECT-2; e.g. 4); 0 = off
     loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo: how token losses are averaged (README: Loss choices)
+    importance_sampling_level: str = "token"  # token | sequence (GSPO): the ratio pi / pi_old per token or per
+                                              # sequence (its tokens' geometric mean), clipped as one
     scale_rewards: str = "group"  # group | batch | none: divide advantages by the group's std, the batch's, or not
     num_iterations: int = 1  # mu: passes over each generation batch (> 1 makes updates off-policy)
     steps_per_generation: int = 1  # optimizer steps per generation batch, each on a slice of it (> 1: off-policy)
@@ -202,6 +204,8 @@ class Config:
             errors.append("--learning_rate must be > 0")
         if self.delta < 0 or 0 < self.delta <= 1 + self.eps_high:
             errors.append(f"--delta {self.delta} must be 0 (off) or above 1 + epsilon_high ({1 + self.eps_high})")
+        if self.importance_sampling_level not in ("token", "sequence"):
+            errors.append(f"--importance_sampling_level {self.importance_sampling_level!r}: use token or sequence")
         if self.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo"):
             errors.append(f"--loss_type {self.loss_type!r}: use grpo, bnpo, dr_grpo or dapo")
         if self.scale_rewards not in ("group", "batch", "none"):

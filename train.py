@@ -110,14 +110,19 @@ def loss_mask_of(sampled: torch.Tensor, truncated: torch.Tensor, mask_truncated:
 
 
 def grpo_loss(logp, old_logp, advantages, mask, weights, epsilon_low: float, epsilon_high: float, delta: float = 0.0,
-              beta: float = 0.0, ref_logp=None):
+              beta: float = 0.0, ref_logp=None, level: str = "token"):
     """Clipped surrogate with a k3 KL penalty: sum over tokens of weights * per-token loss.
 
     logp, old_logp, ref_logp, mask, weights: (B, C) per completion token; advantages: (B,).
     delta > 0 also caps the ratio of the unclipped term at delta (two-sided clipping, INTELLECT-2).
+    level "sequence" (GSPO): one ratio per sequence, exp of the mean of its tokens' log-ratios, clipped as one.
     Returns the loss (a scalar to backpropagate) and a dict of masked sums for metrics.
     """
-    ratio = torch.exp(logp - old_logp)  # (B, C)
+    log_ratio = logp - old_logp  # (B, C)
+    if level == "sequence":
+        m = mask.to(logp.dtype)
+        log_ratio = (log_ratio * m).sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
+    ratio = torch.exp(log_ratio)  # (B, C), or (B, 1)
     adv = advantages.unsqueeze(1)  # (B, 1)
     unclipped = torch.clamp(ratio, max=delta) if delta > 0 else ratio
     per_token = -torch.min(unclipped * adv, torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv)
@@ -126,7 +131,7 @@ def grpo_loss(logp, old_logp, advantages, mask, weights, epsilon_low: float, eps
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # k3: unbiased, always >= 0
         per_token = per_token + beta * kl
     mask = mask.to(logp.dtype)
-    low, high = (ratio < 1 - epsilon_low) & (adv < 0), (ratio > 1 + epsilon_high) & (adv > 0)
+    low, high = (ratio < 1 - epsilon_low) & (adv < 0), (ratio > 1 + epsilon_high) & (adv > 0)  # per token or sequence
     stats = {"kl": (kl * mask).sum(), "clip_low": (low * mask).sum(), "clip_high": (high * mask).sum(),
              "clip_region": (((ratio < 1 - epsilon_low) | (ratio > 1 + epsilon_high)) * mask).sum()}
     return (per_token * weights).sum(), {k: v.detach() for k, v in stats.items()}
@@ -197,7 +202,8 @@ def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autoca
                          "is_ratio_min": torch.where(m > 0, r, torch.inf).min(),
                          "is_dropped": ((is_weight == 0) & (m > 0)).sum()}
             loss, stats = grpo_loss(logp, old_logp, data["advantages"][s].to(device), m, weights,
-                                    cfg.epsilon, cfg.eps_high, cfg.delta, cfg.beta, part["ref_logp"])
+                                    cfg.epsilon, cfg.eps_high, cfg.delta, cfg.beta, part["ref_logp"],
+                                    cfg.importance_sampling_level)
             loss.backward()
         stats = {**stats, **extra, "entropy": (entropy * m).sum(), "tokens": m.sum(),
                  "loss": loss.detach() / world_size}

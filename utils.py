@@ -1022,6 +1022,18 @@ def append_lines(f, lines: list[str]):
         raise
 
 
+def finite_json(record) -> str:
+    """JSON that strict readers take (jq, JavaScript, pandas with strict parsing): a number that is not finite
+    (NaN: not scored or nothing to average, inf) is written as null."""
+    def clean(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        return [clean(v) for v in x] if isinstance(x, (list, tuple)) else x
+    return json.dumps(clean(record), allow_nan=False)
+
+
 class MetricsLogger:
     """metrics.jsonl (one JSON object per step), rollouts.jsonl (every completion: prompt, completion, each reward,
     advantage, finish reason, the policy version that sampled it), and optionally wandb with a completions table.
@@ -1040,13 +1052,13 @@ class MetricsLogger:
 
     def log(self, metrics: dict):
         if self.file is not None:
-            append_lines(self.file, [json.dumps(metrics)])
+            append_lines(self.file, [finite_json(metrics)])
         if self.wandb is not None:
             self.wandb.log(metrics, step=metrics["step"])
 
     def log_rollouts(self, records: list[dict]):
         """Called on every rank with its own records."""
-        lines = gather_lines([json.dumps(r) for r in records])
+        lines = gather_lines([finite_json(r) for r in records])
         if self.rollouts is None:
             return
         append_lines(self.rollouts, lines)

@@ -124,6 +124,46 @@ def test_grpo_loss_matches_naive_loop_with_clipping_delta_and_kl():
     assert grpo_loss(logp, old, adv, mask, weights, 0.2, 0.28, 1.5)[0].item() != grpo_loss(logp, old, adv, mask, weights, 0.2, 0.28)[0].item()
 
 
+def test_sequence_level_ratio_matches_naive_loop_with_its_gradient():
+    """GSPO: each sequence's ratio is exp(mean over its tokens of log pi - log pi_old), clipped as one; the
+    loss and the gradient of every log-prob against a loop over sequences and tokens (float64)."""
+    torch.manual_seed(1)
+    B, C = 4, 5
+    logp = (torch.randn(B, C, dtype=torch.float64) * 0.5 - 2).requires_grad_()
+    old = logp.detach() + torch.randn(B, C, dtype=torch.float64) * 0.4
+    ref = logp.detach() + torch.randn(B, C, dtype=torch.float64) * 0.3
+    adv = torch.tensor([1.0, -1.0, 0.5, -2.0], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0]])
+    weights = torch.rand(B, C, dtype=torch.float64) * mask
+
+    def naive(lp, beta, delta):
+        total = 0.0
+        for b in range(B):
+            tokens = [t for t in range(C) if mask[b][t]]
+            ratio = torch.exp(sum(lp[b][t] - old[b][t] for t in tokens) / len(tokens))
+            unclipped = torch.clamp(ratio, max=delta) if delta > 0 else ratio
+            objective = torch.min(unclipped * adv[b], torch.clamp(ratio, 0.8, 1.28) * adv[b])
+            for t in tokens:
+                kl = torch.exp(ref[b][t] - lp[b][t]) - (ref[b][t] - lp[b][t]) - 1
+                total = total + weights[b][t] * (-objective + beta * kl)
+        return total
+    for beta in (0.0, 0.04):
+        for delta in (0.0, 1.1):
+            loss, stats = grpo_loss(logp, old, adv, mask, weights, 0.2, 0.28, delta, beta, ref, level="sequence")
+            (grad,) = torch.autograd.grad(loss, logp)
+            lp = logp.detach().clone().requires_grad_()
+            want = naive(lp, beta, delta)
+            (want_grad,) = torch.autograd.grad(want, lp)
+            assert abs(loss.item() - want.item()) < 1e-12 and torch.allclose(grad, want_grad, atol=1e-12)
+            assert grad[mask == 0].abs().max() == 0  # padding gets no gradient
+    token_level = grpo_loss(logp, old, adv, mask, weights, 0.2, 0.28)[0]
+    assert abs(token_level.item() - grpo_loss(logp, old, adv, mask, weights, 0.2, 0.28, level="sequence")[0].item()) > 1e-6
+    # a clipped sequence counts all its tokens in the clip metrics
+    far = logp.detach() - 1.0  # every ratio e: above 1 + eps_high
+    _, stats = grpo_loss(logp, far, adv, mask, weights, 0.2, 0.28, level="sequence")
+    assert stats["clip_region"].item() == mask.sum().item() and stats["clip_high"].item() == 3 + 1
+
+
 def naive_weights(mask, loss_type, micro_batches, max_len):
     """Each token's weight in the step's loss, from the definitions, with the step's sequences split
     into `micro_batches` (lists of row indices)."""
