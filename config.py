@@ -81,7 +81,9 @@ class Config:
     epsilon: float = 0.2  # clip range of the ratio: [1 - epsilon, 1 + epsilon_high]
     epsilon_high: float = -1.0  # upper clip; -1 = same as epsilon (DAPO's clip-higher uses e.g. 0.28)
     delta: float = 0.0  # also cap the unclipped ratio at delta (two-sided clip, INTELLECT-2; e.g. 4); 0 = off
-    loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo: how token losses are averaged (README: Loss choices)
+    loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo | luspo | cispo | sapo (README: Loss choices)
+    sapo_temperature_pos: float = 1.0  # sapo: the gate's temperature for tokens with positive advantage
+    sapo_temperature_neg: float = 1.05  # sapo: ... with negative (or zero) advantage
     importance_sampling_level: str = "token"  # token | sequence (GSPO): the ratio pi / pi_old per token or per
                                               # sequence (its tokens' geometric mean), clipped as one
     scale_rewards: str = "group"  # group | batch | none: divide advantages by the group's std, the batch's, or not
@@ -206,8 +208,17 @@ class Config:
             errors.append(f"--delta {self.delta} must be 0 (off) or above 1 + epsilon_high ({1 + self.eps_high})")
         if self.importance_sampling_level not in ("token", "sequence"):
             errors.append(f"--importance_sampling_level {self.importance_sampling_level!r}: use token or sequence")
-        if self.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo"):
-            errors.append(f"--loss_type {self.loss_type!r}: use grpo, bnpo, dr_grpo or dapo")
+        if self.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"):
+            errors.append(f"--loss_type {self.loss_type!r}: use grpo, bnpo, dr_grpo, dapo, luspo, cispo or sapo")
+        if self.loss_type == "cispo" and self.eps_high <= 1:
+            errors.append(f"--loss_type cispo caps the importance weight at --epsilon_high, an absolute bound (now "
+                          f"{self.eps_high:g}, which would cap every weight below 1): set it, e.g. --epsilon_high 5 "
+                          "(ScaleRL's choice)")
+        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
+            errors.append("--loss_type luspo is GSPO's loss with each sequence weighed by its length: use it with "
+                          "--importance_sampling_level sequence")
+        if self.loss_type == "sapo" and min(self.sapo_temperature_pos, self.sapo_temperature_neg) <= 0:
+            errors.append("--sapo_temperature_pos and --sapo_temperature_neg must be > 0")
         if self.scale_rewards not in ("group", "batch", "none"):
             errors.append(f"--scale_rewards {self.scale_rewards!r}: use group, batch or none")
         if self.repetition_penalty <= 0 or not 0 <= self.min_p < 1 or self.top_k == 0:

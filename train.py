@@ -90,8 +90,13 @@ def token_weights(mask: torch.Tensor, loss_type: str, num_seqs: float, num_token
       grpo     (1/N) sum_i (1/|o_i|) sum_t     mean over sequences of each sequence's token mean
       bnpo     mean over micro-batches of each micro-batch's token mean (depends on the split)
       dr_grpo  1/(N * max_completion_length) sum_i sum_t   (Dr. GRPO: no length bias)
-      dapo     1/(sum_i |o_i|) sum_i sum_t                 (DAPO: every token of the step alike)"""
+      dapo     1/(sum_i |o_i|) sum_i sum_t                 (DAPO: every token of the step alike)
+      luspo    (1/N) sum_i sum_t                           (LUSPO: each sequence by its length)
+    cispo is normalised as dapo, sapo as grpo (as in TRL)."""
     mask = mask.to(torch.float64)
+    loss_type = {"cispo": "dapo", "sapo": "grpo"}.get(loss_type, loss_type)
+    if loss_type == "luspo":
+        return mask / num_seqs
     if loss_type == "grpo":
         return mask / mask.sum(dim=1, keepdim=True).clamp(min=1) / num_seqs
     if loss_type == "bnpo":
@@ -110,12 +115,17 @@ def loss_mask_of(sampled: torch.Tensor, truncated: torch.Tensor, mask_truncated:
 
 
 def grpo_loss(logp, old_logp, advantages, mask, weights, epsilon_low: float, epsilon_high: float, delta: float = 0.0,
-              beta: float = 0.0, ref_logp=None, level: str = "token"):
-    """Clipped surrogate with a k3 KL penalty: sum over tokens of weights * per-token loss.
+              beta: float = 0.0, ref_logp=None, level: str = "token", loss_type: str = "dapo",
+              sapo_temperatures: tuple[float, float] = (1.0, 1.05)):
+    """The policy loss with a k3 KL penalty: sum over tokens of weights * per-token loss.
 
-    logp, old_logp, ref_logp, mask, weights: (B, C) per completion token; advantages: (B,).
-    delta > 0 also caps the ratio of the unclipped term at delta (two-sided clipping, INTELLECT-2).
-    level "sequence" (GSPO): one ratio per sequence, exp of the mean of its tokens' log-ratios, clipped as one.
+    logp, old_logp, ref_logp, mask, weights: (B, C) per completion token; advantages: (B,). The ratio
+    rho = pi / pi_old is per token, or with level "sequence" (GSPO) one per sequence: exp of the mean of its
+    tokens' log-ratios. The per-token policy loss (README: Loss choices):
+      clipped (grpo, bnpo, dr_grpo, dapo, luspo)  -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A); delta > 0
+                                                  also caps the unclipped rho at delta (INTELLECT-2)
+      cispo                                       -sg(min(rho, eps_high)) A logp  (the weight is clipped, MiniMax-M1)
+      sapo                                        -sigmoid(tau (rho - 1)) 4 / tau A, tau by the sign of A (SAPO)
     Returns the loss (a scalar to backpropagate) and a dict of masked sums for metrics.
     """
     log_ratio = logp - old_logp  # (B, C)
@@ -124,14 +134,22 @@ def grpo_loss(logp, old_logp, advantages, mask, weights, epsilon_low: float, eps
         log_ratio = (log_ratio * m).sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
     ratio = torch.exp(log_ratio)  # (B, C), or (B, 1)
     adv = advantages.unsqueeze(1)  # (B, 1)
-    unclipped = torch.clamp(ratio, max=delta) if delta > 0 else ratio
-    per_token = -torch.min(unclipped * adv, torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv)
+    low = high = torch.zeros_like(ratio, dtype=torch.bool)
+    if loss_type == "cispo":
+        per_token = -torch.clamp(ratio, max=epsilon_high).detach() * adv * logp
+        high = ratio > epsilon_high
+    elif loss_type == "sapo":
+        tau = torch.where(adv > 0, *(adv.new_tensor(t) for t in sapo_temperatures))
+        per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
+    else:
+        unclipped = torch.clamp(ratio, max=delta) if delta > 0 else ratio
+        per_token = -torch.min(unclipped * adv, torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv)
+        low, high = (ratio < 1 - epsilon_low) & (adv < 0), (ratio > 1 + epsilon_high) & (adv > 0)  # where it clips
     kl = torch.zeros_like(logp)
     if beta > 0:
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # k3: unbiased, always >= 0
         per_token = per_token + beta * kl
     mask = mask.to(logp.dtype)
-    low, high = (ratio < 1 - epsilon_low) & (adv < 0), (ratio > 1 + epsilon_high) & (adv > 0)  # per token or sequence
     stats = {"kl": (kl * mask).sum(), "clip_low": (low * mask).sum(), "clip_high": (high * mask).sum(),
              "clip_region": (((ratio < 1 - epsilon_low) | (ratio > 1 + epsilon_high)) * mask).sum()}
     return (per_token * weights).sum(), {k: v.detach() for k, v in stats.items()}
@@ -203,7 +221,8 @@ def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autoca
                          "is_dropped": ((is_weight == 0) & (m > 0)).sum()}
             loss, stats = grpo_loss(logp, old_logp, data["advantages"][s].to(device), m, weights,
                                     cfg.epsilon, cfg.eps_high, cfg.delta, cfg.beta, part["ref_logp"],
-                                    cfg.importance_sampling_level)
+                                    cfg.importance_sampling_level, cfg.loss_type,
+                                    (cfg.sapo_temperature_pos, cfg.sapo_temperature_neg))
             loss.backward()
         stats = {**stats, **extra, "entropy": (entropy * m).sum(), "tokens": m.sum(),
                  "loss": loss.detach() / world_size}

@@ -164,6 +164,47 @@ def test_sequence_level_ratio_matches_naive_loop_with_its_gradient():
     assert stats["clip_region"].item() == mask.sum().item() and stats["clip_high"].item() == 3 + 1
 
 
+def test_cispo_and_sapo_match_naive_loops_with_their_gradients():
+    """CISPO (MiniMax-M1): -sg(min(rho, eps_high)) A logp; SAPO: -sigmoid(tau (rho - 1)) 4 / tau A with tau by the
+    sign of A; per token and per sequence, with the KL term; loss and gradient against loops in float64."""
+    torch.manual_seed(2)
+    B, C = 4, 5
+    logp = (torch.randn(B, C, dtype=torch.float64) * 0.5 - 2).requires_grad_()
+    old = logp.detach() + torch.randn(B, C, dtype=torch.float64) * 1.0  # some ratios above the CISPO cap
+    ref = logp.detach() + torch.randn(B, C, dtype=torch.float64) * 0.3
+    adv = torch.tensor([1.0, -1.0, 0.5, -2.0], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0]])
+    weights = torch.rand(B, C, dtype=torch.float64) * mask
+
+    def naive(lp, loss_type, level, beta):
+        total = 0.0
+        for b in range(B):
+            tokens = [t for t in range(C) if mask[b][t]]
+            seq_ratio = torch.exp(sum(lp[b][t] - old[b][t] for t in tokens) / len(tokens))
+            for t in tokens:
+                ratio = seq_ratio if level == "sequence" else torch.exp(lp[b][t] - old[b][t])
+                if loss_type == "cispo":
+                    policy = -min(ratio.item(), 2.5) * adv[b] * lp[b][t]  # a number: no gradient through the weight
+                else:
+                    tau = 1.0 if adv[b] > 0 else 1.05
+                    policy = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv[b]
+                kl = torch.exp(ref[b][t] - lp[b][t]) - (ref[b][t] - lp[b][t]) - 1
+                total = total + weights[b][t] * (policy + beta * kl)
+        return total
+    for loss_type in ("cispo", "sapo"):
+        for level in ("token", "sequence"):
+            for beta in (0.0, 0.04):
+                loss, stats = grpo_loss(logp, old, adv, mask, weights, 0.2, 2.5, 0.0, beta, ref, level, loss_type)
+                (grad,) = torch.autograd.grad(loss, logp)
+                lp = logp.detach().clone().requires_grad_()
+                want = naive(lp, loss_type, level, beta)
+                (want_grad,) = torch.autograd.grad(want, lp)
+                assert abs(loss.item() - want.item()) < 1e-12, (loss_type, level, beta)
+                assert torch.allclose(grad, want_grad, atol=1e-12), (loss_type, level, beta)
+    _, stats = grpo_loss(logp, old, adv, mask, weights, 0.2, 2.5, loss_type="cispo")
+    assert stats["clip_high"].item() == ((torch.exp(logp - old) > 2.5) * mask).sum().item() > 0  # capped weights
+
+
 def naive_weights(mask, loss_type, micro_batches, max_len):
     """Each token's weight in the step's loss, from the definitions, with the step's sequences split
     into `micro_batches` (lists of row indices)."""
@@ -177,14 +218,15 @@ def naive_weights(mask, loss_type, micro_batches, max_len):
             for t in range(len(mask[i])):
                 if mask[i][t]:
                     w[i, t] = {"grpo": 1 / (sum(mask[i]) * n), "bnpo": 1 / (mb_tokens * len(micro_batches)),
-                               "dr_grpo": 1 / (n * max_len), "dapo": 1 / tokens}[loss_type]
+                               "dr_grpo": 1 / (n * max_len), "dapo": 1 / tokens, "luspo": 1 / n,
+                               "cispo": 1 / tokens, "sapo": 1 / (sum(mask[i]) * n)}[loss_type]
     return w
 
 
 def test_token_weights_match_the_definitions_for_each_loss_type():
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]])
     splits = [[0, 1], [2, 3]]
-    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
+    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"):
         want = naive_weights(mask.tolist(), loss_type, splits, 6)
         for mb in splits:
             got = token_weights(mask[mb], loss_type, num_seqs=4, num_tokens=float(mask.sum()), max_completion_length=6,
@@ -193,7 +235,8 @@ def test_token_weights_match_the_definitions_for_each_loss_type():
                 for t in range(4):
                     assert abs(got[r, t].item() - want.get((i, t), 0.0)) < 1e-12, (loss_type, i, t)
         if loss_type != "bnpo":  # the weights of a whole step sum to 1 per sequence-or-token average
-            assert abs(sum(want.values()) - {"grpo": 1, "dr_grpo": 10 / 24, "dapo": 1}[loss_type]) < 1e-12
+            assert abs(sum(want.values()) - {"grpo": 1, "dr_grpo": 10 / 24, "dapo": 1, "luspo": 10 / 4, "cispo": 1,
+                                             "sapo": 1}[loss_type]) < 1e-12
 
 
 def test_on_policy_loss_gradient_is_advantage_weighted_logprob_gradient():
