@@ -92,7 +92,9 @@ class Config:
     vllm_importance_sampling_correction: bool = True  # weight tokens by pi_old / pi_sampler (vLLM's log-probs)
     vllm_importance_sampling_mode: str = "token_truncate"  # token_truncate | token_mask | sequence_truncate
                                                            # | sequence_mask
-    vllm_importance_sampling_cap: float = 2.0  # truncate weights above this; mask modes drop outside [1/cap, cap]
+    vllm_importance_sampling_clip_min: float = 0.0  # truncate modes clamp the weight to [min, max]; mask modes
+    vllm_importance_sampling_clip_max: float = 2.0  # drop tokens (sequences) outside it. 0, inf: no bound
+    vllm_importance_sampling_cap: float = -1.0  # deprecated (as in TRL): the old name of --..._clip_max
     drop_zero_std_groups: bool = False  # skip the forward/backward of groups with equal rewards (exact when beta = 0)
     mask_truncated_completions: bool = False  # completions cut at max_completion_length get no loss (DAPO)
     reward_funcs: str = "accuracy,format"  # comma-separated names from rewards.py
@@ -237,8 +239,15 @@ class Config:
         if self.async_generation and not self.vllm_importance_sampling_correction:
             errors.append("--async_generation trains on completions sampled by the previous weights, which needs the "
                           "importance-sampling correction: drop --vllm_importance_sampling_correction false")
-        if self.vllm_importance_sampling_cap <= 1:
-            errors.append("--vllm_importance_sampling_cap must be > 1")
+        if self.vllm_importance_sampling_cap >= 0:  # TRL's old name: still taken, and said
+            if int(os.environ.get("RANK", 0)) == 0:
+                print("warning: --vllm_importance_sampling_cap is deprecated (as in TRL): use "
+                      "--vllm_importance_sampling_clip_max", file=sys.stderr, flush=True)
+            self.vllm_importance_sampling_clip_max, self.vllm_importance_sampling_cap = self.vllm_importance_sampling_cap, -1
+        if not 0 <= self.vllm_importance_sampling_clip_min < 1 < self.vllm_importance_sampling_clip_max:
+            errors.append(f"--vllm_importance_sampling_clip_min {self.vllm_importance_sampling_clip_min:g} and "
+                          f"--vllm_importance_sampling_clip_max {self.vllm_importance_sampling_clip_max:g}: the bounds "
+                          "must hold 1 (a weight of 1 is no correction), min >= 0")
         if self.lr_scheduler_type not in ("constant", "linear", "cosine"):
             errors.append(f"--lr_scheduler_type {self.lr_scheduler_type!r}: use constant, linear or cosine")
         if self.report_to not in ("none", "wandb"):

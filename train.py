@@ -155,11 +155,11 @@ def grpo_loss(logp, old_logp, advantages, mask, weights, epsilon_low: float, eps
     return (per_token * weights).sum(), {k: v.detach() for k, v in stats.items()}
 
 
-def sampler_is_weights(old_logp, sampler_logp, mask, mode: str, cap: float):
+def sampler_is_weights(old_logp, sampler_logp, mask, mode: str, clip_min: float, clip_max: float):
     """Importance weights pi_old / pi_sampler that correct for the sampler (vLLM) not computing
     exactly the trainer's distribution (other kernels, bf16, a stale weight). Per token, or per
-    sequence (the product over its tokens); "truncate" caps the weight at `cap` (TIS), "mask" drops
-    tokens or sequences whose ratio is above `cap` or below 1/cap. A sampler log-prob that is not known
+    sequence (the product over its tokens); "truncate" clamps the weight to [clip_min, clip_max] (TIS), "mask"
+    drops tokens or sequences whose ratio is outside it (as TRL). A sampler log-prob that is not known
     (NaN: a rollout that did not have it) counts as ratio 1, as in TRL. (B, C) inputs -> (B, C) weights
     and the raw ratios ((B, C) or (B, 1)) before truncation, for metrics."""
     log_ratio = (old_logp - sampler_logp).where((mask > 0) & ~sampler_logp.isnan(), 0.0)
@@ -167,9 +167,9 @@ def sampler_is_weights(old_logp, sampler_logp, mask, mode: str, cap: float):
         log_ratio = log_ratio.sum(dim=1, keepdim=True)
     ratio = torch.exp(log_ratio)
     if mode.endswith("truncate"):
-        weight = ratio.clamp(max=cap)
+        weight = ratio.clamp(min=clip_min, max=clip_max)
     else:
-        weight = ratio * ((ratio <= cap) & (ratio >= 1 / cap))
+        weight = ratio * ((ratio >= clip_min) & (ratio <= clip_max))
     return weight.expand_as(old_logp) * mask, ratio
 
 
@@ -213,7 +213,8 @@ def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autoca
             if part["sampler_logp"] is not None:  # importance sampling against the sampler
                 is_weight, ratio = sampler_is_weights(old_logp.float(), part["sampler_logp"], m,
                                                       cfg.vllm_importance_sampling_mode,
-                                                      cfg.vllm_importance_sampling_cap)
+                                                      cfg.vllm_importance_sampling_clip_min,
+                                                      cfg.vllm_importance_sampling_clip_max)
                 weights = weights * is_weight
                 r = ratio.expand_as(m) * m
                 extra = {"is_ratio": r.sum(), "is_ratio_max": r.max(),

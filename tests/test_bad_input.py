@@ -30,7 +30,8 @@ GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
     (["--max_completion_length", "0"], "--max_completion_length must be at least 1"),
     (["--steps_per_generation", "5"], "must divide the completions per rank"),
     (["--delta", "1.1"], "--delta 1.1 must be 0 (off) or above"),
-    (["--vllm_importance_sampling_cap", "0.5"], "--vllm_importance_sampling_cap must be > 1"),
+    (["--vllm_importance_sampling_clip_max", "0.5"], "the bounds must hold 1"),
+    (["--vllm_importance_sampling_cap", "0.5"], "the bounds must hold 1"),  # TRL's old name, still taken
     (["--report_to", "tensorboard"], "use none or wandb"),
     (["--lora_r", "8"], "only apply to LoRA training: add --use_peft"),
     (["--use_peft", "--lora_dropout", "1"], "--lora_dropout in [0, 1)"),

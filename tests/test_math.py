@@ -283,7 +283,7 @@ def test_lr_schedules():
     assert abs(lr_factor(6, cfg) - 0.5) < 1e-12 and lr_factor(2, cfg) == 1.0
 
 
-def naive_is_weights(old, sampler, mask, mode, cap):
+def naive_is_weights(old, sampler, mask, mode, clip_min, clip_max):
     B, C = len(old), len(old[0])
     w = [[0.0] * C for _ in range(B)]
     for b in range(B):
@@ -293,9 +293,9 @@ def naive_is_weights(old, sampler, mask, mode, cap):
                 continue
             ratio = seq_ratio if mode.startswith("sequence") else math.exp(old[b][t] - sampler[b][t])
             if mode.endswith("truncate"):
-                w[b][t] = min(ratio, cap)
+                w[b][t] = min(max(ratio, clip_min), clip_max)
             else:
-                w[b][t] = ratio if 1 / cap <= ratio <= cap else 0.0
+                w[b][t] = ratio if clip_min <= ratio <= clip_max else 0.0
     return w
 
 
@@ -306,23 +306,25 @@ def test_sampler_is_weights_match_naive_loop_in_each_mode():
     sampler = old + torch.randn(3, 4, dtype=torch.float64) * 0.6
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.float64)
     for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
-        got, ratio = sampler_is_weights(old, sampler, mask, mode, 1.5)
-        want = naive_is_weights(old.tolist(), sampler.tolist(), mask.tolist(), mode, 1.5)
-        assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), atol=1e-12), mode
-        assert ratio.shape == ((3, 1) if mode.startswith("sequence") else (3, 4))
+        for bounds in ((0.0, 1.5), (0.7, 1.5), (0.7, math.inf)):
+            got, ratio = sampler_is_weights(old, sampler, mask, mode, *bounds)
+            want = naive_is_weights(old.tolist(), sampler.tolist(), mask.tolist(), mode, *bounds)
+            assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), atol=1e-12), (mode, bounds)
+            assert ratio.shape == ((3, 1) if mode.startswith("sequence") else (3, 4))
     # a sampler log-prob that is not known (NaN) weighs its token as if the sampler were the policy (ratio 1)
     unknown = sampler.clone()
     unknown[1, 2] = unknown[0, 0] = math.nan
     for mode in ("token_truncate", "token_mask"):
-        got, _ = sampler_is_weights(old, unknown, mask, mode, 1.5)
-        known = sampler_is_weights(old, sampler, mask, mode, 1.5)[0]
+        got, _ = sampler_is_weights(old, unknown, mask, mode, 0.0, 1.5)
+        known = sampler_is_weights(old, sampler, mask, mode, 0.0, 1.5)[0]
         assert got[1, 2] == got[0, 0] == 1 and not got.isnan().any()
         assert torch.equal(got[2], known[2]) and got[0, 1] == known[0, 1]
-    got, ratio = sampler_is_weights(old, unknown, mask, "sequence_truncate", 1e9)
+    got, ratio = sampler_is_weights(old, unknown, mask, "sequence_truncate", 0.0, 1e9)
     assert abs(ratio[0, 0].item() - math.exp((old[0, 1] - sampler[0, 1]).item())) < 1e-12  # the known tokens only
-    # the modes really differ on this data: something is truncated and something is dropped
-    assert (sampler_is_weights(old, sampler, mask, "token_mask", 1.5)[0] == 0)[mask > 0].any()
-    assert (sampler_is_weights(old, sampler, mask, "token_truncate", 1.5)[0] == 1.5).any()
+    # the modes and bounds really differ on this data: something is truncated, dropped, raised to the minimum
+    assert (sampler_is_weights(old, sampler, mask, "token_mask", 0.0, 1.5)[0] == 0)[mask > 0].any()
+    assert (sampler_is_weights(old, sampler, mask, "token_truncate", 0.0, 1.5)[0] == 1.5).any()
+    assert (sampler_is_weights(old, sampler, mask, "token_truncate", 0.7, 1.5)[0] == 0.7).any()
 
 
 def test_dropping_zero_std_groups_keeps_the_gradient_exact_without_kl():

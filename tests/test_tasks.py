@@ -205,7 +205,7 @@ def test_tokens_the_policy_did_not_sample_get_no_loss_and_no_importance_weight(l
               for p, c, lp in zip(prompts, sampled, logps)]
     moved = [Episode({}, p + prefix, c, [True] * len(c), lp, "stop") for p, c, lp in zip(prompts, sampled, logps)]
     cfg = Config(loss_type=loss_type, micro_batch_size=1, max_completion_length=6, vllm_importance_sampling_mode=mode,
-                 vllm_importance_sampling_cap=3.0)
+                 vllm_importance_sampling_clip_max=3.0)
     grads, tokens_seen = [], []
     for episodes in (forced, moved):
         inputs, tokens = collate(episodes, pad_id=0)
