@@ -92,6 +92,8 @@ class Config:
     vllm_importance_sampling_correction: bool = True  # weight tokens by pi_old / pi_sampler (vLLM's log-probs)
     vllm_importance_sampling_mode: str = "token_truncate"  # token_truncate | token_mask | sequence_truncate
                                                            # | sequence_mask
+    vllm_importance_sampling_kl: bool = False  # weight the KL term by the sampler correction too (TRL: not)
+    use_bias_correction_kl: bool = True  # multiply the KL term by the ratio pi / pi_old (DeepSeek-V3.2; TRL's default)
     vllm_importance_sampling_clip_min: float = 0.0  # truncate modes clamp the weight to [min, max]; mask modes
     vllm_importance_sampling_clip_max: float = 2.0  # drop tokens (sequences) outside it. 0, inf: no bound
     vllm_importance_sampling_cap: float = -1.0  # deprecated (as in TRL): the old name of --..._clip_max

@@ -114,44 +114,50 @@ def loss_mask_of(sampled: torch.Tensor, truncated: torch.Tensor, mask_truncated:
     return sampled * ~truncated.unsqueeze(1) if mask_truncated else sampled
 
 
-def grpo_loss(logp, old_logp, advantages, mask, weights, epsilon_low: float, epsilon_high: float, delta: float = 0.0,
-              beta: float = 0.0, ref_logp=None, level: str = "token", loss_type: str = "dapo",
-              sapo_temperatures: tuple[float, float] = (1.0, 1.05)):
-    """The policy loss with a k3 KL penalty: sum over tokens of weights * per-token loss.
+def grpo_loss(logp, old_logp, advantages, mask, weights, cfg: Config, ref_logp=None, is_weight=None):
+    """The policy loss with a k3 KL penalty: sum over tokens of weights * per-token loss (README: Loss choices).
 
-    logp, old_logp, ref_logp, mask, weights: (B, C) per completion token; advantages: (B,). The ratio
-    rho = pi / pi_old is per token, or with level "sequence" (GSPO) one per sequence: exp of the mean of its
-    tokens' log-ratios. The per-token policy loss (README: Loss choices):
+    logp, old_logp, ref_logp, mask, weights, is_weight: (B, C) per completion token; advantages: (B,). The
+    ratio rho = pi / pi_old is per token, or with cfg.importance_sampling_level "sequence" (GSPO) one per
+    sequence: exp of the mean of its tokens' log-ratios. The per-token policy loss, by cfg.loss_type:
       clipped (grpo, bnpo, dr_grpo, dapo, luspo)  -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A); delta > 0
                                                   also caps the unclipped rho at delta (INTELLECT-2)
       cispo                                       -sg(min(rho, eps_high)) A logp  (the weight is clipped, MiniMax-M1)
       sapo                                        -sigmoid(tau (rho - 1)) 4 / tau A, tau by the sign of A (SAPO)
-    Returns the loss (a scalar to backpropagate) and a dict of masked sums for metrics.
+    is_weight (the sampler correction, pi_old / pi_vLLM) multiplies the policy term, and the KL term only with
+    cfg.vllm_importance_sampling_kl; cfg.use_bias_correction_kl multiplies the KL term by rho (DeepSeek-V3.2,
+    TRL's default). Returns the loss (a scalar to backpropagate) and a dict of masked sums for metrics.
     """
+    eps_low, eps_high = cfg.epsilon, cfg.eps_high
     log_ratio = logp - old_logp  # (B, C)
-    if level == "sequence":
+    if cfg.importance_sampling_level == "sequence":
         m = mask.to(logp.dtype)
         log_ratio = (log_ratio * m).sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
     ratio = torch.exp(log_ratio)  # (B, C), or (B, 1)
     adv = advantages.unsqueeze(1)  # (B, 1)
     low = high = torch.zeros_like(ratio, dtype=torch.bool)
-    if loss_type == "cispo":
-        per_token = -torch.clamp(ratio, max=epsilon_high).detach() * adv * logp
-        high = ratio > epsilon_high
-    elif loss_type == "sapo":
-        tau = torch.where(adv > 0, *(adv.new_tensor(t) for t in sapo_temperatures))
+    if cfg.loss_type == "cispo":
+        per_token = -torch.clamp(ratio, max=eps_high).detach() * adv * logp
+        high = ratio > eps_high
+    elif cfg.loss_type == "sapo":
+        tau = torch.where(adv > 0, adv.new_tensor(cfg.sapo_temperature_pos), adv.new_tensor(cfg.sapo_temperature_neg))
         per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
     else:
-        unclipped = torch.clamp(ratio, max=delta) if delta > 0 else ratio
-        per_token = -torch.min(unclipped * adv, torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv)
-        low, high = (ratio < 1 - epsilon_low) & (adv < 0), (ratio > 1 + epsilon_high) & (adv > 0)  # where it clips
+        unclipped = torch.clamp(ratio, max=cfg.delta) if cfg.delta > 0 else ratio
+        per_token = -torch.min(unclipped * adv, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv)
+        low, high = (ratio < 1 - eps_low) & (adv < 0), (ratio > 1 + eps_high) & (adv > 0)  # where it clips
+    if is_weight is not None:
+        per_token = per_token * is_weight
     kl = torch.zeros_like(logp)
-    if beta > 0:
+    if cfg.beta > 0:
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # k3: unbiased, always >= 0
-        per_token = per_token + beta * kl
+        kl_term = kl * ratio if cfg.use_bias_correction_kl else kl
+        if is_weight is not None and cfg.vllm_importance_sampling_kl:
+            kl_term = kl_term * is_weight
+        per_token = per_token + cfg.beta * kl_term
     mask = mask.to(logp.dtype)
     stats = {"kl": (kl * mask).sum(), "clip_low": (low * mask).sum(), "clip_high": (high * mask).sum(),
-             "clip_region": (((ratio < 1 - epsilon_low) | (ratio > 1 + epsilon_high)) * mask).sum()}
+             "clip_region": (((ratio < 1 - eps_low) | (ratio > 1 + eps_high)) * mask).sum()}
     return (per_token * weights).sum(), {k: v.detach() for k, v in stats.items()}
 
 
@@ -209,21 +215,18 @@ def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autoca
             weights = token_weights(mask[s, :c], cfg.loss_type, counts["seqs"], counts["tokens"],
                                     cfg.max_completion_length, counts["micro"]).to(device)
             weights = weights * world_size * (not padding)  # DDP and FSDP average the gradients over ranks
-            extra = {}
+            extra, is_weight = {}, None
             if part["sampler_logp"] is not None:  # importance sampling against the sampler
                 is_weight, ratio = sampler_is_weights(old_logp.float(), part["sampler_logp"], m,
                                                       cfg.vllm_importance_sampling_mode,
                                                       cfg.vllm_importance_sampling_clip_min,
                                                       cfg.vllm_importance_sampling_clip_max)
-                weights = weights * is_weight
                 r = ratio.expand_as(m) * m
                 extra = {"is_ratio": r.sum(), "is_ratio_max": r.max(),
                          "is_ratio_min": torch.where(m > 0, r, torch.inf).min(),
                          "is_dropped": ((is_weight == 0) & (m > 0)).sum()}
-            loss, stats = grpo_loss(logp, old_logp, data["advantages"][s].to(device), m, weights,
-                                    cfg.epsilon, cfg.eps_high, cfg.delta, cfg.beta, part["ref_logp"],
-                                    cfg.importance_sampling_level, cfg.loss_type,
-                                    (cfg.sapo_temperature_pos, cfg.sapo_temperature_neg))
+            loss, stats = grpo_loss(logp, old_logp, data["advantages"][s].to(device), m, weights, cfg,
+                                    part["ref_logp"], is_weight)
             loss.backward()
         stats = {**stats, **extra, "entropy": (entropy * m).sum(), "tokens": m.sum(),
                  "loss": loss.detach() / world_size}

@@ -82,6 +82,11 @@ def test_scoring_watch_warns_once_and_stops_after_steps_in_a_row_with_a_function
         never.update({"judge": 2}, scored, step)  # 0 = never stop
 
 
+def spec(**options) -> Config:
+    """The loss options of a test: clip range [0.8, 1.28], no KL bias correction, unless given."""
+    return Config(**{"epsilon": 0.2, "epsilon_high": 0.28, "use_bias_correction_kl": False, **options})
+
+
 def naive_loss(logp, old, ref, adv, mask, weights, eps_low, eps_high, delta, beta):
     total, kl_sum, low, high, region = 0.0, 0.0, 0, 0, 0
     for b in range(len(logp)):
@@ -113,7 +118,7 @@ def test_grpo_loss_matches_naive_loop_with_clipping_delta_and_kl():
     weights = torch.rand(B, C, dtype=torch.float64) * mask
     for beta in (0.0, 0.04):
         for delta in (0.0, 1.5):
-            loss, stats = grpo_loss(logp, old, adv, mask, weights, 0.2, 0.28, delta, beta, ref)
+            loss, stats = grpo_loss(logp, old, adv, mask, weights, spec(delta=delta, beta=beta), ref)
             want, kl, low, high, region = naive_loss(logp.tolist(), old.tolist(), ref.tolist(), adv.tolist(),
                                                      mask.tolist(), weights.tolist(), 0.2, 0.28, delta, beta)
             assert abs(loss.item() - want) < 1e-6
@@ -121,7 +126,8 @@ def test_grpo_loss_matches_naive_loop_with_clipping_delta_and_kl():
             assert (stats["clip_low"].item(), stats["clip_high"].item(), stats["clip_region"].item()) == (low, high, region)
             assert low > 0 and high > 0
     # delta bites: with a positive advantage and a ratio above delta, the loss differs
-    assert grpo_loss(logp, old, adv, mask, weights, 0.2, 0.28, 1.5)[0].item() != grpo_loss(logp, old, adv, mask, weights, 0.2, 0.28)[0].item()
+    assert grpo_loss(logp, old, adv, mask, weights, spec(delta=1.5))[0].item() != \
+        grpo_loss(logp, old, adv, mask, weights, spec())[0].item()
 
 
 def test_sequence_level_ratio_matches_naive_loop_with_its_gradient():
@@ -149,18 +155,20 @@ def test_sequence_level_ratio_matches_naive_loop_with_its_gradient():
         return total
     for beta in (0.0, 0.04):
         for delta in (0.0, 1.1):
-            loss, stats = grpo_loss(logp, old, adv, mask, weights, 0.2, 0.28, delta, beta, ref, level="sequence")
+            loss, stats = grpo_loss(logp, old, adv, mask, weights,
+                                    spec(delta=delta, beta=beta, importance_sampling_level="sequence"), ref)
             (grad,) = torch.autograd.grad(loss, logp)
             lp = logp.detach().clone().requires_grad_()
             want = naive(lp, beta, delta)
             (want_grad,) = torch.autograd.grad(want, lp)
             assert abs(loss.item() - want.item()) < 1e-12 and torch.allclose(grad, want_grad, atol=1e-12)
             assert grad[mask == 0].abs().max() == 0  # padding gets no gradient
-    token_level = grpo_loss(logp, old, adv, mask, weights, 0.2, 0.28)[0]
-    assert abs(token_level.item() - grpo_loss(logp, old, adv, mask, weights, 0.2, 0.28, level="sequence")[0].item()) > 1e-6
+    token_level = grpo_loss(logp, old, adv, mask, weights, spec())[0]
+    sequence = spec(importance_sampling_level="sequence")
+    assert abs(token_level.item() - grpo_loss(logp, old, adv, mask, weights, sequence)[0].item()) > 1e-6
     # a clipped sequence counts all its tokens in the clip metrics
     far = logp.detach() - 1.0  # every ratio e: above 1 + eps_high
-    _, stats = grpo_loss(logp, far, adv, mask, weights, 0.2, 0.28, level="sequence")
+    _, stats = grpo_loss(logp, far, adv, mask, weights, sequence)
     assert stats["clip_region"].item() == mask.sum().item() and stats["clip_high"].item() == 3 + 1
 
 
@@ -194,15 +202,50 @@ def test_cispo_and_sapo_match_naive_loops_with_their_gradients():
     for loss_type in ("cispo", "sapo"):
         for level in ("token", "sequence"):
             for beta in (0.0, 0.04):
-                loss, stats = grpo_loss(logp, old, adv, mask, weights, 0.2, 2.5, 0.0, beta, ref, level, loss_type)
+                options = spec(epsilon_high=2.5, beta=beta, importance_sampling_level=level, loss_type=loss_type)
+                loss, stats = grpo_loss(logp, old, adv, mask, weights, options, ref)
                 (grad,) = torch.autograd.grad(loss, logp)
                 lp = logp.detach().clone().requires_grad_()
                 want = naive(lp, loss_type, level, beta)
                 (want_grad,) = torch.autograd.grad(want, lp)
                 assert abs(loss.item() - want.item()) < 1e-12, (loss_type, level, beta)
                 assert torch.allclose(grad, want_grad, atol=1e-12), (loss_type, level, beta)
-    _, stats = grpo_loss(logp, old, adv, mask, weights, 0.2, 2.5, loss_type="cispo")
+    _, stats = grpo_loss(logp, old, adv, mask, weights, spec(epsilon_high=2.5, loss_type="cispo"))
     assert stats["clip_high"].item() == ((torch.exp(logp - old) > 2.5) * mask).sum().item() > 0  # capped weights
+
+
+def test_kl_bias_correction_and_the_sampler_weight_match_a_loop_with_their_gradients():
+    """The sampler correction w (pi_old / pi_vLLM) weights the policy term (as TRL); the KL term too only with
+    --vllm_importance_sampling_kl. --use_bias_correction_kl multiplies the KL term by rho, which changes its
+    gradient also on-policy (rho = 1 in value)."""
+    torch.manual_seed(3)
+    B, C = 3, 4
+    logp = (torch.randn(B, C, dtype=torch.float64) * 0.5 - 2).requires_grad_()
+    ref = logp.detach() + torch.randn(B, C, dtype=torch.float64) * 0.3
+    w = torch.rand(B, C, dtype=torch.float64) * 2
+    adv = torch.tensor([1.0, -1.0, 0.5], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
+    weights = torch.rand(B, C, dtype=torch.float64) * mask
+    for offset, correction, kl_weighted in itertools.product((0.0, 0.3), (False, True), (False, True)):
+        old = logp.detach() + offset  # offset 0: on-policy
+        options = spec(beta=0.1, use_bias_correction_kl=correction, vllm_importance_sampling_kl=kl_weighted)
+        loss, _ = grpo_loss(logp, old, adv, mask, weights, options, ref, w)
+        (grad,) = torch.autograd.grad(loss, logp)
+        lp = logp.detach().clone().requires_grad_()
+        total = 0.0
+        for b, t in itertools.product(range(B), range(C)):
+            if mask[b][t]:
+                ratio = torch.exp(lp[b][t] - old[b][t])
+                policy = -torch.min(ratio * adv[b], torch.clamp(ratio, 0.8, 1.28) * adv[b]) * w[b][t]
+                kl = torch.exp(ref[b][t] - lp[b][t]) - (ref[b][t] - lp[b][t]) - 1
+                kl = kl * (ratio if correction else 1) * (w[b][t] if kl_weighted else 1)
+                total = total + weights[b][t] * (policy + 0.1 * kl)
+        (want_grad,) = torch.autograd.grad(total, lp)
+        assert abs(loss.item() - total.item()) < 1e-12 and torch.allclose(grad, want_grad, atol=1e-12)
+    on_policy = [torch.autograd.grad(grpo_loss(logp, logp.detach(), adv, mask, weights,
+                                               spec(beta=0.1, use_bias_correction_kl=c), ref)[0], logp)[0]
+                 for c in (False, True)]
+    assert not torch.allclose(*on_policy)  # the correction's gradient differs even where rho = 1
 
 
 def naive_weights(mask, loss_type, micro_batches, max_len):
@@ -244,7 +287,7 @@ def test_on_policy_loss_gradient_is_advantage_weighted_logprob_gradient():
     logp = torch.tensor([[-1.0, -2.0], [-0.5, -0.1]], dtype=torch.float64, requires_grad=True)
     adv = torch.tensor([2.0, -1.0], dtype=torch.float64)
     mask = torch.tensor([[1, 1], [1, 0]])
-    loss, _ = grpo_loss(logp, logp.detach(), adv, mask, mask / 3, 0.2, 0.2)
+    loss, _ = grpo_loss(logp, logp.detach(), adv, mask, mask / 3, spec(epsilon_high=0.2))
     loss.backward()
     assert torch.allclose(logp.grad, torch.tensor([[-2 / 3, -2 / 3], [1 / 3, 0.0]], dtype=torch.float64))
 
