@@ -365,9 +365,9 @@ def main(cfg: Config):
     # If the server dies or restarts, wait for it, push the current weights and repeat the call; if it does
     # not come back, save the rounds done (optimizer steps taken / steps per round) and stop with a message.
     updates_per_round = cfg.num_iterations * cfg.steps_per_generation  # optimizer steps per step (round) of the loop
-    def save_on_stop() -> str | None:  # the work since the start, if any (else the checkpoint resumed, or None)
+    def save_on_stop() -> str | None:  # the steps done since the start (or the resume), if any
         steps_done = scheduler.last_epoch // updates_per_round
-        return checkpoint(steps_done) if steps_done > state["step"] else resume
+        return checkpoint(steps_done) if steps_done > state["step"] else None
 
     server = ServerGuard(client, sync, cfg.vllm_server_timeout, on_gone=save_on_stop)
     server.run(sync.push)  # the server = our step-0 policy (LoRA: its adapter starts at zero, but the names must map)

@@ -273,14 +273,14 @@ class ServerGuard:
             saved = f"Could not save a checkpoint ({e})"
         if failure is None:
             raise RunStopped(f"another rank stopped with an error (see its traceback). {saved}.")
-        print(f"[rank {os.environ.get('RANK', 0)}] stopped by an error in a call to the vLLM server (its traceback "
-              f"follows). {saved}.", flush=True)
+        print(f"[rank {os.environ.get('RANK', 0)}] stopped by an error in a call to the vLLM server (below). {saved}.",
+              flush=True)
         raise failure
 
     def _saved(self) -> str:
-        path = self.on_gone()  # None: nothing done yet that a checkpoint would keep
+        path = self.on_gone()  # None: no step done since the start (or the resume) that a checkpoint would keep
         return (f"Saved {path}: continue with --resume_from_checkpoint latest" if path else
-                "No step was done, nothing to save; start again")
+                "No step was done since the start, nothing new to save")
 
     def _reconnect(self, error):
         print(f"[rank {os.environ.get('RANK', 0)}] lost the vLLM server at {self.client.base} "
@@ -372,14 +372,15 @@ class GlooWeightSender:
         (it will not take the bucket), raised instead of waiting for the broadcast's time-out."""
         try:
             work = self.group.broadcast(data, 0)
-            while not work.is_completed():
-                if answer.wait(0.001):  # the server answered before this bucket was through: an error raises
-                    self._check(answer)  # here, else (the last bucket) it has them all
-                    break
-            work.wait()
-        except (RunStopped, ServerLost):
-            raise
+            while not work.is_completed() and not answer.wait(0.001):
+                pass
         except RuntimeError as e:  # gloo: a worker went away
+            raise ServerLost(f"weight transfer: {e}") from e
+        if not work.is_completed():  # the server answered before this bucket was through: an error raises here,
+            self._check(answer)  # else (the last bucket) it has them all
+        try:
+            work.wait()
+        except RuntimeError as e:
             raise ServerLost(f"weight transfer: {e}") from e
 
     def _check(self, answer):

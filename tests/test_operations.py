@@ -240,7 +240,7 @@ def test_a_server_with_another_model_refuses_the_weights_and_the_run_says_so(tin
         assert server["proc"].poll() is None  # the server is still up
     assert proc.returncode != 0 and "the vLLM server cannot take these weights" in proc.stderr, proc.stderr[-4000:]
     assert "stopped (rank 0): " in proc.stderr and "lost the vLLM server" not in proc.stdout
-    assert "No step was done, nothing to save" in proc.stdout + proc.stderr
+    assert "No step was done since the start, nothing new to save" in proc.stdout + proc.stderr
     assert not [n for n in os.listdir(tmp_path / "out") if n.startswith("checkpoint-")]
 
 

@@ -169,4 +169,4 @@ def test_an_error_that_waiting_cannot_mend_saves_the_run_and_raises_it(capsys):
     nothing = ServerGuard(server, server, 5, on_gone=lambda: None)  # before the first step: nothing to keep
     with pytest.raises(RuntimeError):
         nothing.run(refused)
-    assert "No step was done, nothing to save" in capsys.readouterr().out
+    assert "No step was done since the start, nothing new to save" in capsys.readouterr().out
