@@ -81,9 +81,13 @@ class Config:
     epsilon: float = 0.2  # clip range of the ratio: [1 - epsilon, 1 + epsilon_high]
     epsilon_high: float = -1.0  # upper clip; -1 = same as epsilon (DAPO's clip-higher uses e.g. 0.28)
     delta: float = 0.0  # also cap the unclipped ratio at delta (two-sided clip, INTELLECT-2; e.g. 4); 0 = off
-    loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo | luspo | cispo | sapo (README: Loss choices)
+    loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo | luspo | cispo | sapo | vespo (README: Loss choices)
     sapo_temperature_pos: float = 1.0  # sapo: the gate's temperature for tokens with positive advantage
     sapo_temperature_neg: float = 1.05  # sapo: ... with negative (or zero) advantage
+    vespo_k_pos: float = 2.0  # vespo: the power k of the gamma weight w^k e^(-lambda w), for positive advantages
+    vespo_lambda_pos: float = 3.0  # vespo: its decay lambda, for positive advantages
+    vespo_k_neg: float = 3.0  # vespo: k for negative advantages
+    vespo_lambda_neg: float = 2.0  # vespo: lambda for negative advantages
     importance_sampling_level: str = "token"  # token | sequence (GSPO): the ratio pi / pi_old per token or per
                                               # sequence (its tokens' geometric mean), clipped as one
     scale_rewards: str = "group"  # group | batch | none: divide advantages by the group's std, the batch's, or not
@@ -97,6 +101,11 @@ class Config:
     vllm_importance_sampling_clip_min: float = 0.0  # truncate modes clamp the weight to [min, max]; mask modes
     vllm_importance_sampling_clip_max: float = 2.0  # drop tokens (sequences) outside it. 0, inf: no bound
     vllm_importance_sampling_cap: float = -1.0  # deprecated (as in TRL): the old name of --..._clip_max
+    off_policy_mask_threshold: float = -1.0  # drop from the policy term sequences with negative advantage whose mean
+                                             # log(pi_vLLM / pi) is above this (DeepSeek-V3.2); < 0 = off
+    top_entropy_quantile: float = 1.0  # train the policy term on the top rho of the step's tokens by entropy
+                                       # (Beyond the 80/20 Rule, rho = 0.2); 1 = all
+    entropy_coef: float = 0.0  # entropy bonus: the loss minus coef * the mean entropy of the trained tokens
     drop_zero_std_groups: bool = False  # skip the forward/backward of groups with equal rewards (exact when beta = 0)
     mask_truncated_completions: bool = False  # completions cut at max_completion_length get no loss (DAPO)
     reward_funcs: str = "accuracy,format"  # comma-separated names from rewards.py
@@ -212,8 +221,21 @@ class Config:
             errors.append(f"--delta {self.delta} must be 0 (off) or above 1 + epsilon_high ({1 + self.eps_high})")
         if self.importance_sampling_level not in ("token", "sequence"):
             errors.append(f"--importance_sampling_level {self.importance_sampling_level!r}: use token or sequence")
-        if self.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"):
-            errors.append(f"--loss_type {self.loss_type!r}: use grpo, bnpo, dr_grpo, dapo, luspo, cispo or sapo")
+        if self.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"):
+            errors.append(f"--loss_type {self.loss_type!r}: use grpo, bnpo, dr_grpo, dapo, luspo, cispo, sapo or vespo")
+        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
+            errors.append("--loss_type vespo weighs each sequence by its own sequence ratio: leave "
+                          "--importance_sampling_level token")
+        if self.loss_type == "vespo" and self.vllm_importance_sampling_mode.startswith("sequence"):
+            errors.append("--loss_type vespo takes the sampler correction token by token into its sequence weight: use "
+                          "--vllm_importance_sampling_mode token_truncate or token_mask (as TRL)")
+        if self.loss_type == "vespo" and min(self.vespo_lambda_pos, self.vespo_lambda_neg) <= 0:
+            errors.append("--vespo_lambda_pos and --vespo_lambda_neg must be > 0")
+        if not 0 < self.top_entropy_quantile <= 1:
+            errors.append(f"--top_entropy_quantile {self.top_entropy_quantile:g} must be in (0, 1] (1 = every token)")
+        if self.entropy_coef != 0 and self.drop_zero_std_groups:
+            errors.append("--drop_zero_std_groups skips groups whose loss has no gradient, but the entropy bonus "
+                          "gives them one: drop one of them")
         if self.loss_type == "cispo" and self.eps_high <= 1:
             errors.append(f"--loss_type cispo caps the importance weight at --epsilon_high, an absolute bound (now "
                           f"{self.eps_high:g}, which would cap every weight below 1): set it, e.g. --epsilon_high 5 "

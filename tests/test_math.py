@@ -248,6 +248,96 @@ def test_kl_bias_correction_and_the_sampler_weight_match_a_loop_with_their_gradi
     assert not torch.allclose(*on_policy)  # the correction's gradient differs even where rho = 1
 
 
+def test_vespo_matches_a_loop_with_its_gradient():
+    """VESPO: -sg(phi(w)) A logp, phi(w) = exp(lam + k log w - lam w) of the sequence ratio w = prod pi / pi_old
+    times the sampler correction (token weights, 0 where masked: clamped at 1e-8 in log space), k and lam by the
+    sign of A; with and without the correction and the KL term, loss and gradient against a loop in float64."""
+    torch.manual_seed(5)
+    B, C = 4, 5
+    logp = (torch.randn(B, C, dtype=torch.float64) * 0.5 - 2).requires_grad_()
+    old = logp.detach() + torch.randn(B, C, dtype=torch.float64) * 0.2
+    ref = logp.detach() + torch.randn(B, C, dtype=torch.float64) * 0.3
+    adv = torch.tensor([1.0, -1.0, 0.5, 0.0], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0]])
+    weights = torch.rand(B, C, dtype=torch.float64) * mask
+    is_weight = (torch.rand(B, C, dtype=torch.float64) + 0.5) * mask
+    is_weight[1, 2] = 0.0  # a token the mask mode dropped
+    for w, beta in itertools.product((None, is_weight), (0.0, 0.04)):
+        options = spec(loss_type="vespo", beta=beta, use_bias_correction_kl=False)
+        loss, _ = grpo_loss(logp, old, adv, mask, weights, options, ref, w)
+        (grad,) = torch.autograd.grad(loss, logp)
+        lp = logp.detach().clone().requires_grad_()
+        total = 0.0
+        for b in range(B):
+            tokens = [t for t in range(C) if mask[b][t]]
+            log_w = sum((lp[b][t] - old[b][t]).item() for t in tokens)
+            if w is not None:
+                log_w += sum(max(math.log(w[b][t]) if w[b][t] > 0 else -math.inf, math.log(1e-8)) for t in tokens)
+            k, lam = (2.0, 3.0) if adv[b] >= 0 else (3.0, 2.0)
+            phi = math.exp(lam + k * log_w - lam * math.exp(log_w))  # a number: no gradient through it
+            for t in tokens:
+                kl = torch.exp(ref[b][t] - lp[b][t]) - (ref[b][t] - lp[b][t]) - 1
+                total = total + weights[b][t] * (-phi * adv[b] * lp[b][t] + beta * kl)
+        (want_grad,) = torch.autograd.grad(total, lp)
+        assert abs(loss.item() - total.item()) < 1e-12 and torch.allclose(grad, want_grad, atol=1e-12), (w is None, beta)
+
+
+def test_the_off_policy_mask_the_entropy_mask_and_the_entropy_bonus_match_a_loop():
+    """--off_policy_mask_threshold drops the policy term of sequences with A < 0 whose mean log(pi_vLLM / pi)
+    (unknown sampler log-probs count 0) is above it; the entropy mask keeps the policy term of its tokens; the KL
+    term stays on every token (as TRL). The bonus subtracts coef * sum of its weights * entropy, with gradient."""
+    torch.manual_seed(6)
+    B, C = 4, 4
+    logp = (torch.randn(B, C, dtype=torch.float64) * 0.5 - 2).requires_grad_()
+    entropy = (torch.rand(B, C, dtype=torch.float64) * 2).requires_grad_()
+    old = logp.detach() + torch.randn(B, C, dtype=torch.float64) * 0.1
+    ref = logp.detach() + torch.randn(B, C, dtype=torch.float64) * 0.3
+    sampler = logp.detach() + torch.tensor([[0.5], [0.5], [-0.5], [0.05]], dtype=torch.float64)
+    sampler[1, 1] = math.nan  # unknown: adds 0 to its sequence's sum
+    adv = torch.tensor([1.0, -1.0, -0.5, -2.0], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]])
+    weights = torch.rand(B, C, dtype=torch.float64) * mask
+    entropy_mask = torch.rand(B, C) > 0.4
+    bonus_weights = (mask * entropy_mask).double() / (mask * entropy_mask).sum()
+    options = spec(beta=0.04, off_policy_mask_threshold=0.1, entropy_coef=0.01, use_bias_correction_kl=False)
+    loss, stats = grpo_loss(logp, old, adv, mask, weights, options, ref, None, sampler, entropy, entropy_mask,
+                            bonus_weights)
+    grads = torch.autograd.grad(loss, (logp, entropy))
+    lp, h = logp.detach().clone().requires_grad_(), entropy.detach().clone().requires_grad_()
+    total, masked = 0.0, 0
+    for b in range(B):
+        tokens = [t for t in range(C) if mask[b][t]]
+        mean_kl = sum(0.0 if math.isnan(sampler[b][t]) else (sampler[b][t] - lp[b][t]).item()
+                      for t in tokens) / len(tokens)
+        dropped = adv[b] < 0 and mean_kl > 0.1
+        for t in tokens:
+            ratio = torch.exp(lp[b][t] - old[b][t])
+            keep = not dropped and bool(entropy_mask[b][t])
+            masked += not keep
+            policy = -torch.min(ratio * adv[b], torch.clamp(ratio, 0.8, 1.28) * adv[b]) * keep
+            kl = torch.exp(ref[b][t] - lp[b][t]) - (ref[b][t] - lp[b][t]) - 1
+            total = total + weights[b][t] * (policy + 0.04 * kl) - 0.01 * bonus_weights[b][t] * h[b][t]
+    want = torch.autograd.grad(total, (lp, h))
+    assert abs(loss.item() - total.item()) < 1e-12 and stats["policy_masked"].item() == masked
+    assert all(torch.allclose(g, w, atol=1e-12) for g, w in zip(grads, want))
+    # the off-policy mask dropped sequences 1 (mean KL (0.5 * 3) / 4 > 0.1) and not 2 (KL < 0) nor 3 (0.05)
+    assert 4 <= masked < int(mask.sum())
+
+
+def test_high_entropy_mask_keeps_the_top_quantile_of_the_tokens_of_the_step():
+    """The (1 - rho)-quantile of the entropies of the masked tokens, interpolated as torch.quantile; tokens at or
+    above it are kept, padding never."""
+    from train import high_entropy_mask
+    torch.manual_seed(7)
+    entropy, mask = torch.rand(6, 9), torch.rand(6, 9) > 0.3
+    for rho in (0.2, 0.5, 1.0):
+        threshold = torch.quantile(entropy[mask].double(), 1 - rho)
+        got = high_entropy_mask(entropy, mask, rho)
+        assert torch.equal(got, (entropy >= threshold) & mask), rho
+        assert abs(got.sum().item() - rho * mask.sum().item()) <= 1
+    assert not high_entropy_mask(entropy, torch.zeros_like(mask), 0.2).any()
+
+
 def naive_weights(mask, loss_type, micro_batches, max_len):
     """Each token's weight in the step's loss, from the definitions, with the step's sequences split
     into `micro_batches` (lists of row indices)."""
@@ -262,14 +352,14 @@ def naive_weights(mask, loss_type, micro_batches, max_len):
                 if mask[i][t]:
                     w[i, t] = {"grpo": 1 / (sum(mask[i]) * n), "bnpo": 1 / (mb_tokens * len(micro_batches)),
                                "dr_grpo": 1 / (n * max_len), "dapo": 1 / tokens, "luspo": 1 / n,
-                               "cispo": 1 / tokens, "sapo": 1 / (sum(mask[i]) * n)}[loss_type]
+                               "cispo": 1 / tokens, "vespo": 1 / tokens, "sapo": 1 / (sum(mask[i]) * n)}[loss_type]
     return w
 
 
 def test_token_weights_match_the_definitions_for_each_loss_type():
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]])
     splits = [[0, 1], [2, 3]]
-    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"):
+    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"):
         want = naive_weights(mask.tolist(), loss_type, splits, 6)
         for mb in splits:
             got = token_weights(mask[mb], loss_type, num_seqs=4, num_tokens=float(mask.sum()), max_completion_length=6,
@@ -279,7 +369,7 @@ def test_token_weights_match_the_definitions_for_each_loss_type():
                     assert abs(got[r, t].item() - want.get((i, t), 0.0)) < 1e-12, (loss_type, i, t)
         if loss_type != "bnpo":  # the weights of a whole step sum to 1 per sequence-or-token average
             assert abs(sum(want.values()) - {"grpo": 1, "dr_grpo": 10 / 24, "dapo": 1, "luspo": 10 / 4, "cispo": 1,
-                                             "sapo": 1}[loss_type]) < 1e-12
+                                             "sapo": 1, "vespo": 1}[loss_type]) < 1e-12
 
 
 def test_on_policy_loss_gradient_is_advantage_weighted_logprob_gradient():
@@ -525,7 +615,7 @@ def test_trimmed_length_sorted_micro_batches_give_the_full_width_logprobs():
     with torch.no_grad():
         full = completion_logprobs(model, inputs, 6, 0.7)[0].float() * cmask
     for size in (1, 2, 3, 5):
-        assert ((no_grad_logprobs(model, inputs, 6, 0.7, size, nullcontext()) - full) * cmask).abs().max() < 1e-6, size
+        assert ((no_grad_logprobs(model, inputs, 6, 0.7, size, nullcontext())[0] - full) * cmask).abs().max() < 1e-6, size
     # the widths kept: rows 0 and 4 need 4 prompt columns (row 0's) and 4 completion columns (row 4's)
     t, c = trim_padding(take(inputs, [0, 4]), 6)
     assert c == 4 and t["input_ids"].shape == (2, 8)
@@ -552,3 +642,22 @@ def test_sampled_logprobs_and_their_gradient_match_the_plain_log_softmax():
         p = torch.softmax(z, dim=-1)
         assert (entropy - -(p * p.log()).sum(-1)).abs().max() < 1e-12
     assert torch.autograd.gradcheck(lambda x: SampledLogprobs.apply(x, targets[:1, :3], 1.3, 2)[0], logits[:1, :3].detach().clone().requires_grad_())
+
+
+def test_the_entropy_bonus_gradient_matches_autograd_through_the_plain_entropy():
+    """With entropy_grad the entropy carries its gradient: against -(p log p).sum() with autograd, in fp64,
+    for a loss on both outputs (the policy term and the bonus), chunked and not."""
+    from utils import SampledLogprobs
+    torch.manual_seed(1)
+    logits = torch.randn(2, 6, 40, dtype=torch.float64, requires_grad=True)
+    targets, w, u = torch.randint(0, 40, (2, 6)), torch.randn(2, 6, dtype=torch.float64), torch.randn(2, 6, dtype=torch.float64)
+    logq = torch.log_softmax(logits / 1.3, dim=-1)
+    plain_h = -(logq.exp() * logq).sum(-1)
+    (expected,) = torch.autograd.grad((logq.gather(-1, targets[..., None]).squeeze(-1) * w + plain_h * u).sum(), logits)
+    for rows in (1, 4, 16):
+        logp, entropy = SampledLogprobs.apply(logits, targets, 1.3, rows, True)
+        assert entropy.requires_grad and (entropy - plain_h).abs().max() < 1e-12
+        (grad,) = torch.autograd.grad((logp * w + entropy * u).sum(), logits)
+        assert (grad - expected).abs().max() < 1e-12, rows
+    assert torch.autograd.gradcheck(lambda x: SampledLogprobs.apply(x, targets[:1, :3], 0.7, 2, True)[1],
+                                    logits[:1, :3].detach().clone().requires_grad_())
