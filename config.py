@@ -110,6 +110,8 @@ class Config:
     mask_truncated_completions: bool = False  # completions cut at max_completion_length get no loss (DAPO)
     reward_funcs: str = "accuracy,format"  # comma-separated names from rewards.py
     reward_weights: str = ""  # comma-separated floats, one per reward function; "" = all 1.0
+    overlong_max_length: int = 0  # the overlong_penalty reward: -1 at this many tokens; 0 = --max_completion_length
+    overlong_buffer_length: int = 0  # ... falling from 0 over this many tokens before it; 0 = a fifth of the max
     max_unscored_steps: int = 5  # stop after this many steps in a row in which a reward function failed on every
                                  # completion, or none was scored; 0 = never
     # optimization
@@ -189,6 +191,11 @@ class Config:
     def eval_every(self) -> int:
         """Evaluate after every this many steps (and always after the last)."""
         return self.eval_steps if self.eval_steps > 0 else self.max_steps
+
+    def reward_options(self) -> dict:
+        """The settings of built-in reward functions, by name (bound as keyword arguments)."""
+        longest = self.overlong_max_length or self.max_completion_length
+        return {"overlong_penalty": {"max_length": longest, "buffer_length": self.overlong_buffer_length or longest // 5}}
 
     def reward_weight_list(self) -> list[float]:
         if not self.reward_weights.strip():
@@ -276,6 +283,15 @@ class Config:
             errors.append(f"--lr_scheduler_type {self.lr_scheduler_type!r}: use constant, linear or cosine")
         if self.report_to not in ("none", "wandb"):
             errors.append(f"--report_to {self.report_to!r}: use none or wandb")
+        if "overlong_penalty" in self.reward_names():
+            lengths = self.reward_options()["overlong_penalty"]
+            if not 0 < lengths["buffer_length"] <= lengths["max_length"] or self.overlong_max_length < 0:
+                errors.append(f"--overlong_buffer_length {lengths['buffer_length']} must be in [1, the max length "
+                              f"{lengths['max_length']}] (--overlong_max_length, 0 = --max_completion_length)")
+            elif lengths["max_length"] - lengths["buffer_length"] >= self.max_completion_length:
+                errors.append(f"overlong_penalty would never penalise: completions stop at --max_completion_length "
+                              f"{self.max_completion_length}, before its penalty starts at "
+                              f"{lengths['max_length'] - lengths['buffer_length']} tokens; lower --overlong_max_length")
         if not self.reward_names():
             errors.append("--reward_funcs is empty: name at least one reward function (see rewards.py)")
         try:

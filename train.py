@@ -351,7 +351,8 @@ def main(cfg: Config):
         raise UsageError(f"the longest prompt ({longest} tokens) + --max_completion_length {cfg.max_completion_length} "
                          f"exceeds the server's max model length {max_model_len}: lower them or restart the server "
                          "with a larger --max-model-len")
-    scorer = RewardScorer(cfg.reward_names(), list(rows[0]), device, cfg.max_steps)  # signatures checked now
+    scorer = RewardScorer(cfg.reward_names(), list(rows[0]), device, cfg.max_steps,  # signatures checked now
+                          options=cfg.reward_options())
     rollout_fn = load_rollout(cfg.rollout)  # rows -> episodes through the server (rollout.generate by default)
     sampling = dict(max_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                     min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty)
