@@ -106,6 +106,9 @@ class Config:
     top_entropy_quantile: float = 1.0  # train the policy term on the top rho of the step's tokens by entropy
                                        # (Beyond the 80/20 Rule, rho = 0.2); 1 = all
     entropy_coef: float = 0.0  # entropy bonus: the loss minus coef * the mean entropy of the trained tokens
+    dynamic_sampling: bool = False  # DAPO: replace groups whose rewards all agree by more, sampled until the batch
+                                    # is filled with groups whose rewards differ
+    dynamic_sampling_max_rounds: int = 3  # ... at most this many extra sampling rounds per step
     drop_zero_std_groups: bool = False  # skip the forward/backward of groups with equal rewards (exact when beta = 0)
     mask_truncated_completions: bool = False  # completions cut at max_completion_length get no loss (DAPO)
     reward_funcs: str = "accuracy,format"  # comma-separated names from rewards.py
@@ -195,7 +198,8 @@ class Config:
     def reward_options(self) -> dict:
         """The settings of built-in reward functions, by name (bound as keyword arguments)."""
         longest = self.overlong_max_length or self.max_completion_length
-        return {"overlong_penalty": {"max_length": longest, "buffer_length": self.overlong_buffer_length or longest // 5}}
+        buffer = self.overlong_buffer_length or longest // 5  # DAPO: 4096 of 20480
+        return {"overlong_penalty": {"max_length": longest, "buffer_length": buffer}}
 
     def reward_weight_list(self) -> list[float]:
         if not self.reward_weights.strip():
@@ -238,6 +242,8 @@ class Config:
                           "--vllm_importance_sampling_mode token_truncate or token_mask (as TRL)")
         if self.loss_type == "vespo" and min(self.vespo_lambda_pos, self.vespo_lambda_neg) <= 0:
             errors.append("--vespo_lambda_pos and --vespo_lambda_neg must be > 0")
+        if self.dynamic_sampling_max_rounds < 1:
+            errors.append("--dynamic_sampling_max_rounds must be at least 1")
         if not 0 < self.top_entropy_quantile <= 1:
             errors.append(f"--top_entropy_quantile {self.top_entropy_quantile:g} must be in (0, 1] (1 = every token)")
         if self.entropy_coef != 0 and self.drop_zero_std_groups:

@@ -81,6 +81,32 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     return adv.view(-1).where(~rewards.isnan(), 0.0)
 
 
+def keep_groups_with_signal(batch: tuple, draw, G: int, max_rounds: int) -> tuple[tuple, dict]:
+    """DAPO's dynamic sampling on this rank's scored batch (episodes, texts, reward matrix, rewards: G per group;
+    row indices: one per group). A group whose rewards all agree has no signal (its advantages are 0); more groups
+    come from draw(k, wanted), which samples and scores extra round k (a batch of the same kind; nothing unless
+    `wanted`: every rank takes part in every round, also one that has enough), until every rank has as many
+    groups with signal as it started with, or after max_rounds rounds. Returns that many groups, those with
+    signal first (in the order drawn), any shortfall filled with groups without, and the rounds' metrics."""
+    want, rounds, parts = len(batch[0]) // G, 0, [batch]
+    have = int((group_std(batch[3], G) > 1e-6).sum())
+    while rounds < max_rounds and sum_over_ranks({"short": max(want - have, 0)})["short"] > 0:
+        rounds += 1
+        parts.append(draw(rounds, have < want))
+        have += int((group_std(parts[-1][3], G) > 1e-6).sum())
+    episodes, texts, matrix, rewards, rows = (sum((b[0] for b in parts), []), sum((b[1] for b in parts), []),
+                                              torch.cat([b[2] for b in parts]), torch.cat([b[3] for b in parts]),
+                                              sum((b[4] for b in parts), []))
+    signal = group_std(rewards, G) > 1e-6  # (groups,)
+    groups = (signal.nonzero().flatten().tolist() + (~signal).nonzero().flatten().tolist())[:want]
+    kept = [g * G + i for g in groups for i in range(G)]
+    t = sum_over_ranks({"drawn": len(rows), "without_signal": sum(not signal[g] for g in groups)})
+    batch = ([episodes[i] for i in kept], [texts[i] for i in kept], matrix[kept], rewards[kept],
+             [rows[g] for g in groups])
+    return batch, {"dynamic_sampling/rounds": rounds, "dynamic_sampling/groups_drawn": t["drawn"],
+                   "dynamic_sampling/groups_without_signal": t["without_signal"]}
+
+
 def token_weights(mask: torch.Tensor, loss_type: str, num_seqs: float, num_tokens: float, max_completion_length: int,
                   num_micro_batches: int) -> torch.Tensor:
     """(B, C) weight of each completion token in the loss of one optimizer step. `num_seqs` and
@@ -396,16 +422,21 @@ def main(cfg: Config):
     logger = MetricsLogger(cfg.output_dir, is_main, cfg.report_to, vars(cfg), cfg.wandb_project, cfg.run_name)
     stop = StopRequest()  # SIGTERM / Ctrl-C: save a checkpoint, then stop
 
-    def rows_of(step: int) -> list[int]:
-        """This rank's rows (indices) of `step`: the same on resume."""
-        indices = step_prompt_indices(step, len(rows), cfg.prompts_per_step, cfg.seed)
+    def rows_of(step: int, extra_round: int = 0) -> list[int]:
+        """This rank's rows (indices) of `step` (or of its extra sampling round, --dynamic_sampling), as on resume."""
+        indices = step_prompt_indices(step, len(rows), cfg.prompts_per_step, cfg.seed + 1_000_003 * extra_round)
         return indices[rank * prompts_per_rank:(rank + 1) * prompts_per_rank]
 
-    def rollout_call(step: int):
+    def rollout_call(step: int, extra_round: int = 0):
         """The call that samples this rank's episodes of `step`, repeatable (a server reconnect runs it again)."""
-        seed = (cfg.seed * 1_000_000 + step) * 1000 + rank
+        seed = (cfg.seed * 1_000_000 + step) * 1000 + rank + extra_round * 10 ** 15
         ctx = RolloutContext(client, tokenizer, G, sampling, seed, cfg.system_prompt)
-        return functools.partial(run_rollout, rollout_fn, [rows[i] for i in rows_of(step)], ctx)
+        return functools.partial(run_rollout, rollout_fn, [rows[i] for i in rows_of(step, extra_round)], ctx)
+
+    def draw_more(step: int, extra_round: int, wanted: bool) -> tuple:
+        """--dynamic_sampling's extra round of `step`, scored: (episodes, texts, reward matrix, rewards, rows)."""
+        episodes = server.run(rollout_call(step, extra_round) if wanted else list)  # every rank: a collective
+        return (episodes, *score(episodes), rows_of(step, extra_round) if wanted else [])
 
     # async generation: {step: (policy version, this rank's episodes)} drawn while the step before trained;
     # checkpoints keep every rank's, in rank order (the step's prompts in order), so a resumed run, with any
@@ -476,6 +507,7 @@ def main(cfg: Config):
         logger.log(metrics)
         log_eval(0, metrics)
     bad_steps, t_start = 0, time.perf_counter()  # steps in a row whose loss was not finite; for the progress bar
+    warned_short = False  # --dynamic_sampling could not fill a batch with groups with signal (said once)
     scoring = ScoringWatch(names, cfg.max_unscored_steps)  # steps in a row with a reward function down
     for step in range(state["step"], cfg.max_steps):
         timer = StepTimer()
@@ -494,6 +526,17 @@ def main(cfg: Config):
         # ---------------------------------------------------------------------- score
         texts, reward_matrix, rewards = score(episodes)  # (N, k) per function, NaN = not scored; (N,) weighted sum
         scoring.update(scorer.failed, rewards, step + 1)  # stops a run whose rewards stopped coming
+        dynamic = {}
+        if cfg.dynamic_sampling:  # DAPO: groups whose rewards all agree make way for more, sampled now
+            (episodes, texts, reward_matrix, rewards, mine), dynamic = keep_groups_with_signal(
+                (episodes, texts, reward_matrix, rewards, mine), functools.partial(draw_more, step), G,
+                cfg.dynamic_sampling_max_rounds)
+            if dynamic["dynamic_sampling/groups_without_signal"] and not warned_short:
+                warned_short = True
+                print0(f"warning: --dynamic_sampling found too few groups with signal in "
+                       f"{cfg.dynamic_sampling_max_rounds} extra rounds at step {step + 1}; the batch was filled "
+                       "with groups without (no policy gradient). Counted in dynamic_sampling/groups_without_signal; "
+                       "raise --dynamic_sampling_max_rounds or make the task easier")
         timer.lap("score")
 
         # ---------------------------------------------------------------------- advantages
@@ -566,8 +609,9 @@ def main(cfg: Config):
         metrics = {**mean_over_ranks(scorer.metrics), "step": step + 1,  # the reward functions' log_metric first
                    **reward_metrics(rewards, reward_matrix, names, zero_std, scorer.failures),
                    **training_metrics(sums, grad_norms, tokens["mask"].sum(dim=1).float(), truncated, diff, compared),
-                   **probe, "server_reconnects": server.reconnects, "lr": scheduler.get_last_lr()[0],
-                   "optimizer_steps": scheduler.last_epoch, "old_logprob_pass": int(off_policy or cfg.top_entropy_quantile < 1), **timer.metrics()}
+                   **dynamic, **probe, "server_reconnects": server.reconnects, "lr": scheduler.get_last_lr()[0],
+                   "optimizer_steps": scheduler.last_epoch,
+                   "old_logprob_pass": int(off_policy or cfg.top_entropy_quantile < 1), **timer.metrics()}
         logger.log_rollouts(rollout_records(episodes, texts, reward_matrix, names, rewards, tokenizer,
                                             [mine[i // G] for i in range(len(episodes))], scorer.extra, advantages,
                                             step=step + 1, split="train", policy_version=version, rank=rank))
