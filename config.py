@@ -81,18 +81,40 @@ class Config:
     epsilon: float = 0.2  # clip range of the ratio: [1 - epsilon, 1 + epsilon_high]
     epsilon_high: float = -1.0  # upper clip; -1 = same as epsilon (DAPO's clip-higher uses e.g. 0.28)
     delta: float = 0.0  # also cap the unclipped ratio at delta (two-sided clip, INTELLECT-2; e.g. 4); 0 = off
-    loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo: how token losses are averaged (README: Loss choices)
+    loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo | luspo | cispo | sapo | vespo (README: Loss choices)
+    sapo_temperature_pos: float = 1.0  # sapo: the gate's temperature for tokens with positive advantage
+    sapo_temperature_neg: float = 1.05  # sapo: ... with negative (or zero) advantage
+    vespo_k_pos: float = 2.0  # vespo: the power k of the gamma weight w^k e^(-lambda w), for positive advantages
+    vespo_lambda_pos: float = 3.0  # vespo: its decay lambda, for positive advantages
+    vespo_k_neg: float = 3.0  # vespo: k for negative advantages
+    vespo_lambda_neg: float = 2.0  # vespo: lambda for negative advantages
+    importance_sampling_level: str = "token"  # token | sequence (GSPO): the ratio pi / pi_old per token or per
+                                              # sequence (its tokens' geometric mean), clipped as one
     scale_rewards: str = "group"  # group | batch | none: divide advantages by the group's std, the batch's, or not
     num_iterations: int = 1  # mu: passes over each generation batch (> 1 makes updates off-policy)
     steps_per_generation: int = 1  # optimizer steps per generation batch, each on a slice of it (> 1: off-policy)
     vllm_importance_sampling_correction: bool = True  # weight tokens by pi_old / pi_sampler (vLLM's log-probs)
     vllm_importance_sampling_mode: str = "token_truncate"  # token_truncate | token_mask | sequence_truncate
                                                            # | sequence_mask
-    vllm_importance_sampling_cap: float = 2.0  # truncate weights above this; mask modes drop outside [1/cap, cap]
+    vllm_importance_sampling_kl: bool = False  # weight the KL term by the sampler correction too (TRL: not)
+    use_bias_correction_kl: bool = True  # multiply the KL term by the ratio pi / pi_old (DeepSeek-V3.2; TRL's default)
+    vllm_importance_sampling_clip_min: float = 0.0  # truncate modes clamp the weight to [min, max]; mask modes
+    vllm_importance_sampling_clip_max: float = 2.0  # drop tokens (sequences) outside it. 0, inf: no bound
+    vllm_importance_sampling_cap: float = -1.0  # deprecated (as in TRL): the old name of --..._clip_max
+    off_policy_mask_threshold: float = -1.0  # drop from the policy term sequences with negative advantage whose mean
+                                             # log(pi_vLLM / pi) is above this (DeepSeek-V3.2); < 0 = off
+    top_entropy_quantile: float = 1.0  # train the policy term on the top rho of the step's tokens by entropy
+                                       # (Beyond the 80/20 Rule, rho = 0.2); 1 = all
+    entropy_coef: float = 0.0  # entropy bonus: the loss minus coef * the mean entropy of the trained tokens
+    dynamic_sampling: bool = False  # DAPO: replace groups whose rewards all agree by more, sampled until the batch
+                                    # is filled with groups whose rewards differ
+    dynamic_sampling_max_rounds: int = 3  # ... at most this many extra sampling rounds per step
     drop_zero_std_groups: bool = False  # skip the forward/backward of groups with equal rewards (exact when beta = 0)
     mask_truncated_completions: bool = False  # completions cut at max_completion_length get no loss (DAPO)
     reward_funcs: str = "accuracy,format"  # comma-separated names from rewards.py
     reward_weights: str = ""  # comma-separated floats, one per reward function; "" = all 1.0
+    overlong_max_length: int = 0  # the overlong_penalty reward: -1 at this many tokens; 0 = --max_completion_length
+    overlong_buffer_length: int = 0  # ... falling from 0 over this many tokens before it; 0 = a fifth of the max
     max_unscored_steps: int = 5  # stop after this many steps in a row in which a reward function failed on every
                                  # completion, or none was scored; 0 = never
     # optimization
@@ -173,6 +195,12 @@ class Config:
         """Evaluate after every this many steps (and always after the last)."""
         return self.eval_steps if self.eval_steps > 0 else self.max_steps
 
+    def reward_options(self) -> dict:
+        """The settings of built-in reward functions, by name (bound as keyword arguments)."""
+        longest = self.overlong_max_length or self.max_completion_length
+        buffer = self.overlong_buffer_length or longest // 5  # DAPO: 4096 of 20480
+        return {"overlong_penalty": {"max_length": longest, "buffer_length": buffer}}
+
     def reward_weight_list(self) -> list[float]:
         if not self.reward_weights.strip():
             return [1.0] * len(self.reward_names())
@@ -202,8 +230,34 @@ class Config:
             errors.append("--learning_rate must be > 0")
         if self.delta < 0 or 0 < self.delta <= 1 + self.eps_high:
             errors.append(f"--delta {self.delta} must be 0 (off) or above 1 + epsilon_high ({1 + self.eps_high})")
-        if self.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo"):
-            errors.append(f"--loss_type {self.loss_type!r}: use grpo, bnpo, dr_grpo or dapo")
+        if self.importance_sampling_level not in ("token", "sequence"):
+            errors.append(f"--importance_sampling_level {self.importance_sampling_level!r}: use token or sequence")
+        if self.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"):
+            errors.append(f"--loss_type {self.loss_type!r}: use grpo, bnpo, dr_grpo, dapo, luspo, cispo, sapo or vespo")
+        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
+            errors.append("--loss_type vespo weighs each sequence by its own sequence ratio: leave "
+                          "--importance_sampling_level token")
+        if self.loss_type == "vespo" and self.vllm_importance_sampling_mode.startswith("sequence"):
+            errors.append("--loss_type vespo takes the sampler correction token by token into its sequence weight: use "
+                          "--vllm_importance_sampling_mode token_truncate or token_mask (as TRL)")
+        if self.loss_type == "vespo" and min(self.vespo_lambda_pos, self.vespo_lambda_neg) <= 0:
+            errors.append("--vespo_lambda_pos and --vespo_lambda_neg must be > 0")
+        if self.dynamic_sampling_max_rounds < 1:
+            errors.append("--dynamic_sampling_max_rounds must be at least 1")
+        if not 0 < self.top_entropy_quantile <= 1:
+            errors.append(f"--top_entropy_quantile {self.top_entropy_quantile:g} must be in (0, 1] (1 = every token)")
+        if self.entropy_coef != 0 and self.drop_zero_std_groups:
+            errors.append("--drop_zero_std_groups skips groups whose loss has no gradient, but the entropy bonus "
+                          "gives them one: drop one of them")
+        if self.loss_type == "cispo" and self.eps_high <= 1:
+            errors.append(f"--loss_type cispo caps the importance weight at --epsilon_high, an absolute bound (now "
+                          f"{self.eps_high:g}, which would cap every weight below 1): set it, e.g. --epsilon_high 5 "
+                          "(ScaleRL's choice)")
+        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
+            errors.append("--loss_type luspo is GSPO's loss with each sequence weighed by its length: use it with "
+                          "--importance_sampling_level sequence")
+        if self.loss_type == "sapo" and min(self.sapo_temperature_pos, self.sapo_temperature_neg) <= 0:
+            errors.append("--sapo_temperature_pos and --sapo_temperature_neg must be > 0")
         if self.scale_rewards not in ("group", "batch", "none"):
             errors.append(f"--scale_rewards {self.scale_rewards!r}: use group, batch or none")
         if self.repetition_penalty <= 0 or not 0 <= self.min_p < 1 or self.top_k == 0:
@@ -222,12 +276,28 @@ class Config:
         if self.async_generation and not self.vllm_importance_sampling_correction:
             errors.append("--async_generation trains on completions sampled by the previous weights, which needs the "
                           "importance-sampling correction: drop --vllm_importance_sampling_correction false")
-        if self.vllm_importance_sampling_cap <= 1:
-            errors.append("--vllm_importance_sampling_cap must be > 1")
+        if self.vllm_importance_sampling_cap >= 0:  # TRL's old name: still taken, and said
+            if int(os.environ.get("RANK", 0)) == 0:
+                print("warning: --vllm_importance_sampling_cap is deprecated (as in TRL): use "
+                      "--vllm_importance_sampling_clip_max", file=sys.stderr, flush=True)
+            self.vllm_importance_sampling_clip_max, self.vllm_importance_sampling_cap = self.vllm_importance_sampling_cap, -1
+        if not 0 <= self.vllm_importance_sampling_clip_min < 1 < self.vllm_importance_sampling_clip_max:
+            errors.append(f"--vllm_importance_sampling_clip_min {self.vllm_importance_sampling_clip_min:g} and "
+                          f"--vllm_importance_sampling_clip_max {self.vllm_importance_sampling_clip_max:g}: the bounds "
+                          "must hold 1 (a weight of 1 is no correction), min >= 0")
         if self.lr_scheduler_type not in ("constant", "linear", "cosine"):
             errors.append(f"--lr_scheduler_type {self.lr_scheduler_type!r}: use constant, linear or cosine")
         if self.report_to not in ("none", "wandb"):
             errors.append(f"--report_to {self.report_to!r}: use none or wandb")
+        if "overlong_penalty" in self.reward_names():
+            lengths = self.reward_options()["overlong_penalty"]
+            if not 0 < lengths["buffer_length"] <= lengths["max_length"] or self.overlong_max_length < 0:
+                errors.append(f"--overlong_buffer_length {lengths['buffer_length']} must be in [1, the max length "
+                              f"{lengths['max_length']}] (--overlong_max_length, 0 = --max_completion_length)")
+            elif lengths["max_length"] - lengths["buffer_length"] >= self.max_completion_length:
+                errors.append(f"overlong_penalty would never penalise: completions stop at --max_completion_length "
+                              f"{self.max_completion_length}, before its penalty starts at "
+                              f"{lengths['max_length'] - lengths['buffer_length']} tokens; lower --overlong_max_length")
         if not self.reward_names():
             errors.append("--reward_funcs is empty: name at least one reward function (see rewards.py)")
         try:

@@ -26,6 +26,7 @@ printed; a function that fails on every completion of its first batch stops the 
 import asyncio
 import contextlib
 import ctypes
+import functools
 import importlib
 import inspect
 import math
@@ -111,6 +112,14 @@ def tag_count(completions, **kwargs) -> list[float]:
     return [sum(0.25 for t in tags if completion_text(c).count(t) == 1) for c in completions]
 
 
+def overlong_penalty(completion_ids, max_length: int, buffer_length: int, **kwargs) -> list[float]:
+    """DAPO's soft overlong punishment (arXiv:2503.14476): 0 for a completion of up to max_length - buffer_length
+    tokens, then down linearly to -1 at max_length, -1 beyond (TRL: get_soft_overlong_punishment). The lengths
+    are --overlong_max_length and --overlong_buffer_length."""
+    start = max_length - buffer_length
+    return [0.0 if len(ids) <= start else max(-1.0, (start - len(ids)) / buffer_length) for ids in completion_ids]
+
+
 def weighted_rewards(matrix, weights):
     """(N, k) rewards of k functions (NaN = not scored) and their (k,) weights -> (N,) weighted sums over the
     functions that scored each completion; NaN for a completion no function scored (it has no reward: the
@@ -128,7 +137,7 @@ def postprocess_rewards(matrix, names: list[str]):
     return matrix
 
 
-REWARD_FUNCS = {"accuracy": accuracy, "format": format, "tag_count": tag_count}
+REWARD_FUNCS = {"accuracy": accuracy, "format": format, "tag_count": tag_count, "overlong_penalty": overlong_penalty}
 EXTRA_ARGUMENTS = ("trainer_state", "log_metric", "log_extra")  # TRL's, besides the dataset's columns
 
 
@@ -137,18 +146,21 @@ def is_reward_model(name: str) -> bool:
     return "/" in name or os.sep in name
 
 
-def get_reward_func(name: str):
-    """A function from REWARD_FUNCS, or your own as "module:function" (importable from the working folder)."""
+def get_reward_func(name: str, options: dict | None = None):
+    """A function from REWARD_FUNCS, or your own as "module:function" (importable from the working folder), with
+    the keyword arguments `options[name]` bound if there are any (a built-in's settings from the command line)."""
     if ":" in name:
         module, fn = name.split(":", 1)
-        return getattr(importlib.import_module(module), fn)
-    return REWARD_FUNCS[name]
+        fn = getattr(importlib.import_module(module), fn)
+    else:
+        fn = REWARD_FUNCS[name]
+    return functools.partial(fn, **options[name]) if options and name in options else fn
 
 
-def load_reward_func(name: str, columns: list[str]):
+def load_reward_func(name: str, columns: list[str], options: dict | None = None):
     """The function named `name`, checked to accept what the scorer passes it; UsageError saying what to change."""
     try:
-        fn = get_reward_func(name)
+        fn = get_reward_func(name, options)
     except KeyError:
         raise UsageError(f"unknown reward function {name!r} in --reward_funcs: use one of {sorted(REWARD_FUNCS)}, your "
                          "own as module:function, or a reward model folder as a path (./my_rm)") from None
@@ -239,12 +251,12 @@ def _unscored(n: int, why: str) -> dict:
     return {"scores": [math.nan] * n, "failed": n, "traceback": why, "metrics": {}, "extra": {}}
 
 
-def _score(names: list[str], batch: dict) -> list[dict]:
+def _score(names: list[str], batch: dict, options: dict) -> list[dict]:
     """Runs in the scorer's process: the functions named (one sync function, or every async one, which
     run concurrently) on one batch: per function {scores, failed, traceback, metrics, extra} or {error}."""
     async def one(name):
         try:
-            result = await _score_one(get_reward_func(name), batch, len(batch["completions"]))
+            result = await _score_one(get_reward_func(name, options), batch, len(batch["completions"]))
         except BadOutput as e:
             return {"error": f"reward function {name} {e}"}
         return {**result, "metrics": {k: sum(v) / len(v) for k, v in result["metrics"].items()}}
@@ -309,14 +321,15 @@ class RewardScorer:
     scored. rows[i] is the dataset row of completion i; `columns`, the dataset's, are checked against
     every function's signature at start."""
 
-    def __init__(self, names: list[str], columns: list[str], device="cpu", max_steps: int = 0, timeout: float = 60.0):
+    def __init__(self, names: list[str], columns: list[str], device="cpu", max_steps: int = 0, timeout: float = 60.0,
+                 options: dict | None = None):
         taken = [c for c in columns if c in ("prompts", "completions", "completion_ids", *EXTRA_ARGUMENTS)]
         if taken:
             raise UsageError(f"the dataset has a column named {taken[0]!r}, the name of an argument every reward "
                              "function gets from nanogrpo (as in TRL); rename the column")
-        self.names, self.timeout, self.max_steps = names, timeout, max_steps
+        self.names, self.timeout, self.max_steps, self.options = names, timeout, max_steps, options or {}
         self.models = {name: RewardModel(name, device) for name in names if is_reward_model(name)}
-        self.is_async = {name: inspect.iscoroutinefunction(load_reward_func(name, columns))
+        self.is_async = {name: inspect.iscoroutinefunction(load_reward_func(name, columns, self.options))
                          for name in names if name not in self.models}
         self.failures = 0  # (function, completion) scores lost: the function raised, or hung
         self.failed = dict.fromkeys(names, 0)  # the same, of each function in the last call
@@ -347,7 +360,7 @@ class RewardScorer:
         if self._pool is None:
             self._start()
         try:
-            return self._pool.apply_async(_score, (names, batch)).get(timeout=self.timeout)
+            return self._pool.apply_async(_score, (names, batch, self.options)).get(timeout=self.timeout)
         except Exception as e:  # hung, or the process died: these functions' batch is unscored; a fresh process
             self.stop(busy=True)
             why = (f"did not finish within {self.timeout:g} s" if isinstance(e, mp.TimeoutError)

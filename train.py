@@ -49,10 +49,10 @@ from utils import (MetricsLogger, ScoringWatch, ServerWeights, StepTimer, StopRe
                    check_checkpoint, check_finite, check_sync, completion_logprobs, console_line, disable_dropout,
                    distribute, encode_prompt, eval_summary, extremes_over_ranks, find_checkpoint, full_tensor,
                    gather_lines, gradient_sync, length_sorted, load_checkpoint, load_model, load_rows, mean_over_ranks,
-                   merge_stats, no_grad_logprobs, pass_at_k, prepare_output_dir, print0, progress, reference_model,
-                   restore_training_state, reward_metrics, rollout_records, run_and_exit, save_checkpoint, save_model,
-                   setup_distributed, step_prompt_indices, sum_over_ranks, take, to_device, training_metrics,
-                   trim_padding)
+                   merge_stats, no_grad_logprobs, pass_at_k, prepare_output_dir, print0, progress, quantile_over_ranks,
+                   reference_model, restore_training_state, reward_metrics, rollout_records, run_and_exit,
+                   save_checkpoint, save_model, setup_distributed, step_prompt_indices, sum_over_ranks, take, to_device,
+                   training_metrics, trim_padding)
 from vllm_server import InThread, ServerGuard, VLLMClient, WeightSync
 
 
@@ -81,6 +81,32 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     return adv.view(-1).where(~rewards.isnan(), 0.0)
 
 
+def keep_groups_with_signal(batch: tuple, draw, G: int, max_rounds: int) -> tuple[tuple, dict]:
+    """DAPO's dynamic sampling on this rank's scored batch (episodes, texts, reward matrix, rewards: G per group;
+    row indices: one per group). A group whose rewards all agree has no signal (its advantages are 0); more groups
+    come from draw(k, wanted), which samples and scores extra round k (a batch of the same kind; nothing unless
+    `wanted`: every rank takes part in every round, also one that has enough), until every rank has as many
+    groups with signal as it started with, or after max_rounds rounds. Returns that many groups, those with
+    signal first (in the order drawn), any shortfall filled with groups without, and the rounds' metrics."""
+    want, rounds, parts = len(batch[0]) // G, 0, [batch]
+    have = int((group_std(batch[3], G) > 1e-6).sum())
+    while rounds < max_rounds and sum_over_ranks({"short": max(want - have, 0)})["short"] > 0:
+        rounds += 1
+        parts.append(draw(rounds, have < want))
+        have += int((group_std(parts[-1][3], G) > 1e-6).sum())
+    episodes, texts, matrix, rewards, rows = (sum((b[0] for b in parts), []), sum((b[1] for b in parts), []),
+                                              torch.cat([b[2] for b in parts]), torch.cat([b[3] for b in parts]),
+                                              sum((b[4] for b in parts), []))
+    signal = group_std(rewards, G) > 1e-6  # (groups,)
+    groups = (signal.nonzero().flatten().tolist() + (~signal).nonzero().flatten().tolist())[:want]
+    kept = [g * G + i for g in groups for i in range(G)]
+    t = sum_over_ranks({"drawn": len(rows), "without_signal": sum(not signal[g] for g in groups)})
+    batch = ([episodes[i] for i in kept], [texts[i] for i in kept], matrix[kept], rewards[kept],
+             [rows[g] for g in groups])
+    return batch, {"dynamic_sampling/rounds": rounds, "dynamic_sampling/groups_drawn": t["drawn"],
+                   "dynamic_sampling/groups_without_signal": t["without_signal"]}
+
+
 def token_weights(mask: torch.Tensor, loss_type: str, num_seqs: float, num_tokens: float, max_completion_length: int,
                   num_micro_batches: int) -> torch.Tensor:
     """(B, C) weight of each completion token in the loss of one optimizer step. `num_seqs` and
@@ -90,8 +116,13 @@ def token_weights(mask: torch.Tensor, loss_type: str, num_seqs: float, num_token
       grpo     (1/N) sum_i (1/|o_i|) sum_t     mean over sequences of each sequence's token mean
       bnpo     mean over micro-batches of each micro-batch's token mean (depends on the split)
       dr_grpo  1/(N * max_completion_length) sum_i sum_t   (Dr. GRPO: no length bias)
-      dapo     1/(sum_i |o_i|) sum_i sum_t                 (DAPO: every token of the step alike)"""
+      dapo     1/(sum_i |o_i|) sum_i sum_t                 (DAPO: every token of the step alike)
+      luspo    (1/N) sum_i sum_t                           (LUSPO: each sequence by its length)
+    cispo and vespo are normalised as dapo, sapo as grpo (as in TRL)."""
     mask = mask.to(torch.float64)
+    loss_type = {"cispo": "dapo", "vespo": "dapo", "sapo": "grpo"}.get(loss_type, loss_type)
+    if loss_type == "luspo":
+        return mask / num_seqs
     if loss_type == "grpo":
         return mask / mask.sum(dim=1, keepdim=True).clamp(min=1) / num_seqs
     if loss_type == "bnpo":
@@ -109,34 +140,106 @@ def loss_mask_of(sampled: torch.Tensor, truncated: torch.Tensor, mask_truncated:
     return sampled * ~truncated.unsqueeze(1) if mask_truncated else sampled
 
 
-def grpo_loss(logp, old_logp, advantages, mask, weights, epsilon_low: float, epsilon_high: float, delta: float = 0.0,
-              beta: float = 0.0, ref_logp=None):
-    """Clipped surrogate with a k3 KL penalty: sum over tokens of weights * per-token loss.
+def grpo_loss(logp, old_logp, advantages, mask, weights, cfg: Config, ref_logp=None, is_weight=None,
+              sampler_logp=None, entropy=None, entropy_mask=None, entropy_weights=None):
+    """The policy loss with a k3 KL penalty and an entropy bonus: sum over tokens of weights * per-token loss
+    (README: Loss choices).
 
-    logp, old_logp, ref_logp, mask, weights: (B, C) per completion token; advantages: (B,).
-    delta > 0 also caps the ratio of the unclipped term at delta (two-sided clipping, INTELLECT-2).
-    Returns the loss (a scalar to backpropagate) and a dict of masked sums for metrics.
-    """
-    ratio = torch.exp(logp - old_logp)  # (B, C)
+    logp, old_logp, ref_logp, sampler_logp, mask, weights, is_weight, entropy, entropy_mask, entropy_weights:
+    (B, C) per completion token; advantages: (B,). The ratio rho = pi / pi_old is per token, or with
+    cfg.importance_sampling_level "sequence" (GSPO) one per sequence: exp of the mean of its tokens'
+    log-ratios. The per-token policy loss, by cfg.loss_type:
+      clipped (grpo, bnpo, dr_grpo, dapo, luspo)  -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A); delta > 0
+                                                  also caps the unclipped rho at delta (INTELLECT-2)
+      cispo                                       -sg(min(rho, eps_high)) A logp  (the weight is clipped, MiniMax-M1)
+      sapo                                        -sigmoid(tau (rho - 1)) 4 / tau A, tau by the sign of A (SAPO)
+      vespo                                       -sg(phi(w)) A logp, phi(w) = e^lam w^k e^(-lam w) of the sequence
+                                                  ratio w = pi / pi_vLLM (VESPO; k, lam by the sign of A)
+    is_weight (the sampler correction, pi_old / pi_vLLM) multiplies the policy term (vespo: it is inside w),
+    and the KL term only with cfg.vllm_importance_sampling_kl; cfg.use_bias_correction_kl multiplies the KL
+    term by rho (DeepSeek-V3.2, TRL's default). Masks on the policy term only: cfg.off_policy_mask_threshold
+    drops sequences with A < 0 whose mean log(pi_vLLM / pi) is above it (DeepSeek-V3.2), entropy_mask keeps
+    the high-entropy tokens (--top_entropy_quantile). cfg.entropy_coef subtracts coef * sum of
+    entropy_weights * entropy. Returns the loss (a scalar to backpropagate) and a dict of masked sums."""
+    eps_low, eps_high = cfg.epsilon, cfg.eps_high
+    token_log_ratio = logp - old_logp  # (B, C)
+    log_ratio = token_log_ratio
+    if cfg.importance_sampling_level == "sequence":
+        m = mask.to(logp.dtype)
+        log_ratio = (log_ratio * m).sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
+    ratio = torch.exp(log_ratio)  # (B, C), or (B, 1)
     adv = advantages.unsqueeze(1)  # (B, 1)
-    unclipped = torch.clamp(ratio, max=delta) if delta > 0 else ratio
-    per_token = -torch.min(unclipped * adv, torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv)
+    low = high = torch.zeros_like(ratio, dtype=torch.bool)
+    if cfg.loss_type == "cispo":
+        per_token = -torch.clamp(ratio, max=eps_high).detach() * adv * logp
+        high = ratio > eps_high
+    elif cfg.loss_type == "sapo":
+        tau = torch.where(adv > 0, adv.new_tensor(cfg.sapo_temperature_pos), adv.new_tensor(cfg.sapo_temperature_neg))
+        per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
+    elif cfg.loss_type == "vespo":
+        per_token = -vespo_weights(token_log_ratio.detach(), adv, mask, is_weight, cfg) * adv * logp
+    else:
+        unclipped = torch.clamp(ratio, max=cfg.delta) if cfg.delta > 0 else ratio
+        per_token = -torch.min(unclipped * adv, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv)
+        low, high = (ratio < 1 - eps_low) & (adv < 0), (ratio > 1 + eps_high) & (adv > 0)  # where it clips
+    kept = torch.ones_like(logp)  # tokens whose policy term counts
+    if cfg.off_policy_mask_threshold >= 0:
+        kept = kept * off_policy_mask(logp, old_logp if sampler_logp is None else sampler_logp, adv, mask,
+                                      cfg.off_policy_mask_threshold)
+    if entropy_mask is not None:
+        kept = kept * entropy_mask
+    per_token = per_token * kept
+    if is_weight is not None and cfg.loss_type != "vespo":
+        per_token = per_token * is_weight
     kl = torch.zeros_like(logp)
-    if beta > 0:
+    if cfg.beta > 0:
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # k3: unbiased, always >= 0
-        per_token = per_token + beta * kl
+        kl_term = kl * ratio if cfg.use_bias_correction_kl else kl
+        if is_weight is not None and cfg.vllm_importance_sampling_kl:
+            kl_term = kl_term * is_weight
+        per_token = per_token + cfg.beta * kl_term
+    loss = (per_token * weights).sum()
+    if cfg.entropy_coef != 0:
+        loss = loss - cfg.entropy_coef * (entropy * entropy_weights).sum()
     mask = mask.to(logp.dtype)
-    low, high = (ratio < 1 - epsilon_low) & (adv < 0), (ratio > 1 + epsilon_high) & (adv > 0)
     stats = {"kl": (kl * mask).sum(), "clip_low": (low * mask).sum(), "clip_high": (high * mask).sum(),
-             "clip_region": (((ratio < 1 - epsilon_low) | (ratio > 1 + epsilon_high)) * mask).sum()}
-    return (per_token * weights).sum(), {k: v.detach() for k, v in stats.items()}
+             "clip_region": (((ratio < 1 - eps_low) | (ratio > 1 + eps_high)) * mask).sum(),
+             "policy_masked": ((kept == 0) * mask).sum()}
+    return loss, {k: v.detach() for k, v in stats.items()}
 
 
-def sampler_is_weights(old_logp, sampler_logp, mask, mode: str, cap: float):
+def off_policy_mask(logp, sampler_logp, adv, mask, threshold: float) -> torch.Tensor:
+    """(B, 1) DeepSeek-V3.2's off-policy sequence mask: 0 for a sequence with a negative advantage whose mean
+    log(pi_vLLM / pi) over its tokens is above `threshold` (a failure the policy has moved far from, which
+    it learns little from), else 1. A sampler log-prob that is not known (NaN) adds nothing to the mean."""
+    m = mask.to(logp.dtype)
+    kl = (sampler_logp - logp.detach()).nan_to_num(0.0)
+    mean_kl = (kl * m).sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1)
+    return ((adv >= 0) | (mean_kl <= threshold)).to(logp.dtype)
+
+
+@torch.no_grad()
+def vespo_weights(token_log_ratio, adv, mask, is_weight, cfg: Config) -> torch.Tensor:
+    """(B, 1) VESPO's gamma weight phi(w) = exp(lam + k log w - lam w) (1 at w = 1) of each sequence's ratio
+    w = prod_t pi / pi_vLLM: the product of its tokens' pi / pi_old and of the sampler correction
+    `is_weight` (pi_old / pi_vLLM, token modes), in log space, clamped to [1e-8, e^20] as TRL does."""
+    m = mask.to(token_log_ratio.dtype)
+    log_w = (token_log_ratio.clamp(-20, 20) * m).sum(dim=1, keepdim=True)
+    if is_weight is not None:  # 0 where masked (log: its lower clamp), 1 where the sampler's log-prob is unknown
+        log_w = log_w + (is_weight.log().clamp(math.log(1e-8), 20) * m).sum(dim=1, keepdim=True)
+    log_w = log_w.clamp(math.log(1e-8), 20)
+    positive = adv >= 0
+    k = torch.where(positive, adv.new_tensor(cfg.vespo_k_pos), adv.new_tensor(cfg.vespo_k_neg))
+    lam = torch.where(positive, adv.new_tensor(cfg.vespo_lambda_pos), adv.new_tensor(cfg.vespo_lambda_neg))
+    lam = lam.clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(0.0, posinf=0.0, neginf=0.0)
+
+
+def sampler_is_weights(old_logp, sampler_logp, mask, mode: str, clip_min: float, clip_max: float):
     """Importance weights pi_old / pi_sampler that correct for the sampler (vLLM) not computing
     exactly the trainer's distribution (other kernels, bf16, a stale weight). Per token, or per
-    sequence (the product over its tokens); "truncate" caps the weight at `cap` (TIS), "mask" drops
-    tokens or sequences whose ratio is above `cap` or below 1/cap. A sampler log-prob that is not known
+    sequence (the product over its tokens); "truncate" clamps the weight to [clip_min, clip_max] (TIS), "mask"
+    drops tokens or sequences whose ratio is outside it (as TRL). A sampler log-prob that is not known
     (NaN: a rollout that did not have it) counts as ratio 1, as in TRL. (B, C) inputs -> (B, C) weights
     and the raw ratios ((B, C) or (B, 1)) before truncation, for metrics."""
     log_ratio = (old_logp - sampler_logp).where((mask > 0) & ~sampler_logp.isnan(), 0.0)
@@ -144,16 +247,23 @@ def sampler_is_weights(old_logp, sampler_logp, mask, mode: str, cap: float):
         log_ratio = log_ratio.sum(dim=1, keepdim=True)
     ratio = torch.exp(log_ratio)
     if mode.endswith("truncate"):
-        weight = ratio.clamp(max=cap)
+        weight = ratio.clamp(min=clip_min, max=clip_max)
     else:
-        weight = ratio * ((ratio <= cap) & (ratio >= 1 / cap))
+        weight = ratio * ((ratio >= clip_min) & (ratio <= clip_max))
     return weight.expand_as(old_logp) * mask, ratio
+
+
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """(N, C) the tokens of `mask` whose entropy is among the top `quantile` of the step's tokens over all ranks
+    (Beyond the 80/20 Rule: the forking tokens, rho = 0.2): entropy >= the (1 - rho)-quantile, as TRL."""
+    threshold = quantile_over_ranks(entropy[mask > 0], 1 - quantile)
+    return (entropy >= threshold) & (mask > 0)
 
 
 def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autocast) -> tuple[dict, torch.Tensor]:
     """Backpropagate the loss of one optimizer step on this rank's share `data`, micro-batch by
     micro-batch. `data` holds tensors over this rank's completions: inputs (the model's, a dict),
-    loss_mask, advantages, and old_logp, ref_logp, sampler_logp (each or None), and optionally
+    loss_mask, advantages, and old_logp, ref_logp, sampler_logp, entropy_mask (each or None), and optionally
     `keep` (rows to run; the others still count in the normalisation). Token weights count the step
     over all ranks, so the gradient after DDP's averaging is the same however the step is split
     over micro-batches and ranks (except bnpo, by definition). Every rank runs as many micro-batches
@@ -168,17 +278,19 @@ def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autoca
         micro = [rows[i:i + cfg.micro_batch_size] for i in range(0, len(rows), cfg.micro_batch_size)]
     else:  # similar lengths together, so little padding is computed (the order does not change the gradient)
         micro = length_sorted(rows, data["inputs"]["attention_mask"].sum(dim=1), cfg.micro_batch_size)
-    counts = sum_over_ranks({"seqs": len(mask), "tokens": mask.sum(), "micro": len(micro)})
+    bonus_mask = mask if data.get("entropy_mask") is None else mask * data["entropy_mask"]  # the tokens it trains
+    counts = sum_over_ranks({"seqs": len(mask), "tokens": mask.sum(), "micro": len(micro), "bonus": bonus_mask.sum()})
     num_micro = int(extremes_over_ranks({"micro_max": len(micro)})["micro_max"])
     sums, logps = {}, torch.zeros(mask.shape)
     for j in range(num_micro):
         padding = j >= len(micro)  # this rank has run all its rows; keep in step with the others
         s = torch.arange(1) if padding else micro[j]
         inputs, c = trim_padding(take(data["inputs"], s), C)  # only c of the C completion columns
-        part = {k: None if data[k] is None else data[k][s, :c].to(device)
-                for k in ("old_logp", "ref_logp", "sampler_logp")}
+        part = {k: None if data.get(k) is None else data[k][s, :c].to(device)
+                for k in ("old_logp", "ref_logp", "sampler_logp", "entropy_mask")}
         with gradient_sync(model, j == num_micro - 1), autocast:  # DDP reduces on the last micro-batch only
-            logp, entropy = completion_logprobs(model, to_device(inputs, device), c, cfg.temperature)  # (b, c) each
+            logp, entropy = completion_logprobs(model, to_device(inputs, device), c, cfg.temperature,
+                                                entropy_grad=cfg.entropy_coef != 0)  # (b, c) each
             # pi_old: the policy before this round's first update. On-policy it is the current policy,
             # whose detached log-probs are these; off-policy the loop computed them before updating.
             old_logp = logp.detach() if part["old_logp"] is None else part["old_logp"]
@@ -186,20 +298,22 @@ def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autoca
             weights = token_weights(mask[s, :c], cfg.loss_type, counts["seqs"], counts["tokens"],
                                     cfg.max_completion_length, counts["micro"]).to(device)
             weights = weights * world_size * (not padding)  # DDP and FSDP average the gradients over ranks
-            extra = {}
-            if part["sampler_logp"] is not None:  # importance sampling against the sampler
+            bonus_weights = bonus_mask[s, :c].to(device) * (world_size * (not padding) / max(counts["bonus"], 1.0))
+            extra, is_weight = {}, None
+            if cfg.vllm_importance_sampling_correction and part["sampler_logp"] is not None:  # against the sampler
                 is_weight, ratio = sampler_is_weights(old_logp.float(), part["sampler_logp"], m,
                                                       cfg.vllm_importance_sampling_mode,
-                                                      cfg.vllm_importance_sampling_cap)
-                weights = weights * is_weight
+                                                      cfg.vllm_importance_sampling_clip_min,
+                                                      cfg.vllm_importance_sampling_clip_max)
                 r = ratio.expand_as(m) * m
                 extra = {"is_ratio": r.sum(), "is_ratio_max": r.max(),
                          "is_ratio_min": torch.where(m > 0, r, torch.inf).min(),
                          "is_dropped": ((is_weight == 0) & (m > 0)).sum()}
-            loss, stats = grpo_loss(logp, old_logp, data["advantages"][s].to(device), m, weights,
-                                    cfg.epsilon, cfg.eps_high, cfg.delta, cfg.beta, part["ref_logp"])
+            loss, stats = grpo_loss(logp, old_logp, data["advantages"][s].to(device), m, weights, cfg,
+                                    part["ref_logp"], is_weight, part["sampler_logp"], entropy, part["entropy_mask"],
+                                    bonus_weights)
             loss.backward()
-        stats = {**stats, **extra, "entropy": (entropy * m).sum(), "tokens": m.sum(),
+        stats = {**stats, **extra, "entropy": (entropy.detach() * m).sum(), "tokens": m.sum(),
                  "loss": loss.detach() / world_size}
         merge_stats(sums, {k: v.item() for k, v in stats.items()})  # the same names on every rank that ran
         if not padding:
@@ -263,7 +377,8 @@ def main(cfg: Config):
         raise UsageError(f"the longest prompt ({longest} tokens) + --max_completion_length {cfg.max_completion_length} "
                          f"exceeds the server's max model length {max_model_len}: lower them or restart the server "
                          "with a larger --max-model-len")
-    scorer = RewardScorer(cfg.reward_names(), list(rows[0]), device, cfg.max_steps)  # signatures checked now
+    scorer = RewardScorer(cfg.reward_names(), list(rows[0]), device, cfg.max_steps,  # signatures checked now
+                          options=cfg.reward_options())
     rollout_fn = load_rollout(cfg.rollout)  # rows -> episodes through the server (rollout.generate by default)
     sampling = dict(max_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                     min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty)
@@ -307,16 +422,21 @@ def main(cfg: Config):
     logger = MetricsLogger(cfg.output_dir, is_main, cfg.report_to, vars(cfg), cfg.wandb_project, cfg.run_name)
     stop = StopRequest()  # SIGTERM / Ctrl-C: save a checkpoint, then stop
 
-    def rows_of(step: int) -> list[int]:
-        """This rank's rows (indices) of `step`: the same on resume."""
-        indices = step_prompt_indices(step, len(rows), cfg.prompts_per_step, cfg.seed)
+    def rows_of(step: int, extra_round: int = 0) -> list[int]:
+        """This rank's rows (indices) of `step` (or of its extra sampling round, --dynamic_sampling), as on resume."""
+        indices = step_prompt_indices(step, len(rows), cfg.prompts_per_step, cfg.seed + 1_000_003 * extra_round)
         return indices[rank * prompts_per_rank:(rank + 1) * prompts_per_rank]
 
-    def rollout_call(step: int):
+    def rollout_call(step: int, extra_round: int = 0):
         """The call that samples this rank's episodes of `step`, repeatable (a server reconnect runs it again)."""
-        seed = (cfg.seed * 1_000_000 + step) * 1000 + rank
+        seed = (cfg.seed * 1_000_000 + step) * 1000 + rank + extra_round * 10 ** 15
         ctx = RolloutContext(client, tokenizer, G, sampling, seed, cfg.system_prompt)
-        return functools.partial(run_rollout, rollout_fn, [rows[i] for i in rows_of(step)], ctx)
+        return functools.partial(run_rollout, rollout_fn, [rows[i] for i in rows_of(step, extra_round)], ctx)
+
+    def draw_more(step: int, extra_round: int, wanted: bool) -> tuple:
+        """--dynamic_sampling's extra round of `step`, scored: (episodes, texts, reward matrix, rewards, rows)."""
+        episodes = server.run(rollout_call(step, extra_round) if wanted else list)  # every rank: a collective
+        return (episodes, *score(episodes), rows_of(step, extra_round) if wanted else [])
 
     # async generation: {step: (policy version, this rank's episodes)} drawn while the step before trained;
     # checkpoints keep every rank's, in rank order (the step's prompts in order), so a resumed run, with any
@@ -387,6 +507,7 @@ def main(cfg: Config):
         logger.log(metrics)
         log_eval(0, metrics)
     bad_steps, t_start = 0, time.perf_counter()  # steps in a row whose loss was not finite; for the progress bar
+    warned_short = False  # --dynamic_sampling could not fill a batch with groups with signal (said once)
     scoring = ScoringWatch(names, cfg.max_unscored_steps)  # steps in a row with a reward function down
     for step in range(state["step"], cfg.max_steps):
         timer = StepTimer()
@@ -405,6 +526,17 @@ def main(cfg: Config):
         # ---------------------------------------------------------------------- score
         texts, reward_matrix, rewards = score(episodes)  # (N, k) per function, NaN = not scored; (N,) weighted sum
         scoring.update(scorer.failed, rewards, step + 1)  # stops a run whose rewards stopped coming
+        dynamic = {}
+        if cfg.dynamic_sampling:  # DAPO: groups whose rewards all agree make way for more, sampled now
+            (episodes, texts, reward_matrix, rewards, mine), dynamic = keep_groups_with_signal(
+                (episodes, texts, reward_matrix, rewards, mine), functools.partial(draw_more, step), G,
+                cfg.dynamic_sampling_max_rounds)
+            if dynamic["dynamic_sampling/groups_without_signal"] and not warned_short:
+                warned_short = True
+                print0(f"warning: --dynamic_sampling found too few groups with signal in "
+                       f"{cfg.dynamic_sampling_max_rounds} extra rounds at step {step + 1}; the batch was filled "
+                       "with groups without (no policy gradient). Counted in dynamic_sampling/groups_without_signal; "
+                       "raise --dynamic_sampling_max_rounds or make the task easier")
         timer.lap("score")
 
         # ---------------------------------------------------------------------- advantages
@@ -421,12 +553,15 @@ def main(cfg: Config):
         # Off-policy (several updates per generation batch), pi_old must be frozen before the first
         # update. On-policy the training forward's detached log-probs are pi_old: no extra pass, and
         # ratio = 1, so the clip metrics are 0 by construction.
-        old_logp = ref_logp = None
-        if off_policy:
-            old_logp = no_grad_logprobs(model, inputs, C, cfg.temperature, cfg.micro_batch_size, autocast)
+        old_logp = ref_logp = entropy_mask = None
+        if off_policy or cfg.top_entropy_quantile < 1:  # pi_old's log-probs, and its entropies for the mask
+            old_logp, entropy = no_grad_logprobs(model, inputs, C, cfg.temperature, cfg.micro_batch_size, autocast)
+            old_logp = old_logp if off_policy else None  # on-policy the training forward's are the same
+            if cfg.top_entropy_quantile < 1:  # train on the step's high-entropy tokens only
+                entropy_mask = high_entropy_mask(entropy, loss_mask, cfg.top_entropy_quantile)
         if cfg.beta > 0:
             with reference_model(model, ref_model) as ref:
-                ref_logp = no_grad_logprobs(ref, inputs, C, cfg.temperature, cfg.micro_batch_size, autocast)
+                ref_logp = no_grad_logprobs(ref, inputs, C, cfg.temperature, cfg.micro_batch_size, autocast)[0]
         timer.lap("old_ref")
 
         # ---------------------------------------------------------------------- loss and step
@@ -436,7 +571,7 @@ def main(cfg: Config):
         model.train()
         data = dict(inputs=inputs, loss_mask=loss_mask, advantages=advantages,
                     old_logp=old_logp, ref_logp=ref_logp, keep=~zero_std if cfg.drop_zero_std_groups else None,
-                    sampler_logp=sampler_logp if cfg.vllm_importance_sampling_correction else None)
+                    sampler_logp=sampler_logp, entropy_mask=entropy_mask)
         sums, grad_norms, first_pass_logp = {}, [], torch.zeros(loss_mask.shape)
         for iteration in range(cfg.num_iterations):
             seed = cfg.seed + step * 1000 + iteration
@@ -474,8 +609,9 @@ def main(cfg: Config):
         metrics = {**mean_over_ranks(scorer.metrics), "step": step + 1,  # the reward functions' log_metric first
                    **reward_metrics(rewards, reward_matrix, names, zero_std, scorer.failures),
                    **training_metrics(sums, grad_norms, tokens["mask"].sum(dim=1).float(), truncated, diff, compared),
-                   **probe, "server_reconnects": server.reconnects, "lr": scheduler.get_last_lr()[0],
-                   "optimizer_steps": scheduler.last_epoch, "old_logprob_pass": int(off_policy), **timer.metrics()}
+                   **dynamic, **probe, "server_reconnects": server.reconnects, "lr": scheduler.get_last_lr()[0],
+                   "optimizer_steps": scheduler.last_epoch,
+                   "old_logprob_pass": int(off_policy or cfg.top_entropy_quantile < 1), **timer.metrics()}
         logger.log_rollouts(rollout_records(episodes, texts, reward_matrix, names, rewards, tokenizer,
                                             [mine[i // G] for i in range(len(episodes))], scorer.extra, advantages,
                                             step=step + 1, split="train", policy_version=version, rank=rank))

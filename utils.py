@@ -194,14 +194,15 @@ def length_sorted(rows: torch.Tensor, lengths: torch.Tensor, size: int) -> list[
 
 
 class SampledLogprobs(torch.autograd.Function):
-    """log softmax(logits / temperature) at the target ids, and the entropy of each softmax (no grad), of
+    """log softmax(logits / temperature) at the target ids, and the entropy of each softmax, of
     (B, T, V) logits and (B, T) targets, in fp32 (fp64 for fp64 logits), `rows` positions at a time (by
     default ~2^20 numbers on a CPU, whose cache they fit, ~2^26 on a GPU): no fp32 (B, T, V) copy of the
     logits is ever made. The backward builds the logits' gradient the same way:
-    d logp / d z = (onehot(target) - softmax(z)) / temperature."""
+    d logp / d z = (onehot(target) - softmax(z)) / temperature, and with entropy_grad (an entropy bonus)
+    d H / d z = -softmax(z) (log softmax(z) + H) / temperature; without it the entropy is a metric, no grad."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature: float, rows: int | None = None):
+    def forward(ctx, logits, targets, temperature: float, rows: int | None = None, entropy_grad: bool = False):
         dtype = torch.promote_types(logits.dtype, torch.float32)
         rows = rows or max(1, (2 ** 26 if logits.is_cuda else 2 ** 20) // logits.shape[-1])
         logp, entropy, lse = (torch.empty(targets.shape, dtype=dtype, device=logits.device) for _ in range(3))
@@ -212,32 +213,39 @@ class SampledLogprobs(torch.autograd.Function):
                 logp[b, i:i + rows] = z.gather(-1, targets[b, i:i + rows, None]).squeeze(-1) - s
                 entropy[b, i:i + rows] = s - (torch.softmax(z, dim=-1) * z).sum(dim=-1)  # H = lse - sum_v p_v z_v
                 lse[b, i:i + rows] = s
-        ctx.save_for_backward(logits, targets, lse)
-        ctx.temperature, ctx.rows = temperature, rows
-        ctx.mark_non_differentiable(entropy)
+        ctx.save_for_backward(logits, targets, lse, entropy)
+        ctx.temperature, ctx.rows, ctx.entropy_grad = temperature, rows, entropy_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        logits, targets, lse = ctx.saved_tensors
+        logits, targets, lse, entropy = ctx.saved_tensors
         rows, grad = ctx.rows, torch.zeros_like(logits)
         for b in range(targets.shape[0]):
             for i in range(0, targets.shape[1], rows):
                 g = grad_logp[b, i:i + rows, None]
-                d = torch.exp(logits[b, i:i + rows].to(lse.dtype) / ctx.temperature - lse[b, i:i + rows, None]).mul_(-g)
+                logp = logits[b, i:i + rows].to(lse.dtype) / ctx.temperature - lse[b, i:i + rows, None]  # (rows, V)
+                d = torch.exp(logp)  # p
+                if ctx.entropy_grad:  # dH/dz = -p (log p + H)
+                    d = d * (logp + entropy[b, i:i + rows, None]).mul_(-grad_entropy[b, i:i + rows, None]) - d * g
+                else:
+                    d = d.mul_(-g)
                 grad[b, i:i + rows] = d.scatter_add_(-1, targets[b, i:i + rows, None], g) / ctx.temperature
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
-def logprobs_and_entropy(logits_of, targets: torch.Tensor, temperature: float, chunk_size: int | None = 32):
+def logprobs_and_entropy(logits_of, targets: torch.Tensor, temperature: float, chunk_size: int | None = 32,
+                         entropy_grad: bool = False):
     """SampledLogprobs of positions whose logits are `logits_of(i, j)` (B, j - i, V) for j - i positions
-    from i: (B, C) log-probs of `targets` (B, C) and (B, C) entropies. Without grad, `chunk_size` positions
-    at a time, so the (B, C, V) logits never exist at once; with grad (or chunk_size None), all at once:
-    one matmul and one gradient of the head instead of one per chunk."""
+    from i: (B, C) log-probs of `targets` (B, C) and (B, C) entropies (with their gradient if entropy_grad).
+    Without grad, `chunk_size` positions at a time, so the (B, C, V) logits never exist at once; with grad
+    (or chunk_size None), all at once: one matmul and one gradient of the head instead of one per chunk."""
     C = targets.shape[1]
     step = C if torch.is_grad_enabled() or not chunk_size else chunk_size
-    parts = [SampledLogprobs.apply(logits_of(i, min(i + step, C)), targets[:, i:i + step], temperature)
-             for i in range(0, C, step)]
+    parts = [SampledLogprobs.apply(logits_of(i, min(i + step, C)), targets[:, i:i + step], temperature, None,
+                                   entropy_grad) for i in range(0, C, step)]
     return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
 
 
@@ -245,13 +253,14 @@ class _LogprobHead(torch.nn.Module):
     """Stands in for the lm_head during one forward: returns (B, C, 2) log-probs and entropies of the
     completion tokens `targets` instead of the (B, C + 1, V) logits."""
 
-    def __init__(self, head, targets, temperature: float, chunk_size: int | None):
+    def __init__(self, head, targets, temperature: float, chunk_size: int | None, entropy_grad: bool):
         super().__init__()
         self.head, self.targets, self.temperature, self.chunk_size = head, targets, temperature, chunk_size
+        self.entropy_grad = entropy_grad
 
     def forward(self, hidden):  # (B, C + 1, H): the hidden states before each completion token, and the last
         logp, entropy = logprobs_and_entropy(lambda i, j: self.head(hidden[:, i:j]), self.targets, self.temperature,
-                                             self.chunk_size)
+                                             self.chunk_size, self.entropy_grad)
         return torch.stack([logp, entropy], dim=-1)
 
 
@@ -286,10 +295,10 @@ def positions(inputs: dict) -> torch.Tensor:
 
 
 def completion_logprobs(model, inputs: dict, num_completion_tokens: int, temperature: float,
-                        chunk_size: int | None = 32) -> tuple[torch.Tensor, torch.Tensor]:
+                        chunk_size: int | None = 32, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The log-probs (B, C) of the completion part (the last C columns) of collated episodes under
     `model`, called with their model inputs, and the entropy (B, C) of each of those next-token
-    distributions, gradient-free (a metric; a loss term on it would need its own gradient). The one
+    distributions, gradient-free unless entropy_grad (an entropy bonus in the loss). The one
     log-prob implementation: training (with grad), pi_old, reference, probe and tests (without).
     The forward goes through `model` itself, so DDP, FSDP2 and peft do what they do in any forward; for
     that forward the lm_head is replaced by one that returns log-probs (see logprobs_and_entropy).
@@ -298,31 +307,32 @@ def completion_logprobs(model, inputs: dict, num_completion_tokens: int, tempera
     targets, head = inputs["input_ids"][:, -C:], hf.get_output_embeddings()
     plain = has_plain_lm_head(model)
     if plain:
-        hf.set_output_embeddings(_LogprobHead(head, targets, temperature, chunk_size))
+        hf.set_output_embeddings(_LogprobHead(head, targets, temperature, chunk_size, entropy_grad))
     try:
         out = model(**inputs, position_ids=positions(inputs), logits_to_keep=C + 1, use_cache=False).logits
     finally:
         hf.set_output_embeddings(head)
     if plain:  # (B, C, 2)
-        return out[..., 0], out[..., 1].detach()
-    return logprobs_and_entropy(lambda i, j: out[:, i:j], targets, temperature, chunk_size)  # out: (B, C + 1, V)
+        return out[..., 0], out[..., 1] if entropy_grad else out[..., 1].detach()
+    return logprobs_and_entropy(lambda i, j: out[:, i:j], targets, temperature, chunk_size, entropy_grad)
 
 
 def no_grad_logprobs(model, inputs: dict, num_completion_tokens: int, temperature: float, micro_batch_size: int,
-                     autocast) -> torch.Tensor:
+                     autocast) -> tuple[torch.Tensor, torch.Tensor]:
     """completion_logprobs of a whole batch in micro-batches of similar lengths, each without its padding,
     without grad and without dropout (eval mode: these are the fixed pi_old / reference / probe values),
-    on the CPU: (N, C), meaningless past each completion."""
+    on the CPU: (N, C) log-probs and (N, C) entropies, meaningless past each completion."""
     device, training = next(model.parameters()).device, model.training
     N, lengths = len(inputs["input_ids"]), inputs["attention_mask"].sum(dim=1)
-    out = torch.zeros(N, num_completion_tokens)
+    logp, entropy = torch.zeros(N, num_completion_tokens), torch.zeros(N, num_completion_tokens)
     model.eval()
     try:
         with torch.no_grad(), autocast:
             for s in length_sorted(torch.arange(N), lengths, micro_batch_size):
                 part, c = trim_padding(take(inputs, s), num_completion_tokens)
-                out[s, :c] = completion_logprobs(model, to_device(part, device), c, temperature)[0].float().cpu()
-        return out
+                logp[s, :c], entropy[s, :c] = (x.float().cpu() for x in
+                                               completion_logprobs(model, to_device(part, device), c, temperature))
+        return logp, entropy
     finally:
         model.train(training)
 
@@ -393,6 +403,24 @@ def extremes_over_ranks(values: dict) -> dict[str, float]:
     sign = torch.tensor([-1.0 if k.endswith("_min") else 1.0 for k in values], dtype=torch.float64)
     total = all_reduce(torch.tensor([float(v) for v in values.values()], dtype=torch.float64) * sign, dist.ReduceOp.MAX)
     return dict(zip(values, (total * sign).tolist()))
+
+
+def quantile_over_ranks(values: torch.Tensor, q: float) -> float:
+    """The q-quantile (interpolated linearly, as torch.quantile, which refuses > 2^24 values) of the 1-D CPU
+    tensors `values` of all ranks together, on every rank; nan if there are none."""
+    values = values.detach().double().flatten()
+    if dist.is_initialized():
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+        dist.all_gather(sizes, torch.tensor([len(values)]))
+        longest = max(int(n) for n in sizes)
+        parts = [torch.zeros(longest, dtype=torch.float64) for _ in sizes]
+        dist.all_gather(parts, torch.cat([values, values.new_zeros(longest - len(values))]))
+        values = torch.cat([part[:int(n)] for part, n in zip(parts, sizes)])
+    if not len(values):
+        return math.nan
+    v, position = values.sort().values, q * (len(values) - 1)
+    low = math.floor(position)
+    return float(v[low] + (position - low) * (v[min(low + 1, len(v) - 1)] - v[low]))
 
 
 def barrier():
@@ -617,7 +645,7 @@ def check_sync(client, model, probe_ids: list[int], autocast, is_main: bool, tol
     runs the forward (FSDP2 gathers); rank 0 asks the server. Stops the run if the mean is above `tolerance`."""
     ids = torch.tensor([probe_ids])
     ours = no_grad_logprobs(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, len(probe_ids) - 1,
-                            1.0, 1, autocast)[0]
+                            1.0, 1, autocast)[0][0]  # (P - 1,) log-probs of the one row
     diff, error = torch.zeros(1), None
     if is_main:
         try:
@@ -1022,6 +1050,18 @@ def append_lines(f, lines: list[str]):
         raise
 
 
+def finite_json(record) -> str:
+    """JSON that strict readers take (jq, JavaScript, pandas with strict parsing): a number that is not finite
+    (NaN: not scored or nothing to average, inf) is written as null."""
+    def clean(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        return [clean(v) for v in x] if isinstance(x, (list, tuple)) else x
+    return json.dumps(clean(record), allow_nan=False)
+
+
 class MetricsLogger:
     """metrics.jsonl (one JSON object per step), rollouts.jsonl (every completion: prompt, completion, each reward,
     advantage, finish reason, the policy version that sampled it), and optionally wandb with a completions table.
@@ -1040,13 +1080,13 @@ class MetricsLogger:
 
     def log(self, metrics: dict):
         if self.file is not None:
-            append_lines(self.file, [json.dumps(metrics)])
+            append_lines(self.file, [finite_json(metrics)])
         if self.wandb is not None:
             self.wandb.log(metrics, step=metrics["step"])
 
     def log_rollouts(self, records: list[dict]):
         """Called on every rank with its own records."""
-        lines = gather_lines([json.dumps(r) for r in records])
+        lines = gather_lines([finite_json(r) for r in records])
         if self.rollouts is None:
             return
         append_lines(self.rollouts, lines)
@@ -1176,6 +1216,7 @@ def training_metrics(sums: dict, grad_norms: list[torch.Tensor], lengths: torch.
                "completion_length_max": ext["length_max"], "truncated_frac": t["truncated"] / N,
                **{k: t.get(k, 0.0) / T for k in ("kl", "entropy")},
                **{f"clip_ratio/{k}": t.get(f"clip_{k}", 0.0) / T for k in ("low", "high", "region")},
+               "policy_masked_frac": t.get("policy_masked", 0.0) / T,  # off-policy and high-entropy masks
                "loss": t.get("loss", 0.0) / len(norms), "grad_norm": sum(norms) / len(norms),
                "skipped_updates": sum(not math.isfinite(g) for g in norms),
                "sampler_logprob_diff_mean": t["diff"] / max(t["compared"], 1.0),

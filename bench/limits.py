@@ -8,7 +8,8 @@ one after the other (never two at once: they share the CPU):
      micro-batches (longest first, padding trimmed), bf16 autocast if native, loss = the sum of the logits:
      no log-softmax, no GRPO loss, no optimizer (train.py's optimizer time is taken out of its phase);
      and, alternating with it in the same process, train.py's accumulate_gradients on the same batches
-     (a side-by-side ratio: the run and the limit are minutes apart on a shared machine);
+     (a side-by-side ratio: the run and the limit are minutes apart on a shared machine), with the
+     defaults and with each loss setting of --side_by_side (GSPO, CISPO, SAPO, the entropy bonus);
   4. the sync limit: the weights cast to the server's dtype, packed into buckets of the push's size,
      copied once, and unpacked into a second copy of the model (serialize + copy + load);
   5. vLLM's own reload of the same weights, handed over in memory (the engine in this process, no
@@ -20,9 +21,12 @@ vllm_server.py do by default. Each limit runs in a process tuned as nanogrpo's a
 freed memory kept for reuse, as the server's processes keep it (vllm_server.keep_freed_memory). It prints,
 for the steps after the first, each phase's mean time, its limit's and the ratio.
 
-    .venv/bin/python bench/limits.py [--steps 4 --prompts 8 --G 8 --length 128]
+    .venv/bin/python bench/limits.py [--steps 4 --prompts 8 --G 8 --length 128] [--side_by_side SETTINGS ...]
+
+SETTINGS: Config fields, e.g. loss_type=cispo,epsilon_high=5 ("" = the defaults).
 """
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -84,10 +88,10 @@ def generation_limit(model: str, work: dict) -> dict[int, float]:
     return {s: timed(generate, batch)[0] for s, batch in work.items()}
 
 
-def training_limit(model: str, work: dict) -> dict[str, dict[int, float]]:
+def training_limit(model: str, work: dict, variants: list[str]) -> dict[str, dict[int, float]]:
     """The bare forward+backward of each step's batch, and next to it (alternating, in this one process) the
-    same batch through train.py's accumulate_gradients (its defaults: loss, importance sampling, entropy) on
-    the same model: {"bare": {step: s}, "nanogrpo": {step: s}}."""
+    same batch through train.py's accumulate_gradients (its loss, importance sampling, entropy) on the same
+    model, with each of `variants` (Config settings "name=value,..."): {"bare": {step: s}, variant: {step: s}}."""
     import torch
     from config import Config
     from train import accumulate_gradients
@@ -109,19 +113,24 @@ def training_limit(model: str, work: dict) -> dict[str, dict[int, float]]:
                 logits.sum().backward()
         policy.zero_grad(set_to_none=True)
 
-    def nanogrpo(batch):
+    def nanogrpo(batch, settings: str):
         inputs, tokens = collated(batch)
         data = dict(inputs=inputs, loss_mask=tokens["mask"], advantages=torch.randn(len(batch)), old_logp=None,
                     ref_logp=None, sampler_logp=-torch.rand(tokens["mask"].shape), keep=None)
-        accumulate_gradients(policy, data, Config(micro_batch_size=MICRO_BATCH_SIZE), 1, autocast)
+        fields = dict(kv.split("=", 1) for kv in settings.split(",") if kv)
+        cfg = Config(micro_batch_size=MICRO_BATCH_SIZE, **{k: type(getattr(Config(), k))(v) for k, v in fields.items()})
+        accumulate_gradients(policy, data, cfg, 1, autocast)
         policy.zero_grad(set_to_none=True)
 
+    runs = {"bare": bare, **{v: functools.partial(nanogrpo, settings=v) for v in variants}}
     first = next(iter(work.values()))
-    bare(first), nanogrpo(first)  # warm-up
-    out = {"bare": {}, "nanogrpo": {}}
-    for i, (step, batch) in enumerate(work.items()):  # alternating which goes first
-        for name, fn in ((("bare", bare), ("nanogrpo", nanogrpo)) if i % 2 == 0 else (("nanogrpo", nanogrpo), ("bare", bare))):
-            out[name][step] = timed(fn, batch)[0]
+    for fn in runs.values():  # warm-up
+        fn(first)
+    out = {name: {} for name in runs}
+    for i, (step, batch) in enumerate(work.items()):  # rotating which goes first
+        names = list(runs)[i % len(runs):] + list(runs)[:i % len(runs)]
+        for name in names:
+            out[name][step] = timed(runs[name], batch)[0]
     return out
 
 
@@ -167,10 +176,10 @@ def reload_floor(model: str, repeats: int = 3) -> float:
     return min(timed(llm.collective_rpc, reload)[0] for _ in range(repeats))
 
 
-def in_subprocess(part: str, model: str, workload_file: str) -> dict:
+def in_subprocess(part: str, model: str, workload_file: str, side_by_side: list[str]) -> dict:
     """Each limit in a fresh process: nothing of one (vLLM's engine, autograd buffers) slows the next."""
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--part", part, "--model", model, "--workload",
-                          workload_file], capture_output=True, text=True)
+                          workload_file, "--side_by_side", *side_by_side], capture_output=True, text=True)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode or not lines:
         raise RuntimeError(f"the {part} limit failed ({out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
@@ -182,10 +191,15 @@ if __name__ == "__main__":
     workload_arguments(p)
     p.add_argument("--part", choices=["generate", "train", "sync", "reload"], help=argparse.SUPPRESS)  # a limit's own process
     p.add_argument("--workload", help=argparse.SUPPRESS)
+    p.add_argument("--side_by_side", nargs="*", default=["", "importance_sampling_level=sequence",
+                                                         "loss_type=cispo,epsilon_high=5", "loss_type=sapo",
+                                                         "entropy_coef=0.01"],
+                   help="loss settings whose forward+backward runs beside the bare model's")
     a = p.parse_args()
     if a.part:
         work = {int(k): v for k, v in json.load(open(a.workload)).items()}
-        result = {"generate": generation_limit, "train": training_limit, "sync": lambda m, w: sync_limit(m),
+        result = {"generate": generation_limit, "train": lambda m, w: training_limit(m, w, a.side_by_side),
+                  "sync": lambda m, w: sync_limit(m),
                   "reload": lambda m, w: reload_floor(m)}[a.part](a.model, work)
         print("RESULT " + json.dumps(result))
         sys.exit(0)
@@ -201,21 +215,24 @@ if __name__ == "__main__":
         workload_file = os.path.join(tmp, "workload.json")
         with open(workload_file, "w") as f:
             json.dump(workloads(os.path.join(tmp, "out", "rollouts.jsonl"), model, steps), f)
-        limits = {part: in_subprocess(part, model, workload_file) for part in ("generate", "train", "sync", "reload")}
+        limits = {part: in_subprocess(part, model, workload_file, a.side_by_side)
+                  for part in ("generate", "train", "sync", "reload")}
     ours = {"generate": mean(rows, "time/generate"), "train": mean(rows, "time/train") - mean(rows, "time/optimizer"),
             "sync": mean(rows, "time/sync")}
     ours["reload"] = ours["sync"]
     best = {"generate": sum(limits["generate"][str(s)] for s in steps) / len(steps),
             "train": sum(limits["train"]["bare"][str(s)] for s in steps) / len(steps), "sync": limits["sync"],
             "reload": limits["reload"]}
-    ours["train, side by side"] = sum(limits["train"]["nanogrpo"][str(s)] for s in steps) / len(steps)
-    best["train, side by side"] = best["train"]
+    side = {v: sum(limits["train"][v][str(s)] for s in steps) / len(steps) for v in a.side_by_side}
+    bare_side = sum(limits["train"]["bare"][str(s)] for s in steps) / len(steps)
     print(f"{a.model} | 1 process | {a.prompts} prompts x G={a.G}, up to {a.length} tokens (mean "
           f"{mean(rows, 'completion_length'):.0f}) | steps {steps[0]}-{steps[-1]} | "
           f"{str(compute_dtype()).removeprefix('torch.')} | {os.cpu_count()} CPUs")
     print(f"  {'phase':31s} {'nanogrpo':>9s} {'limit':>9s} {'ratio':>6s}")
     names = {"generate": "generate (vs vllm.LLM)", "train": "forward+backward (vs bare)",
-             "train, side by side": "  the same, side by side", "sync": "weight push (vs copy)",
-             "reload": "weight push (vs vLLM's reload)"}
+             "sync": "weight push (vs copy)", "reload": "weight push (vs vLLM's reload)"}
     for phase in names:
         print(f"  {names[phase]:31s} {ours[phase]:8.2f}s {best[phase]:8.2f}s {ours[phase] / best[phase]:6.2f}")
+    print("forward+backward side by side with the bare model's, in one process:")
+    for v in a.side_by_side:
+        print(f"  {v or 'the defaults':31s} {side[v]:8.2f}s {bare_side:8.2f}s {side[v] / bare_side:6.2f}")

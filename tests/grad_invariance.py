@@ -2,7 +2,9 @@
 step on a fixed global batch, computed by train.accumulate_gradients with this process's share,
 written to a file by rank 0. Usage: grad_invariance.py LOSS_TYPE MICRO_BATCH_SIZE OUT_FILE [OPTION...]
 options: checkpointing (gradient checkpointing), fsdp (FSDP2 instead of DDP), uneven (rows 4-6 are
-dropped, as zero-std groups are, so rank 0 runs 2 micro-batches of 2 and rank 1 one)."""
+dropped, as zero-std groups are, so rank 0 runs 2 micro-batches of 2 and rank 1 one), and NAME=VALUE (a
+Config field, e.g. epsilon_high=5; top_entropy_quantile makes the high-entropy mask of the step as train.py
+does: each rank's entropies, the quantile over all ranks)."""
 import os
 import sys
 from contextlib import nullcontext
@@ -12,9 +14,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from config import Config  # noqa: E402
-from train import accumulate_gradients  # noqa: E402
+from train import accumulate_gradients, high_entropy_mask  # noqa: E402
 from rollout import collate, sampled_episode  # noqa: E402
-from utils import distribute, full_tensor, run_and_exit, setup_distributed, take  # noqa: E402
+from utils import distribute, full_tensor, no_grad_logprobs, run_and_exit, setup_distributed, take  # noqa: E402
 
 
 
@@ -43,8 +45,13 @@ def main(loss_type: str, micro_batch_size: int, out: str, options: list[str]):
     data = dict(inputs=take(inputs, share), loss_mask=completion_mask[share], advantages=advantages[share],
                 ref_logp=ref_logp[share], old_logp=None, sampler_logp=sampler_logp[share],
                 keep=None if keep is None else keep[share])
-    cfg = Config(loss_type=loss_type, micro_batch_size=micro_batch_size, beta=0.04, max_completion_length=C, bf16=False)
+    settings = dict(o.split("=", 1) for o in options if "=" in o)
+    cfg = Config(loss_type=loss_type, micro_batch_size=micro_batch_size, beta=0.04, max_completion_length=C, bf16=False,
+                 **{k: type(getattr(Config(), k))(v) for k, v in settings.items()})
     model = distribute(model, device, "fsdp" in options, False, world_size)
+    if cfg.top_entropy_quantile < 1:
+        entropy = no_grad_logprobs(model, data["inputs"], C, cfg.temperature, micro_batch_size, nullcontext())[1]
+        data["entropy_mask"] = high_entropy_mask(entropy, data["loss_mask"], cfg.top_entropy_quantile)
     accumulate_gradients(model, data, cfg, world_size, nullcontext())
     grad = torch.cat([full_tensor(p.grad).flatten() for p in model.parameters()])  # FSDP2: gathered on every rank
     if is_main:

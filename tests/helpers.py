@@ -92,3 +92,8 @@ def starts_a_child_and_hangs(completions, **kwargs):
         f.write(f"{os.getpid()} {child.pid} {os.environ.get('VLLM_API_KEY', 'none')}")
     child.wait()
     return [0.0] * len(completions)
+
+
+def brevity_on_some_prompts(prompts, completions, **kwargs):
+    """brevity for prompts of an odd length (in characters), 0 for the others: their groups have no signal."""
+    return [max(0.0, 1 - len(c) / 80) if len(str(p)) % 2 else 0.0 for p, c in zip(prompts, completions)]

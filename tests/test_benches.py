@@ -71,6 +71,12 @@ def test_vs_trl_runs_trl_and_nanogrpo(model, shared):
     assert "TRL 1.16.0, gradient checkpointing true" in out and "nanogrpo (defaults) / gradient checkpointing true" in out
 
 
+def test_loss_parity_with_trl_on_every_setting():
+    out = bench("loss_parity.py", timeout=900)
+    total = out.split("_compute_loss")[1].split(" cases")[0].split()[-1]
+    assert int(total) > 1000 and f"{total} of {total} cases equal to 1e-10" in out, out
+
+
 def test_fsdp_memory(model):
     out = bench("fsdp_memory.py", "--model", model, "--micro_batches", "2", "--micro_batch_size", "1", "--length", "8",
                 "--phases", "save,resume")  # save loads, runs the backward and the step first

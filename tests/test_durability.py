@@ -91,3 +91,19 @@ def test_a_checkpoint_is_on_the_disk_before_it_counts_and_an_old_one_held_open_i
     staged = [p.replace(".tmp", "") for p in synced]
     files = [os.path.join(d, n) for d, _, names in os.walk(path) for n in names]
     assert set(files) <= set(staged) and path in staged and out in staged  # the files, the folder, its parent
+
+
+def test_logs_are_strict_json_without_nan_or_inf(tmp_path):
+    """A step with no token to average (is_ratio/min was Infinity) or a completion not scored (NaN) is written as
+    null: strict readers (jq, JavaScript, json.loads refusing the constants) take every line."""
+    logger = MetricsLogger(str(tmp_path), True)
+    logger.log({"step": 1, "is_ratio/min": float("inf"), "reward": float("nan"), "loss": 0.5})
+    logger.log_rollouts([{"step": 1, "rewards": {"a": float("nan"), "b": 1.0}, "reward": float("-inf")}])
+    logger.close()
+
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+    metrics = json.loads((tmp_path / "metrics.jsonl").read_text(), parse_constant=refuse)
+    rollout = json.loads((tmp_path / "rollouts.jsonl").read_text(), parse_constant=refuse)
+    assert metrics == {"step": 1, "is_ratio/min": None, "reward": None, "loss": 0.5}
+    assert rollout == {"step": 1, "rewards": {"a": None, "b": 1.0}, "reward": None}

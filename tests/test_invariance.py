@@ -1,6 +1,7 @@
 """The gradient of one optimizer step does not depend on how the step is split: one process with 4
 accumulation steps, two processes (torchrun, gloo) with 2 each, and one process with one big batch
-give the same gradient in float64 (dapo, dr_grpo, grpo; bnpo is split-dependent by definition), under
+give the same gradient in float64 (every loss type, the masks and the entropy bonus; bnpo is split-dependent by
+definition), under
 DDP and under FSDP2, also when the ranks run different numbers of rows. FSDP2's ranks other than 0 never read
 the model and still train exactly the one in the folder."""
 import os
@@ -22,11 +23,17 @@ def gradient(tmp_path, loss_type, nproc, micro_batch_size, *extra):
     return torch.load(out)
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "dr_grpo", "grpo"])
-def test_gradient_is_the_same_however_the_step_is_split(tmp_path, loss_type):
-    accumulated = gradient(tmp_path, loss_type, nproc=1, micro_batch_size=2)  # 4 accumulation steps
-    two_ranks = gradient(tmp_path, loss_type, nproc=2, micro_batch_size=2)  # 2 each
-    one_batch = gradient(tmp_path, loss_type, nproc=1, micro_batch_size=8)
+@pytest.mark.parametrize("loss_type, settings", [
+    ("dapo", []), ("dr_grpo", []), ("grpo", []),
+    ("cispo", ["epsilon_high=5", "off_policy_mask_threshold=0.5"]),
+    ("sapo", ["top_entropy_quantile=0.5", "entropy_coef=0.1"]),  # the mask's quantile and the bonus over all ranks
+    ("luspo", ["importance_sampling_level=sequence"]),
+    ("vespo", ["vllm_importance_sampling_mode=token_mask"]),
+])
+def test_gradient_is_the_same_however_the_step_is_split(tmp_path, loss_type, settings):
+    accumulated = gradient(tmp_path, loss_type, 1, 2, *settings)  # 4 accumulation steps
+    two_ranks = gradient(tmp_path, loss_type, 2, 2, *settings)  # 2 each
+    one_batch = gradient(tmp_path, loss_type, 1, 8, *settings)
     assert accumulated.abs().max() > 1e-3  # a real gradient, not zeros
     assert (accumulated - one_batch).abs().max() < 1e-6
     assert (two_ranks - one_batch).abs().max() < 1e-6

@@ -82,6 +82,11 @@ def test_scoring_watch_warns_once_and_stops_after_steps_in_a_row_with_a_function
         never.update({"judge": 2}, scored, step)  # 0 = never stop
 
 
+def spec(**options) -> Config:
+    """The loss options of a test: clip range [0.8, 1.28], no KL bias correction, unless given."""
+    return Config(**{"epsilon": 0.2, "epsilon_high": 0.28, "use_bias_correction_kl": False, **options})
+
+
 def naive_loss(logp, old, ref, adv, mask, weights, eps_low, eps_high, delta, beta):
     total, kl_sum, low, high, region = 0.0, 0.0, 0, 0, 0
     for b in range(len(logp)):
@@ -113,7 +118,7 @@ def test_grpo_loss_matches_naive_loop_with_clipping_delta_and_kl():
     weights = torch.rand(B, C, dtype=torch.float64) * mask
     for beta in (0.0, 0.04):
         for delta in (0.0, 1.5):
-            loss, stats = grpo_loss(logp, old, adv, mask, weights, 0.2, 0.28, delta, beta, ref)
+            loss, stats = grpo_loss(logp, old, adv, mask, weights, spec(delta=delta, beta=beta), ref)
             want, kl, low, high, region = naive_loss(logp.tolist(), old.tolist(), ref.tolist(), adv.tolist(),
                                                      mask.tolist(), weights.tolist(), 0.2, 0.28, delta, beta)
             assert abs(loss.item() - want) < 1e-6
@@ -121,7 +126,247 @@ def test_grpo_loss_matches_naive_loop_with_clipping_delta_and_kl():
             assert (stats["clip_low"].item(), stats["clip_high"].item(), stats["clip_region"].item()) == (low, high, region)
             assert low > 0 and high > 0
     # delta bites: with a positive advantage and a ratio above delta, the loss differs
-    assert grpo_loss(logp, old, adv, mask, weights, 0.2, 0.28, 1.5)[0].item() != grpo_loss(logp, old, adv, mask, weights, 0.2, 0.28)[0].item()
+    assert grpo_loss(logp, old, adv, mask, weights, spec(delta=1.5))[0].item() != \
+        grpo_loss(logp, old, adv, mask, weights, spec())[0].item()
+
+
+def test_sequence_level_ratio_matches_naive_loop_with_its_gradient():
+    """GSPO: each sequence's ratio is exp(mean over its tokens of log pi - log pi_old), clipped as one; the
+    loss and the gradient of every log-prob against a loop over sequences and tokens (float64)."""
+    torch.manual_seed(1)
+    B, C = 4, 5
+    logp = (torch.randn(B, C, dtype=torch.float64) * 0.5 - 2).requires_grad_()
+    old = logp.detach() + torch.randn(B, C, dtype=torch.float64) * 0.4
+    ref = logp.detach() + torch.randn(B, C, dtype=torch.float64) * 0.3
+    adv = torch.tensor([1.0, -1.0, 0.5, -2.0], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0]])
+    weights = torch.rand(B, C, dtype=torch.float64) * mask
+
+    def naive(lp, beta, delta):
+        total = 0.0
+        for b in range(B):
+            tokens = [t for t in range(C) if mask[b][t]]
+            ratio = torch.exp(sum(lp[b][t] - old[b][t] for t in tokens) / len(tokens))
+            unclipped = torch.clamp(ratio, max=delta) if delta > 0 else ratio
+            objective = torch.min(unclipped * adv[b], torch.clamp(ratio, 0.8, 1.28) * adv[b])
+            for t in tokens:
+                kl = torch.exp(ref[b][t] - lp[b][t]) - (ref[b][t] - lp[b][t]) - 1
+                total = total + weights[b][t] * (-objective + beta * kl)
+        return total
+    for beta in (0.0, 0.04):
+        for delta in (0.0, 1.1):
+            loss, stats = grpo_loss(logp, old, adv, mask, weights,
+                                    spec(delta=delta, beta=beta, importance_sampling_level="sequence"), ref)
+            (grad,) = torch.autograd.grad(loss, logp)
+            lp = logp.detach().clone().requires_grad_()
+            want = naive(lp, beta, delta)
+            (want_grad,) = torch.autograd.grad(want, lp)
+            assert abs(loss.item() - want.item()) < 1e-12 and torch.allclose(grad, want_grad, atol=1e-12)
+            assert grad[mask == 0].abs().max() == 0  # padding gets no gradient
+    token_level = grpo_loss(logp, old, adv, mask, weights, spec())[0]
+    sequence = spec(importance_sampling_level="sequence")
+    assert abs(token_level.item() - grpo_loss(logp, old, adv, mask, weights, sequence)[0].item()) > 1e-6
+    # a clipped sequence counts all its tokens in the clip metrics
+    far = logp.detach() - 1.0  # every ratio e: above 1 + eps_high
+    _, stats = grpo_loss(logp, far, adv, mask, weights, sequence)
+    assert stats["clip_region"].item() == mask.sum().item() and stats["clip_high"].item() == 3 + 1
+
+
+def test_cispo_and_sapo_match_naive_loops_with_their_gradients():
+    """CISPO (MiniMax-M1): -sg(min(rho, eps_high)) A logp; SAPO: -sigmoid(tau (rho - 1)) 4 / tau A with tau by the
+    sign of A; per token and per sequence, with the KL term; loss and gradient against loops in float64."""
+    torch.manual_seed(2)
+    B, C = 4, 5
+    logp = (torch.randn(B, C, dtype=torch.float64) * 0.5 - 2).requires_grad_()
+    old = logp.detach() + torch.randn(B, C, dtype=torch.float64) * 1.0  # some ratios above the CISPO cap
+    ref = logp.detach() + torch.randn(B, C, dtype=torch.float64) * 0.3
+    adv = torch.tensor([1.0, -1.0, 0.5, -2.0], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0]])
+    weights = torch.rand(B, C, dtype=torch.float64) * mask
+
+    def naive(lp, loss_type, level, beta):
+        total = 0.0
+        for b in range(B):
+            tokens = [t for t in range(C) if mask[b][t]]
+            seq_ratio = torch.exp(sum(lp[b][t] - old[b][t] for t in tokens) / len(tokens))
+            for t in tokens:
+                ratio = seq_ratio if level == "sequence" else torch.exp(lp[b][t] - old[b][t])
+                if loss_type == "cispo":
+                    policy = -min(ratio.item(), 2.5) * adv[b] * lp[b][t]  # a number: no gradient through the weight
+                else:
+                    tau = 1.0 if adv[b] > 0 else 1.05
+                    policy = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv[b]
+                kl = torch.exp(ref[b][t] - lp[b][t]) - (ref[b][t] - lp[b][t]) - 1
+                total = total + weights[b][t] * (policy + beta * kl)
+        return total
+    for loss_type in ("cispo", "sapo"):
+        for level in ("token", "sequence"):
+            for beta in (0.0, 0.04):
+                options = spec(epsilon_high=2.5, beta=beta, importance_sampling_level=level, loss_type=loss_type)
+                loss, stats = grpo_loss(logp, old, adv, mask, weights, options, ref)
+                (grad,) = torch.autograd.grad(loss, logp)
+                lp = logp.detach().clone().requires_grad_()
+                want = naive(lp, loss_type, level, beta)
+                (want_grad,) = torch.autograd.grad(want, lp)
+                assert abs(loss.item() - want.item()) < 1e-12, (loss_type, level, beta)
+                assert torch.allclose(grad, want_grad, atol=1e-12), (loss_type, level, beta)
+    _, stats = grpo_loss(logp, old, adv, mask, weights, spec(epsilon_high=2.5, loss_type="cispo"))
+    assert stats["clip_high"].item() == ((torch.exp(logp - old) > 2.5) * mask).sum().item() > 0  # capped weights
+
+
+def test_kl_bias_correction_and_the_sampler_weight_match_a_loop_with_their_gradients():
+    """The sampler correction w (pi_old / pi_vLLM) weights the policy term (as TRL); the KL term too only with
+    --vllm_importance_sampling_kl. --use_bias_correction_kl multiplies the KL term by rho, which changes its
+    gradient also on-policy (rho = 1 in value)."""
+    torch.manual_seed(3)
+    B, C = 3, 4
+    logp = (torch.randn(B, C, dtype=torch.float64) * 0.5 - 2).requires_grad_()
+    ref = logp.detach() + torch.randn(B, C, dtype=torch.float64) * 0.3
+    w = torch.rand(B, C, dtype=torch.float64) * 2
+    adv = torch.tensor([1.0, -1.0, 0.5], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
+    weights = torch.rand(B, C, dtype=torch.float64) * mask
+    for offset, correction, kl_weighted in itertools.product((0.0, 0.3), (False, True), (False, True)):
+        old = logp.detach() + offset  # offset 0: on-policy
+        options = spec(beta=0.1, use_bias_correction_kl=correction, vllm_importance_sampling_kl=kl_weighted)
+        loss, _ = grpo_loss(logp, old, adv, mask, weights, options, ref, w)
+        (grad,) = torch.autograd.grad(loss, logp)
+        lp = logp.detach().clone().requires_grad_()
+        total = 0.0
+        for b, t in itertools.product(range(B), range(C)):
+            if mask[b][t]:
+                ratio = torch.exp(lp[b][t] - old[b][t])
+                policy = -torch.min(ratio * adv[b], torch.clamp(ratio, 0.8, 1.28) * adv[b]) * w[b][t]
+                kl = torch.exp(ref[b][t] - lp[b][t]) - (ref[b][t] - lp[b][t]) - 1
+                kl = kl * (ratio if correction else 1) * (w[b][t] if kl_weighted else 1)
+                total = total + weights[b][t] * (policy + 0.1 * kl)
+        (want_grad,) = torch.autograd.grad(total, lp)
+        assert abs(loss.item() - total.item()) < 1e-12 and torch.allclose(grad, want_grad, atol=1e-12)
+    on_policy = [torch.autograd.grad(grpo_loss(logp, logp.detach(), adv, mask, weights,
+                                               spec(beta=0.1, use_bias_correction_kl=c), ref)[0], logp)[0]
+                 for c in (False, True)]
+    assert not torch.allclose(*on_policy)  # the correction's gradient differs even where rho = 1
+
+
+def test_vespo_matches_a_loop_with_its_gradient():
+    """VESPO: -sg(phi(w)) A logp, phi(w) = exp(lam + k log w - lam w) of the sequence ratio w = prod pi / pi_old
+    times the sampler correction (token weights, 0 where masked: clamped at 1e-8 in log space), k and lam by the
+    sign of A; with and without the correction and the KL term, loss and gradient against a loop in float64."""
+    torch.manual_seed(5)
+    B, C = 4, 5
+    logp = (torch.randn(B, C, dtype=torch.float64) * 0.5 - 2).requires_grad_()
+    old = logp.detach() + torch.randn(B, C, dtype=torch.float64) * 0.2
+    ref = logp.detach() + torch.randn(B, C, dtype=torch.float64) * 0.3
+    adv = torch.tensor([1.0, -1.0, 0.5, 0.0], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0]])
+    weights = torch.rand(B, C, dtype=torch.float64) * mask
+    is_weight = (torch.rand(B, C, dtype=torch.float64) + 0.5) * mask
+    is_weight[1, 2] = 0.0  # a token the mask mode dropped
+    for w, beta in itertools.product((None, is_weight), (0.0, 0.04)):
+        options = spec(loss_type="vespo", beta=beta, use_bias_correction_kl=False)
+        loss, _ = grpo_loss(logp, old, adv, mask, weights, options, ref, w)
+        (grad,) = torch.autograd.grad(loss, logp)
+        lp = logp.detach().clone().requires_grad_()
+        total = 0.0
+        for b in range(B):
+            tokens = [t for t in range(C) if mask[b][t]]
+            log_w = sum((lp[b][t] - old[b][t]).item() for t in tokens)
+            if w is not None:
+                log_w += sum(max(math.log(w[b][t]) if w[b][t] > 0 else -math.inf, math.log(1e-8)) for t in tokens)
+            k, lam = (2.0, 3.0) if adv[b] >= 0 else (3.0, 2.0)
+            phi = math.exp(lam + k * log_w - lam * math.exp(log_w))  # a number: no gradient through it
+            for t in tokens:
+                kl = torch.exp(ref[b][t] - lp[b][t]) - (ref[b][t] - lp[b][t]) - 1
+                total = total + weights[b][t] * (-phi * adv[b] * lp[b][t] + beta * kl)
+        (want_grad,) = torch.autograd.grad(total, lp)
+        assert abs(loss.item() - total.item()) < 1e-12 and torch.allclose(grad, want_grad, atol=1e-12), (w is None, beta)
+
+
+def test_the_off_policy_mask_the_entropy_mask_and_the_entropy_bonus_match_a_loop():
+    """--off_policy_mask_threshold drops the policy term of sequences with A < 0 whose mean log(pi_vLLM / pi)
+    (unknown sampler log-probs count 0) is above it; the entropy mask keeps the policy term of its tokens; the KL
+    term stays on every token (as TRL). The bonus subtracts coef * sum of its weights * entropy, with gradient."""
+    torch.manual_seed(6)
+    B, C = 4, 4
+    logp = (torch.randn(B, C, dtype=torch.float64) * 0.5 - 2).requires_grad_()
+    entropy = (torch.rand(B, C, dtype=torch.float64) * 2).requires_grad_()
+    old = logp.detach() + torch.randn(B, C, dtype=torch.float64) * 0.1
+    ref = logp.detach() + torch.randn(B, C, dtype=torch.float64) * 0.3
+    sampler = logp.detach() + torch.tensor([[0.5], [0.5], [-0.5], [0.05]], dtype=torch.float64)
+    sampler[1, 1] = math.nan  # unknown: adds 0 to its sequence's sum
+    adv = torch.tensor([1.0, -1.0, -0.5, -2.0], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]])
+    weights = torch.rand(B, C, dtype=torch.float64) * mask
+    entropy_mask = torch.rand(B, C) > 0.4
+    bonus_weights = (mask * entropy_mask).double() / (mask * entropy_mask).sum()
+    options = spec(beta=0.04, off_policy_mask_threshold=0.1, entropy_coef=0.01, use_bias_correction_kl=False)
+    loss, stats = grpo_loss(logp, old, adv, mask, weights, options, ref, None, sampler, entropy, entropy_mask,
+                            bonus_weights)
+    grads = torch.autograd.grad(loss, (logp, entropy))
+    lp, h = logp.detach().clone().requires_grad_(), entropy.detach().clone().requires_grad_()
+    total, masked = 0.0, 0
+    for b in range(B):
+        tokens = [t for t in range(C) if mask[b][t]]
+        mean_kl = sum(0.0 if math.isnan(sampler[b][t]) else (sampler[b][t] - lp[b][t]).item()
+                      for t in tokens) / len(tokens)
+        dropped = adv[b] < 0 and mean_kl > 0.1
+        for t in tokens:
+            ratio = torch.exp(lp[b][t] - old[b][t])
+            keep = not dropped and bool(entropy_mask[b][t])
+            masked += not keep
+            policy = -torch.min(ratio * adv[b], torch.clamp(ratio, 0.8, 1.28) * adv[b]) * keep
+            kl = torch.exp(ref[b][t] - lp[b][t]) - (ref[b][t] - lp[b][t]) - 1
+            total = total + weights[b][t] * (policy + 0.04 * kl) - 0.01 * bonus_weights[b][t] * h[b][t]
+    want = torch.autograd.grad(total, (lp, h))
+    assert abs(loss.item() - total.item()) < 1e-12 and stats["policy_masked"].item() == masked
+    assert all(torch.allclose(g, w, atol=1e-12) for g, w in zip(grads, want))
+    # the off-policy mask dropped sequences 1 (mean KL (0.5 * 3) / 4 > 0.1) and not 2 (KL < 0) nor 3 (0.05)
+    assert 4 <= masked < int(mask.sum())
+
+
+def test_high_entropy_mask_keeps_the_top_quantile_of_the_tokens_of_the_step():
+    """The (1 - rho)-quantile of the entropies of the masked tokens, interpolated as torch.quantile; tokens at or
+    above it are kept, padding never."""
+    from train import high_entropy_mask
+    torch.manual_seed(7)
+    entropy, mask = torch.rand(6, 9), torch.rand(6, 9) > 0.3
+    for rho in (0.2, 0.5, 1.0):
+        threshold = torch.quantile(entropy[mask].double(), 1 - rho)
+        got = high_entropy_mask(entropy, mask, rho)
+        assert torch.equal(got, (entropy >= threshold) & mask), rho
+        assert abs(got.sum().item() - rho * mask.sum().item()) <= 1
+    assert not high_entropy_mask(entropy, torch.zeros_like(mask), 0.2).any()
+
+
+def test_dynamic_sampling_keeps_groups_with_signal_and_draws_until_it_has_enough():
+    """Groups (G = 2) whose rewards all agree make way for the groups of extra rounds, in the order drawn, until
+    there are as many with signal as the batch had; after max_rounds the rest is filled with groups without."""
+    from train import keep_groups_with_signal
+
+    def batch(rewards, first_row):  # (episodes, texts, matrix, rewards, rows): episode names say where they are from
+        n = len(rewards)
+        return ([f"e{first_row + i // 2}.{i % 2}" for i in range(n)], [f"t{first_row + i // 2}" for i in range(n)],
+                torch.tensor(rewards).unsqueeze(1), torch.tensor(rewards), list(range(first_row, first_row + n // 2)))
+    first = batch([1.0, 1.0, 0.0, 1.0, 0.0, 0.0], 0)  # rows 0 (no signal), 1 (signal), 2 (no signal)
+    more = {1: batch([1.0, 0.0, 1.0, 1.0, 0.5, 0.5], 10), 2: batch([0.25, 0.5, 3.0, 3.0, 0.0, 0.0], 20)}
+    calls = []
+
+    def draw(k, wanted):
+        calls.append((k, wanted))
+        return more[k]
+    kept, metrics = keep_groups_with_signal(first, draw, 2, max_rounds=3)
+    assert calls == [(1, True), (2, True)] and kept[4] == [1, 10, 20]
+    assert kept[0] == ["e1.0", "e1.1", "e10.0", "e10.1", "e20.0", "e20.1"] and kept[3].tolist() == [0, 1, 1, 0, .25, .5]
+    assert metrics == {"dynamic_sampling/rounds": 2, "dynamic_sampling/groups_drawn": 9,
+                       "dynamic_sampling/groups_without_signal": 0}
+    calls.clear()
+    kept, metrics = keep_groups_with_signal(first, draw, 2, max_rounds=1)  # short: filled with groups without
+    assert calls == [(1, True)] and kept[4] == [1, 10, 0] and metrics["dynamic_sampling/groups_without_signal"] == 1
+    kept, metrics = keep_groups_with_signal(more[2], draw, 2, max_rounds=0)
+    assert kept[4] == [20, 21, 22] and metrics["dynamic_sampling/rounds"] == 0
+    full = batch([1.0, 0.0, 0.0, 1.0], 30)
+    calls.clear()
+    assert keep_groups_with_signal(full, draw, 2, max_rounds=3)[0][4] == [30, 31] and calls == []
 
 
 def naive_weights(mask, loss_type, micro_batches, max_len):
@@ -137,14 +382,15 @@ def naive_weights(mask, loss_type, micro_batches, max_len):
             for t in range(len(mask[i])):
                 if mask[i][t]:
                     w[i, t] = {"grpo": 1 / (sum(mask[i]) * n), "bnpo": 1 / (mb_tokens * len(micro_batches)),
-                               "dr_grpo": 1 / (n * max_len), "dapo": 1 / tokens}[loss_type]
+                               "dr_grpo": 1 / (n * max_len), "dapo": 1 / tokens, "luspo": 1 / n,
+                               "cispo": 1 / tokens, "vespo": 1 / tokens, "sapo": 1 / (sum(mask[i]) * n)}[loss_type]
     return w
 
 
 def test_token_weights_match_the_definitions_for_each_loss_type():
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]])
     splits = [[0, 1], [2, 3]]
-    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
+    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"):
         want = naive_weights(mask.tolist(), loss_type, splits, 6)
         for mb in splits:
             got = token_weights(mask[mb], loss_type, num_seqs=4, num_tokens=float(mask.sum()), max_completion_length=6,
@@ -153,7 +399,8 @@ def test_token_weights_match_the_definitions_for_each_loss_type():
                 for t in range(4):
                     assert abs(got[r, t].item() - want.get((i, t), 0.0)) < 1e-12, (loss_type, i, t)
         if loss_type != "bnpo":  # the weights of a whole step sum to 1 per sequence-or-token average
-            assert abs(sum(want.values()) - {"grpo": 1, "dr_grpo": 10 / 24, "dapo": 1}[loss_type]) < 1e-12
+            assert abs(sum(want.values()) - {"grpo": 1, "dr_grpo": 10 / 24, "dapo": 1, "luspo": 10 / 4, "cispo": 1,
+                                             "sapo": 1, "vespo": 1}[loss_type]) < 1e-12
 
 
 def test_on_policy_loss_gradient_is_advantage_weighted_logprob_gradient():
@@ -161,7 +408,7 @@ def test_on_policy_loss_gradient_is_advantage_weighted_logprob_gradient():
     logp = torch.tensor([[-1.0, -2.0], [-0.5, -0.1]], dtype=torch.float64, requires_grad=True)
     adv = torch.tensor([2.0, -1.0], dtype=torch.float64)
     mask = torch.tensor([[1, 1], [1, 0]])
-    loss, _ = grpo_loss(logp, logp.detach(), adv, mask, mask / 3, 0.2, 0.2)
+    loss, _ = grpo_loss(logp, logp.detach(), adv, mask, mask / 3, spec(epsilon_high=0.2))
     loss.backward()
     assert torch.allclose(logp.grad, torch.tensor([[-2 / 3, -2 / 3], [1 / 3, 0.0]], dtype=torch.float64))
 
@@ -200,7 +447,7 @@ def test_lr_schedules():
     assert abs(lr_factor(6, cfg) - 0.5) < 1e-12 and lr_factor(2, cfg) == 1.0
 
 
-def naive_is_weights(old, sampler, mask, mode, cap):
+def naive_is_weights(old, sampler, mask, mode, clip_min, clip_max):
     B, C = len(old), len(old[0])
     w = [[0.0] * C for _ in range(B)]
     for b in range(B):
@@ -210,9 +457,9 @@ def naive_is_weights(old, sampler, mask, mode, cap):
                 continue
             ratio = seq_ratio if mode.startswith("sequence") else math.exp(old[b][t] - sampler[b][t])
             if mode.endswith("truncate"):
-                w[b][t] = min(ratio, cap)
+                w[b][t] = min(max(ratio, clip_min), clip_max)
             else:
-                w[b][t] = ratio if 1 / cap <= ratio <= cap else 0.0
+                w[b][t] = ratio if clip_min <= ratio <= clip_max else 0.0
     return w
 
 
@@ -223,23 +470,25 @@ def test_sampler_is_weights_match_naive_loop_in_each_mode():
     sampler = old + torch.randn(3, 4, dtype=torch.float64) * 0.6
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.float64)
     for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
-        got, ratio = sampler_is_weights(old, sampler, mask, mode, 1.5)
-        want = naive_is_weights(old.tolist(), sampler.tolist(), mask.tolist(), mode, 1.5)
-        assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), atol=1e-12), mode
-        assert ratio.shape == ((3, 1) if mode.startswith("sequence") else (3, 4))
+        for bounds in ((0.0, 1.5), (0.7, 1.5), (0.7, math.inf)):
+            got, ratio = sampler_is_weights(old, sampler, mask, mode, *bounds)
+            want = naive_is_weights(old.tolist(), sampler.tolist(), mask.tolist(), mode, *bounds)
+            assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), atol=1e-12), (mode, bounds)
+            assert ratio.shape == ((3, 1) if mode.startswith("sequence") else (3, 4))
     # a sampler log-prob that is not known (NaN) weighs its token as if the sampler were the policy (ratio 1)
     unknown = sampler.clone()
     unknown[1, 2] = unknown[0, 0] = math.nan
     for mode in ("token_truncate", "token_mask"):
-        got, _ = sampler_is_weights(old, unknown, mask, mode, 1.5)
-        known = sampler_is_weights(old, sampler, mask, mode, 1.5)[0]
+        got, _ = sampler_is_weights(old, unknown, mask, mode, 0.0, 1.5)
+        known = sampler_is_weights(old, sampler, mask, mode, 0.0, 1.5)[0]
         assert got[1, 2] == got[0, 0] == 1 and not got.isnan().any()
         assert torch.equal(got[2], known[2]) and got[0, 1] == known[0, 1]
-    got, ratio = sampler_is_weights(old, unknown, mask, "sequence_truncate", 1e9)
+    got, ratio = sampler_is_weights(old, unknown, mask, "sequence_truncate", 0.0, 1e9)
     assert abs(ratio[0, 0].item() - math.exp((old[0, 1] - sampler[0, 1]).item())) < 1e-12  # the known tokens only
-    # the modes really differ on this data: something is truncated and something is dropped
-    assert (sampler_is_weights(old, sampler, mask, "token_mask", 1.5)[0] == 0)[mask > 0].any()
-    assert (sampler_is_weights(old, sampler, mask, "token_truncate", 1.5)[0] == 1.5).any()
+    # the modes and bounds really differ on this data: something is truncated, dropped, raised to the minimum
+    assert (sampler_is_weights(old, sampler, mask, "token_mask", 0.0, 1.5)[0] == 0)[mask > 0].any()
+    assert (sampler_is_weights(old, sampler, mask, "token_truncate", 0.0, 1.5)[0] == 1.5).any()
+    assert (sampler_is_weights(old, sampler, mask, "token_truncate", 0.7, 1.5)[0] == 0.7).any()
 
 
 def test_dropping_zero_std_groups_keeps_the_gradient_exact_without_kl():
@@ -397,7 +646,7 @@ def test_trimmed_length_sorted_micro_batches_give_the_full_width_logprobs():
     with torch.no_grad():
         full = completion_logprobs(model, inputs, 6, 0.7)[0].float() * cmask
     for size in (1, 2, 3, 5):
-        assert ((no_grad_logprobs(model, inputs, 6, 0.7, size, nullcontext()) - full) * cmask).abs().max() < 1e-6, size
+        assert ((no_grad_logprobs(model, inputs, 6, 0.7, size, nullcontext())[0] - full) * cmask).abs().max() < 1e-6, size
     # the widths kept: rows 0 and 4 need 4 prompt columns (row 0's) and 4 completion columns (row 4's)
     t, c = trim_padding(take(inputs, [0, 4]), 6)
     assert c == 4 and t["input_ids"].shape == (2, 8)
@@ -424,3 +673,22 @@ def test_sampled_logprobs_and_their_gradient_match_the_plain_log_softmax():
         p = torch.softmax(z, dim=-1)
         assert (entropy - -(p * p.log()).sum(-1)).abs().max() < 1e-12
     assert torch.autograd.gradcheck(lambda x: SampledLogprobs.apply(x, targets[:1, :3], 1.3, 2)[0], logits[:1, :3].detach().clone().requires_grad_())
+
+
+def test_the_entropy_bonus_gradient_matches_autograd_through_the_plain_entropy():
+    """With entropy_grad the entropy carries its gradient: against -(p log p).sum() with autograd, in fp64,
+    for a loss on both outputs (the policy term and the bonus), chunked and not."""
+    from utils import SampledLogprobs
+    torch.manual_seed(1)
+    logits = torch.randn(2, 6, 40, dtype=torch.float64, requires_grad=True)
+    targets, w, u = torch.randint(0, 40, (2, 6)), torch.randn(2, 6, dtype=torch.float64), torch.randn(2, 6, dtype=torch.float64)
+    logq = torch.log_softmax(logits / 1.3, dim=-1)
+    plain_h = -(logq.exp() * logq).sum(-1)
+    (expected,) = torch.autograd.grad((logq.gather(-1, targets[..., None]).squeeze(-1) * w + plain_h * u).sum(), logits)
+    for rows in (1, 4, 16):
+        logp, entropy = SampledLogprobs.apply(logits, targets, 1.3, rows, True)
+        assert entropy.requires_grad and (entropy - plain_h).abs().max() < 1e-12
+        (grad,) = torch.autograd.grad((logp * w + entropy * u).sum(), logits)
+        assert (grad - expected).abs().max() < 1e-12, rows
+    assert torch.autograd.gradcheck(lambda x: SampledLogprobs.apply(x, targets[:1, :3], 0.7, 2, True)[1],
+                                    logits[:1, :3].detach().clone().requires_grad_())

@@ -97,6 +97,24 @@ def test_scorer_passes_trls_arguments_and_turns_none_into_nan(tmp_path):
         scorer.close()
 
 
+def test_overlong_penalty_is_dapos_soft_punishment_with_the_lengths_of_the_flags():
+    """0 up to max - buffer tokens, then linearly down to -1 at max, -1 beyond (DAPO, eq. 13), through the scorer
+    process with the lengths bound from the command line; the default buffer is a fifth of the max."""
+    from config import parse_config
+    cfg = parse_config(["--reward_funcs", "overlong_penalty", "--max_completion_length", "10",
+                        "--overlong_buffer_length", "4"])
+    assert cfg.reward_options()["overlong_penalty"] == {"max_length": 10, "buffer_length": 4}
+    assert parse_config(["--max_completion_length", "40"]).reward_options()["overlong_penalty"]["buffer_length"] == 8
+    scorer = RewardScorer(cfg.reward_names(), ["prompt"], options=cfg.reward_options())
+    try:
+        ids = [[7] * n for n in range(13)]
+        (got,) = scorer([{"prompt": "p"}] * 13, ["c"] * 13, ids)
+        want = [0.0 if n <= 6 else -1.0 if n >= 10 else (6 - n) / 4 for n in range(13)]
+        assert got == want and got[8] == -0.5
+    finally:
+        scorer.close()
+
+
 def test_failures_are_counted_reported_once_and_stop_the_run_when_nothing_scores(capfd):
     rows = [{"prompt": "p", "answer": "3"}] * 2
     scorer = RewardScorer(["accuracy", "tests.helpers:raises_on_x", "tests.helpers:hangs_on_x"], ["prompt", "answer"],
@@ -205,7 +223,7 @@ def test_tokens_the_policy_did_not_sample_get_no_loss_and_no_importance_weight(l
               for p, c, lp in zip(prompts, sampled, logps)]
     moved = [Episode({}, p + prefix, c, [True] * len(c), lp, "stop") for p, c, lp in zip(prompts, sampled, logps)]
     cfg = Config(loss_type=loss_type, micro_batch_size=1, max_completion_length=6, vllm_importance_sampling_mode=mode,
-                 vllm_importance_sampling_cap=3.0)
+                 vllm_importance_sampling_clip_max=3.0)
     grads, tokens_seen = [], []
     for episodes in (forced, moved):
         inputs, tokens = collate(episodes, pad_id=0)

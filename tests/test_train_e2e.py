@@ -43,6 +43,10 @@ def test_two_process_run_learns_keeps_server_in_sync_and_saves(server, tmp_path)
     ("bnpo", ["--mask_truncated_completions", "--drop_zero_std_groups"]),
     ("dr_grpo", ["--scale_rewards", "none", "--delta", "4", "--top_k", "5000", "--min_p", "0.0001"]),
     ("dapo", ["--epsilon_high", "0.28", "--repetition_penalty", "1.1"]),
+    ("cispo", ["--epsilon_high", "5", "--off_policy_mask_threshold", "0"]),
+    ("sapo", ["--importance_sampling_level", "sequence", "--entropy_coef", "0.01"]),
+    ("luspo", ["--importance_sampling_level", "sequence", "--vllm_importance_sampling_mode", "sequence_mask"]),
+    ("vespo", ["--vllm_importance_sampling_mode", "token_mask", "--top_entropy_quantile", "0.5"]),
 ])
 def test_each_loss_type_trains_through_the_server(server, tmp_path, loss_type, extra):
     proc, metrics = run_train(server, tmp_path / "out", "--loss_type", loss_type, *extra, "--reward_funcs",
@@ -56,6 +60,33 @@ def test_each_loss_type_trains_through_the_server(server, tmp_path, loss_type, e
         assert diff > 1e-3  # the sampler's distribution is no longer the policy's, and the metric shows it
     else:
         assert diff < 1e-4
+    if "--top_entropy_quantile" in extra:  # a pass before training finds the step's high-entropy half
+        assert all(m["old_logprob_pass"] == 1 and 0.3 < m["policy_masked_frac"] < 0.7 for m in metrics)
+    else:
+        assert all(m["old_logprob_pass"] == 0 and m["policy_masked_frac"] < 1 for m in metrics)
+
+
+def test_dynamic_sampling_fills_the_batch_with_groups_whose_rewards_differ(server, tmp_path):
+    """Prompts of an even length get reward 0 (tests.helpers:brevity_on_some_prompts): their groups have no signal
+    and make way for groups of extra rounds, on two ranks that each fill their share (seeded: the same rows and
+    rounds every run)."""
+    proc, metrics = run_train(server, tmp_path / "out", "--dynamic_sampling", "--dynamic_sampling_max_rounds", "4",
+                              "--reward_funcs", "tests.helpers:brevity_on_some_prompts", "--num_generations", "4",
+                              "--prompts_per_step", "4", "--max_completion_length", "8", "--max_steps", "3",
+                              "--learning_rate", "1e-3", "--bf16", "false", "--no_save_model")
+    records = [json.loads(line) for line in open(tmp_path / "out" / "rollouts.jsonl")]
+    assert sum(m["dynamic_sampling/rounds"] for m in metrics) > 0  # some step had to draw more
+    for m in metrics:
+        step = [r for r in records if r["step"] == m["step"]]
+        assert len(step) == 16  # 4 groups of 4, as without dynamic sampling
+        groups = {}
+        for r in step:
+            groups.setdefault((r["rank"], r["prompt_index"]), []).append(r["reward"])
+        without = sum(len(set(g)) == 1 for g in groups.values())
+        assert len(groups) == 4 and without == m["dynamic_sampling/groups_without_signal"]
+        assert m["dynamic_sampling/groups_drawn"] >= 4 + 2 * (m["dynamic_sampling/rounds"] > 0)
+        assert without == 0 or m["dynamic_sampling/rounds"] == 4
+    assert all(math.isfinite(m["loss"]) and m["grad_norm"] > 0 for m in metrics)
 
 
 def test_off_policy_updates_freeze_old_logprobs_and_clip(server, tmp_path):
