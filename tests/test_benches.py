@@ -55,8 +55,9 @@ def test_logprob_memory(model):
 
 
 def test_limits(model, shared):
-    out = bench("limits.py", "--model", model, *SMALL, env=shared)
+    out = bench("limits.py", "--model", model, *SMALL, "--side_by_side", "", "entropy_coef=0.01", env=shared)
     assert "weight push (vs vLLM's reload)" in out and "generate (vs vllm.LLM)" in out
+    assert "the defaults" in out and "entropy_coef=0.01" in out
 
 
 def test_request_latency():
