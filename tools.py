@@ -21,6 +21,7 @@ import json
 import math
 import re
 import sys
+import threading
 import traceback
 from types import SimpleNamespace
 
@@ -121,7 +122,23 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict], list[str]]:
     return TOOL_CALL.sub("", text).strip(), calls, errors
 
 
-def call_tools(calls: list[tuple[dict, dict]], timeout: float, pool: concurrent.futures.Executor) -> list[str]:
+class DaemonThreads:
+    """submit() as concurrent.futures executors have it, each call on a daemon thread of its own: a tool that hangs
+    is abandoned after its time-out and never holds the process at exit (a ThreadPoolExecutor's threads would)."""
+
+    def submit(self, fn, *args, **kwargs) -> concurrent.futures.Future:
+        future = concurrent.futures.Future()
+
+        def run():
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as e:
+                future.set_exception(e)
+        threading.Thread(target=run, daemon=True).start()
+        return future
+
+
+def call_tools(calls: list[tuple[dict, dict]], timeout: float, pool: DaemonThreads) -> list[str]:
     """Run (call, {name: tool}) pairs concurrently; each result as the text of a tool message. A tool that raises,
     is unknown, gets wrong arguments or outlives `timeout` seconds answers with an error the model reads (a hung
     one is abandoned: its thread runs on, the trajectory does not wait)."""
@@ -182,73 +199,75 @@ def tool_rollout(rows: list[dict], ctx: RolloutContext, tools: list = (), env_fa
     (sampled=False: no loss, no importance weight), up to max_tokens in all; a turn that would pass it is cut and
     marked "length". Each trajectory gets a fresh environment (env_factory()), so a repeated call repeats."""
     G, tokenizer, budget = ctx.num_generations, ctx.tokenizer, ctx.sampling["max_tokens"]
+    pool = DaemonThreads()  # resets, tools and rewards run concurrently, each with a time-out
+    envs = [env_factory() if env_factory else None for _ in range(len(rows) * G)]
+    resets = [pool.submit(env.reset, **rows[i // G]) if env is not None else None for i, env in enumerate(envs)]
     runs = []
-    for row in rows:
-        for _ in range(G):
-            env, error = (env_factory(), None) if env_factory else (None, None)
-            messages = prompt_messages(row["prompt"], ctx.system_prompt)
-            if env is not None:
-                try:
-                    observation = env.reset(**row)
-                    if observation:
-                        messages[-1] = {**messages[-1], "content": messages[-1]["content"] + str(observation)}
-                except Exception:
-                    error = traceback.format_exc()
-            fns = list(tools) + (environment_tools(env) if env is not None else [])
-            schemas = tool_schemas(fns)
-            runs.append(dict(row=row, env=env, tools={f.__name__: f for f in fns}, schemas=schemas, messages=messages,
-                             start=len(messages), prompt_ids=render(tokenizer, messages, schemas, True), ids=[],
-                             sampled=[], logprobs=[], finish="stop", live=error is None, error=error, calls=0,
-                             rewritten=False))
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=16)
-    try:
-        for turn in range(max_iterations + 1):
-            live = [r for r in runs if r["live"]]
-            if not live:
-                break
-            samples = sample_each(ctx, [r["prompt_ids"] + r["ids"] for r in live],
-                                  max(budget - len(r["ids"]) for r in live), ctx.seed * 1000 + turn * 97)
-            pending = []
-            for r, s in zip(live, samples):
-                room = budget - len(r["ids"])
-                ids = s["token_ids"][:room]
-                r["ids"] += ids
-                r["sampled"] += [True] * len(ids)
-                r["logprobs"] += s["logprobs"][:room]
-                content, calls, errors = parse_tool_calls(tokenizer.decode(ids, skip_special_tokens=True))
-                r["messages"].append({"role": "assistant", "content": content, **({"tool_calls": [
-                    {"type": "function", "function": c} for c in calls]} if calls else {})})
-                if s["finish_reason"] == "length" or len(s["token_ids"]) > room:
-                    r["finish"], r["live"] = "length", False
-                elif not (calls or errors) or turn == max_iterations:
-                    r["live"] = False
-                else:
-                    pending.append((r, calls, errors))
-            answers = iter(call_tools([(c, r["tools"]) for r, calls, _ in pending for c in calls], timeout, pool))
-            for r, calls, errors in pending:
-                r["calls"] += len(calls)
-                new = ([{"role": "tool", "name": c["name"], "content": next(answers)} for c in calls]
-                       + [{"role": "tool", "name": "error", "content": e} for e in errors])
-                suffix = appended_ids(tokenizer, r["messages"], new, r["schemas"])
-                if suffix is None:  # the template rewrote history: end the trajectory where it is exact
-                    r["live"], r["rewritten"] = False, True
-                elif len(r["ids"]) + len(suffix) >= budget:  # no room left for the model's next turn
-                    r["finish"], r["live"] = "length", False
-                else:
-                    r["messages"] += new
-                    r["ids"] += suffix
-                    r["sampled"] += [False] * len(suffix)
-                    r["logprobs"] += [math.nan] * len(suffix)
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+    for i, (env, reset) in enumerate(zip(envs, resets)):
+        row, error = rows[i // G], None
+        messages = prompt_messages(row["prompt"], ctx.system_prompt)
+        if reset is not None:
+            try:
+                observation = reset.result(timeout=timeout)
+                if observation:
+                    messages[-1] = {**messages[-1], "content": messages[-1]["content"] + str(observation)}
+            except concurrent.futures.TimeoutError:
+                error = f"the environment's reset did not return within {timeout:g} s (--tool_timeout)\n"
+            except Exception:
+                error = traceback.format_exc()
+        fns = list(tools) + (environment_tools(env) if env is not None else [])
+        schemas = tool_schemas(fns)
+        runs.append(dict(row=row, env=env, tools={f.__name__: f for f in fns}, schemas=schemas, messages=messages,
+                         start=len(messages), prompt_ids=render(tokenizer, messages, schemas, True), ids=[],
+                         sampled=[], logprobs=[], finish="stop", live=error is None, error=error, calls=0,
+                         rewritten=False))
+    for turn in range(max_iterations + 1):
+        live = [r for r in runs if r["live"]]
+        if not live:
+            break
+        samples = sample_each(ctx, [r["prompt_ids"] + r["ids"] for r in live],
+                              max(budget - len(r["ids"]) for r in live), ctx.seed * 1000 + turn * 97)
+        pending = []
+        for r, s in zip(live, samples):
+            room = budget - len(r["ids"])
+            ids = s["token_ids"][:room]
+            r["ids"] += ids
+            r["sampled"] += [True] * len(ids)
+            r["logprobs"] += s["logprobs"][:room]
+            content, calls, errors = parse_tool_calls(tokenizer.decode(ids, skip_special_tokens=True))
+            r["messages"].append({"role": "assistant", "content": content, **({"tool_calls": [
+                {"type": "function", "function": c} for c in calls]} if calls else {})})
+            if s["finish_reason"] == "length" or len(s["token_ids"]) > room:
+                r["finish"], r["live"] = "length", False
+            elif not (calls or errors) or turn == max_iterations:
+                r["live"] = False
+            else:
+                pending.append((r, calls, errors))
+        answers = iter(call_tools([(c, r["tools"]) for r, calls, _ in pending for c in calls], timeout, pool))
+        for r, calls, errors in pending:
+            r["calls"] += len(calls)
+            new = ([{"role": "tool", "name": c["name"], "content": next(answers)} for c in calls]
+                   + [{"role": "tool", "name": "error", "content": e} for e in errors])
+            suffix = appended_ids(tokenizer, r["messages"], new, r["schemas"])
+            if suffix is None:  # the template rewrote history: end the trajectory where it is exact
+                r["live"], r["rewritten"] = False, True
+            elif len(r["ids"]) + len(suffix) >= budget:  # no room left for the model's next turn
+                r["finish"], r["live"] = "length", False
+            else:
+                r["messages"] += new
+                r["ids"] += suffix
+                r["sampled"] += [False] * len(suffix)
+                r["logprobs"] += [math.nan] * len(suffix)
     episodes = []
     for r in runs:
         extra = {"tool_calls": r["calls"], "template_rewrote_history": r["rewritten"], "environment_error": r["error"]}
         if r["env"] is not None and hasattr(r["env"], "get_reward") and r["error"] is None:
             try:
-                extra["environment_reward"] = float(r["env"].get_reward())
+                extra["environment_reward"] = float(pool.submit(r["env"].get_reward).result(timeout=timeout))
+            except concurrent.futures.TimeoutError:
+                extra["environment_error"] = f"get_reward did not return within {timeout:g} s (--tool_timeout)\n"
             except Exception:
-                extra["environment_reward"], extra["environment_error"] = None, traceback.format_exc()
+                extra["environment_error"] = traceback.format_exc()
         episodes.append(Episode(r["row"], r["prompt_ids"], r["ids"], r["sampled"], r["logprobs"], r["finish"],
                                 messages=r["messages"][r["start"]:], extra=extra))
     return episodes
@@ -295,16 +314,18 @@ def read_chat_template(path: str) -> str:
         raise UsageError(f"--chat_template {path}: cannot read it ({e.strerror}); give a Jinja template file") from None
 
 
-def environment_rewards(episodes: list[Episode], scores: list[list[float]], scorer) -> list[list[float]]:
-    """The reward functions' scores (k lists) and a last column, each trajectory's get_reward(). An episode whose
-    environment raised (in reset, get_reward or its tools' stead) gets NaN in every column: no reward, like a
-    failing reward function (counted in scorer.failures, the first traceback printed once)."""
+def environment_rewards(episodes: list[Episode], scores: list[list[float]], scorer, name: str) -> list[list[float]]:
+    """The reward functions' scores (k lists) and a last column, `name`: each trajectory's get_reward(). An episode
+    whose environment raised (in reset or get_reward; an agent anywhere) gets NaN in every column: no reward, like a
+    failing reward function (counted in scorer.failures and scorer.failed[name], the first traceback printed once)."""
     scores = [list(column) for column in scores] + [[e.extra.get("environment_reward", math.nan) for e in episodes]]
+    scorer.failed[name] = 0
     for i, e in enumerate(episodes):
         if e.extra.get("environment_error"):
             for column in scores:
                 column[i] = math.nan
             scorer.failures += 1
+            scorer.failed[name] += 1
             if "environment" not in scorer.reported:
                 scorer.reported.add("environment")
                 print(f"the environment failed on a trajectory (no reward for it; counted in scorer_failures; only "
@@ -345,7 +366,7 @@ class RecordingClient:
         if n != 1:
             raise ValueError("an agent's call samples one answer (n=1); call again for another")
         s, used = self._sampling, trajectory_length(self.calls)
-        extra = {**kwargs.pop("extra_body", None) or {}, "return_token_ids": True, "top_k": s["top_k"],
+        extra = {**(kwargs.pop("extra_body", None) or {}), "return_token_ids": True, "top_k": s["top_k"],
                  "min_p": s["min_p"], "repetition_penalty": s["repetition_penalty"]}
         kwargs.update(model=self.model, messages=messages, n=1, seed=self._seed + len(self.calls), logprobs=True,
                       temperature=s["temperature"], top_p=s["top_p"], max_tokens=max(s["max_tokens"] - used, 1),

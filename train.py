@@ -483,7 +483,7 @@ def main(cfg: Config):
         scores = scorer([e.row for e in episodes], completions, [e.completion_ids for e in episodes],
                         scheduler.last_epoch)
         if env_reward:  # each trajectory's get_reward(); an episode whose environment failed gets no reward at all
-            scores = environment_rewards(episodes, scores, scorer)
+            scores = environment_rewards(episodes, scores, scorer, env_reward)
         reward_matrix = postprocess_rewards(torch.tensor(scores, dtype=torch.float32).T.reshape(len(texts), len(names)),
                                             names)
         return texts, reward_matrix, weighted_rewards(reward_matrix, reward_weights)  # NaN where nothing scored

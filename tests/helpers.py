@@ -143,9 +143,12 @@ async def one_call_agent(client, row):
 
 
 async def two_call_agent(client, row):
-    """A first answer of one token, then a follow-up question with the conversation so far."""
+    """A first answer, then a follow-up question with the conversation so far. The first answer is the end-of-turn
+    token alone (<|im_end|>, id 2 in SmolLM2's vocabulary): the random test model's words would not come back as
+    the same tokens when the server renders the conversation again, and that trajectory would be refused."""
     messages = [{"role": "user", "content": str(row["prompt"])}]
-    first = await client.chat.completions.create(model=client.model, messages=messages, max_tokens=1)
+    first = await client.chat.completions.create(model=client.model, messages=messages, max_tokens=1,
+                                                 extra_body={"allowed_token_ids": [2]})
     messages += [{"role": "assistant", "content": first.choices[0].message.content},
                  {"role": "user", "content": "Are you sure?"}]
     second = await client.chat.completions.create(model=client.model, messages=messages, max_tokens=6)
@@ -158,3 +161,15 @@ async def unchained_agent(client, row):
     await client.chat.completions.create(model=client.model, max_tokens=2, messages=[
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
     return 0.0
+
+
+class NoReset:
+    """An environment without reset(**row): refused at start."""
+
+    def look(self) -> str:
+        """Look around."""
+        return "nothing"
+
+
+def undocumented(x: int) -> int:
+    return x

@@ -1,6 +1,5 @@
 """Tools and environments (tools.py): the embedded model's tool template, parsing calls, running tools, the tokens
 a tool turn appends, and multi-turn trajectories through the real server, token-exact."""
-import concurrent.futures
 import math
 import time
 
@@ -8,7 +7,7 @@ import pytest
 import torch
 
 from config import UsageError, default_model_path
-from tools import appended_ids, call_tools, check_tool_template, parse_tool_calls, tool_schemas
+from tools import DaemonThreads, appended_ids, call_tools, check_tool_template, parse_tool_calls, tool_schemas
 
 SMOLLM2_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ "
                     "'<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>"
@@ -54,7 +53,7 @@ def test_the_embedded_template_renders_as_smollm2s_without_tools_and_shows_tools
     check_tool_template(tokenizer, "smollm2-135m")  # renders tools, calls, results; only appends
     original = type(tokenizer).from_pretrained(default_model_path())
     original.chat_template = SMOLLM2_TEMPLATE
-    with pytest.raises(UsageError, match="does not render the tools' schema, the call, the result"):
+    with pytest.raises(UsageError, match="does not render the tools' schema, the call, so the model"):
         check_tool_template(original, "smollm2-135m")
     rewriting = tokenizer.chat_template.replace("(message['content'] or '')",
                                                 "(message['content'] or '') + ('' if loop.last else ' (earlier)')")
@@ -75,14 +74,10 @@ def test_tool_calls_are_parsed_and_malformed_ones_become_errors_for_the_model():
 
 
 def test_tools_answer_with_their_result_or_an_error_and_a_hung_one_is_abandoned():
-    pool = concurrent.futures.ThreadPoolExecutor(4)
     tools = {"add": add, "hangs": hangs}
     calls = [({"name": "add", "arguments": {"a": 2, "b": 3}}, tools), ({"name": "sub", "arguments": {}}, tools),
              ({"name": "add", "arguments": {"a": 1, "c": 2}}, tools), ({"name": "hangs", "arguments": {"seconds": 30}}, tools)]
-    try:
-        out = call_tools(calls, 1.0, pool)
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+    out = call_tools(calls, 1.0, DaemonThreads())  # the hung call's thread is a daemon: it holds nothing up
     assert out[0] == "5" and "there is no tool 'sub'" in out[1] and "unexpected keyword argument 'c'" in out[2]
     assert out[3] == "error: the tool hangs did not answer within 1 s"
     with pytest.raises(UsageError, match="Google-style docstring"):
@@ -205,9 +200,50 @@ def test_openai_client_agents_train_and_an_unchained_one_is_refused(server, tmp_
             "--max_steps", "2", "--bf16", "false", "--no_save_model"]
     for agent in ("one_call_agent", "two_call_agent"):
         _, metrics = run_train(server, tmp_path / agent, "--env", f"tests.helpers:{agent}", *args)
-        assert len(metrics) == 2 and all(0 < m[f"rewards/{agent}"] <= 1 for m in metrics), agent
+        assert len(metrics) == 2 and all(math.isfinite(m[f"rewards/{agent}"]) and m["unscored_frac"] == 0
+                                         for m in metrics), agent
         assert all(m["grad_norm"] > 0 for m in metrics)
         records = [json.loads(line) for line in open(tmp_path / agent / "metrics.jsonl")]
         assert records[-1]["tools/calls"] == (1.0 if agent == "two_call_agent" else 0.0)
     proc = run_train(server, tmp_path / "unchained", "--env", "tests.helpers:unchained_agent", *args, check=False)
     assert proc.returncode != 0 and "the agent's call 2 does not continue its trajectory" in proc.stderr
+
+
+class Flaky:
+    """An environment whose reset raises on the prompt "raise" and hangs on "hang"."""
+
+    def reset(self, prompt, **kwargs) -> str:
+        if prompt == "raise":
+            raise RuntimeError("no game today")
+        if prompt == "hang":
+            time.sleep(60)
+        return ""
+
+    def get_reward(self) -> float:
+        return 1.0
+
+
+class EndsAtOnce:
+    """A stand-in for the server's client: every completion is the end-of-turn token."""
+
+    def generate(self, prompts, n, **sampling):
+        return [dict(token_ids=[2], logprobs=[-0.5], finish_reason="stop")] * (len(prompts) * n)
+
+
+def test_an_environment_that_raises_or_hangs_gives_its_trajectory_no_reward_and_holds_nothing_up(tokenizer, capfd):
+    from rewards import RewardScorer
+    from rollout import RolloutContext
+    from tools import environment_rewards, tool_rollout
+    ctx = RolloutContext(EndsAtOnce(), tokenizer, 2, dict(max_tokens=8, temperature=1.0), seed=1)
+    rows = [{"prompt": "raise"}, {"prompt": "hang"}, {"prompt": "fine"}]
+    t = time.monotonic()
+    episodes = tool_rollout(rows, ctx, env_factory=Flaky, timeout=1.0)
+    assert time.monotonic() - t < 30  # the hung resets were abandoned after their second
+    assert "no game today" in episodes[0].extra["environment_error"]
+    assert "did not return within 1 s" in episodes[2].extra["environment_error"]
+    assert episodes[4].extra["environment_error"] is None and episodes[4].extra["environment_reward"] == 1.0
+    assert episodes[4].completion_ids == [2] and episodes[0].completion_ids == []
+    scorer = RewardScorer([], ["prompt"])
+    scores = environment_rewards(episodes, [], scorer, "Flaky")
+    assert [math.isnan(v) for v in scores[0]] == [True] * 4 + [False] * 2 and scorer.failures == 4
+    assert scorer.failed["Flaky"] == 4 and "no game today" in capfd.readouterr().err
