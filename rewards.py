@@ -373,8 +373,8 @@ class RewardScorer:
             self.failed = dict.fromkeys(self.names, 0)
             return [[] for _ in self.names]
         prompts = [r["prompt"] for r in rows]
-        completions = [c if isinstance(p, str) else [{"role": "assistant", "content": c}]
-                       for p, c in zip(prompts, completions)]
+        completions = [c if isinstance(p, str) or isinstance(c, list) else [{"role": "assistant", "content": c}]
+                       for p, c in zip(prompts, completions)]  # a list: the messages of a multi-turn completion
         batch = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids,
                  **{k: [r.get(k) for r in rows] for k in rows[0] if k != "prompt"},
                  "trainer_state": SimpleNamespace(global_step=step, max_steps=self.max_steps)}

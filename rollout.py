@@ -41,6 +41,10 @@ class Episode:
                            # not sampled)
     finish_reason: str  # "stop" or "length" (cut at max_tokens)
     model_inputs: dict = field(default_factory=dict)  # extra inputs of the model for this prompt; none for text
+    messages: list | None = None  # the completion as chat messages (assistant and tool turns), for the rewards
+                                  # (None: one assistant message, its decoded text)
+    extra: dict = field(default_factory=dict)  # values for the reward functions, as keyword lists (e.g. an
+                                               # environment's reward); JSON-serialisable
 
 
 @dataclass

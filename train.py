@@ -45,6 +45,7 @@ from config import Config, UsageError, native_bf16, parse_config, resolve_model
 from plot import plot_run
 from rewards import RewardScorer, postprocess_rewards, weighted_rewards
 from rollout import RolloutContext, collate, episodes_to_json, load_rollout, presampled_from_json, run_rollout
+from tools import environment_rewards, read_chat_template, tool_rollout_for, trajectory_metrics
 from utils import (MetricsLogger, ScoringWatch, ServerWeights, StepTimer, StopRequest, add_lora, barrier,
                    check_checkpoint, check_finite, check_sync, completion_logprobs, console_line, disable_dropout,
                    distribute, encode_prompt, eval_summary, extremes_over_ranks, find_checkpoint, full_tensor,
@@ -358,13 +359,19 @@ def main(cfg: Config):
     from transformers import AutoTokenizer
     model_path = resolve_model(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if cfg.chat_template:  # e.g. a template that renders tools, for a model whose own cannot
+        tokenizer.chat_template = read_chat_template(cfg.chat_template)
+    rollout_fn = load_rollout(cfg.rollout)  # rows -> episodes through the server (rollout.generate by default)
+    env_reward, schemas = None, None  # the environment's get_reward() column (named after its class); the tools'
+    if cfg.tools or cfg.env:  # the multi-turn rollout: the model calls tools, an environment answers (tools.py)
+        rollout_fn, env_reward, schemas = tool_rollout_for(cfg, tokenizer, cfg.model)
     pad_id = 0 if tokenizer.pad_token_id is None else tokenizer.pad_token_id  # masked out: any id (Llama 3 has none)
     rows = load_rows(cfg.dataset, cfg.dataset_split, cfg.prompt_column, cfg.answer_column, cfg.num_arithmetic_problems,
                      cfg.seed)
-    prompt_ids = [encode_prompt(tokenizer, r["prompt"], cfg.system_prompt) for r in rows]  # chat template applied
+    prompt_ids = [encode_prompt(tokenizer, r["prompt"], cfg.system_prompt, schemas) for r in rows]  # chat template
     eval_rows = load_rows(cfg.eval_dataset or cfg.dataset, cfg.eval_split, cfg.prompt_column, cfg.answer_column,
                           cfg.num_arithmetic_problems, cfg.seed)[:cfg.eval_num_prompts] if cfg.evaluates() else []
-    eval_ids = [encode_prompt(tokenizer, r["prompt"], cfg.system_prompt) for r in eval_rows]
+    eval_ids = [encode_prompt(tokenizer, r["prompt"], cfg.system_prompt, schemas) for r in eval_rows]
     longest = max(map(len, prompt_ids + eval_ids))
     if longest > cfg.max_prompt_length:
         raise UsageError(f"the longest prompt has {longest} tokens > --max_prompt_length {cfg.max_prompt_length}: "
@@ -379,10 +386,10 @@ def main(cfg: Config):
                          "with a larger --max-model-len")
     scorer = RewardScorer(cfg.reward_names(), list(rows[0]), device, cfg.max_steps,  # signatures checked now
                           options=cfg.reward_options())
-    rollout_fn = load_rollout(cfg.rollout)  # rows -> episodes through the server (rollout.generate by default)
     sampling = dict(max_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                     min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty)
-    names, reward_weights = cfg.reward_names(), torch.tensor(cfg.reward_weight_list())  # k functions, (k,) weights
+    names = cfg.reward_names() + [env_reward] * bool(env_reward)  # k reward columns, (k,) weights
+    reward_weights = torch.tensor(cfg.reward_weight_list() + [1.0] * bool(env_reward))
 
     state = load_checkpoint(resume) if resume else {"step": 0}  # optimizer, scheduler, RNG, step
     policy = load_model(os.path.join(resume, "model") if resume and not cfg.use_peft else model_path, device, cfg.fsdp)
@@ -472,7 +479,11 @@ def main(cfg: Config):
     def score(episodes: list) -> tuple[list[str], torch.Tensor, torch.Tensor]:
         """The completions' texts, each function's rewards (N, k) (NaN = not scored), their weighted sum (N,)."""
         texts = [tokenizer.decode(e.completion_ids, skip_special_tokens=True) for e in episodes]  # ([] -> [], not [""])
-        scores = scorer([e.row for e in episodes], texts, [e.completion_ids for e in episodes], scheduler.last_epoch)
+        completions = [text if e.messages is None else e.messages for e, text in zip(episodes, texts)]  # multi-turn
+        scores = scorer([e.row for e in episodes], completions, [e.completion_ids for e in episodes],
+                        scheduler.last_epoch)
+        if env_reward:  # each trajectory's get_reward(); an episode whose environment failed gets no reward at all
+            scores = environment_rewards(episodes, scores, scorer, env_reward)
         reward_matrix = postprocess_rewards(torch.tensor(scores, dtype=torch.float32).T.reshape(len(texts), len(names)),
                                             names)
         return texts, reward_matrix, weighted_rewards(reward_matrix, reward_weights)  # NaN where nothing scored
@@ -609,6 +620,7 @@ def main(cfg: Config):
         metrics = {**mean_over_ranks(scorer.metrics), "step": step + 1,  # the reward functions' log_metric first
                    **reward_metrics(rewards, reward_matrix, names, zero_std, scorer.failures),
                    **training_metrics(sums, grad_norms, tokens["mask"].sum(dim=1).float(), truncated, diff, compared),
+                   **(trajectory_metrics(episodes) if cfg.tools or cfg.env else {}),
                    **dynamic, **probe, "server_reconnects": server.reconnects, "lr": scheduler.get_last_lr()[0],
                    "optimizer_steps": scheduler.last_epoch,
                    "old_logprob_pass": int(off_policy or cfg.top_entropy_quantile < 1), **timer.metrics()}

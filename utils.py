@@ -127,16 +127,23 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def encode_prompt(tokenizer, prompt, system_prompt: str = "") -> list[int]:
-    """Token ids of a prompt, text or chat messages, through the chat template (a last assistant message
-    is continued, as a forced start of the completion); --system_prompt goes first unless it has its own."""
+def prompt_messages(prompt, system_prompt: str = "") -> list[dict]:
+    """A prompt, text or chat messages, as chat messages; --system_prompt goes first unless it has its own."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if system_prompt and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def encode_prompt(tokenizer, prompt, system_prompt: str = "", tools: list[dict] | None = None) -> list[int]:
+    """Token ids of a prompt, text or chat messages, through the chat template (a last assistant message
+    is continued, as a forced start of the completion); --system_prompt goes first unless it has its own;
+    the tools' schemas where the template shows them."""
+    messages = prompt_messages(prompt, system_prompt)
     if tokenizer.chat_template:
         go_on = messages[-1]["role"] == "assistant"
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=not go_on, continue_final_message=go_on,
-                                            tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=not go_on,
+                                            continue_final_message=go_on, tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     if not isinstance(prompt, str):
         raise UsageError("the dataset's prompts are chat messages, but the model's tokenizer has no chat template; use "

@@ -18,7 +18,8 @@ What this file adds to plain `vllm serve`, and nothing else:
     instead of 1 s and are re-checked every 20 ms (`wait_briefly_instead_of_spinning`), and freed
     memory is kept for reuse (`keep_freed_memory`).
 
-It serves only the routes training uses (the rest of vLLM's dev routes answer 404), binds
+It serves only the routes training uses, and the OpenAI chat route (/v1/chat/completions, for
+OpenAI-client agents and evaluation tools; the rest of vLLM's dev routes answer 404), binds
 127.0.0.1 unless told otherwise, and with `--api-key KEY` wants the key on every route but
 /health (the trainer sends VLLM_API_KEY). Even so, do not expose it to networks you do not trust:
 the weight-transfer routes let a key holder replace the weights, and the weight-transfer port
@@ -104,7 +105,7 @@ class VLLMClient:
 
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, api_key: str | None = None,
                  request_timeout: float = 0, server_timeout: float = 300):
-        self.base = f"http://{host}:{port}"
+        self.base, self.api_key = f"http://{host}:{port}", api_key  # the key also goes to agents' OpenAI clients
         self.session, self.health_session = requests.Session(), requests.Session()
         if api_key:
             self.session.headers["Authorization"] = f"Bearer {api_key}"
@@ -595,7 +596,8 @@ def register_gloo_backend():
 # -----------------------------------------------------------------------------
 # server side: only the routes training uses, and the API key on all of them
 
-TRAINING_ROUTES = {"/health", "/v1/models", "/v1/completions", "/server_info", "/get_world_size", "/metrics",
+TRAINING_ROUTES = {"/health", "/v1/models", "/v1/completions", "/v1/chat/completions", "/server_info",
+                   "/get_world_size", "/metrics",
                    "/version", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
                    "/finish_weight_update", "/shutdown_weight_transfer_engine", "/reset_prefix_cache"}
 

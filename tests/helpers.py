@@ -97,3 +97,79 @@ def starts_a_child_and_hangs(completions, **kwargs):
 def brevity_on_some_prompts(prompts, completions, **kwargs):
     """brevity for prompts of an odd length (in characters), 0 for the others: their groups have no signal."""
     return [max(0.0, 1 - len(c) / 80) if len(str(p)) % 2 else 0.0 for p, c in zip(prompts, completions)]
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first integer
+        b: the second integer
+    """
+    return a + b
+
+
+class Guess:
+    """A game as TRL 1.16's documentation writes environments: reset(**row) starts it (a secret from 1 to 10, the
+    same for the same prompt), the tool `guess` answers higher or lower, get_reward() is 1 once it was found."""
+
+    def __init__(self):
+        self.secret, self.found = 0, False
+
+    def reset(self, **kwargs) -> str:
+        import zlib
+        self.secret, self.found = zlib.crc32(str(kwargs.get("prompt")).encode()) % 10 + 1, False
+        return " Guess my number from 1 to 10 with the guess tool."
+
+    def guess(self, number: int) -> str:
+        """Guess the secret number.
+
+        Args:
+            number: a whole number from 1 to 10
+        """
+        self.found = self.found or number == self.secret
+        return "found it" if number == self.secret else "higher" if number < self.secret else "lower"
+
+    def get_reward(self) -> float:
+        return float(self.found)
+
+
+async def one_call_agent(client, row):
+    """An OpenAI-client agent, as agent code is written: it calls client.chat.completions.create and returns its
+    reward (a short answer is better)."""
+    answer = await client.chat.completions.create(model=client.model, max_tokens=8,
+                                                  messages=[{"role": "user", "content": str(row["prompt"])}])
+    return 1.0 - len(answer.choices[0].message.content or "") / 80
+
+
+async def two_call_agent(client, row):
+    """A first answer, then a follow-up question with the conversation so far. The first answer is the end-of-turn
+    token alone (<|im_end|>, id 2 in SmolLM2's vocabulary): the random test model's words would not come back as
+    the same tokens when the server renders the conversation again, and that trajectory would be refused."""
+    messages = [{"role": "user", "content": str(row["prompt"])}]
+    first = await client.chat.completions.create(model=client.model, messages=messages, max_tokens=1,
+                                                 extra_body={"allowed_token_ids": [2]})
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "Are you sure?"}]
+    second = await client.chat.completions.create(model=client.model, messages=messages, max_tokens=6)
+    return 1.0 - len(second.choices[0].message.content or "") / 80
+
+
+async def unchained_agent(client, row):
+    """Two calls whose second does not continue the first: it starts with another system message."""
+    await client.chat.completions.create(model=client.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    await client.chat.completions.create(model=client.model, max_tokens=2, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    return 0.0
+
+
+class NoReset:
+    """An environment without reset(**row): refused at start."""
+
+    def look(self) -> str:
+        """Look around."""
+        return "nothing"
+
+
+def undocumented(x: int) -> int:
+    return x

@@ -159,6 +159,21 @@ def test_a_mistake_found_at_start_is_one_line_and_exit_code_2(tiny_model, tmp_pa
 
 
 @pytest.mark.slow
+def test_tools_and_environments_that_cannot_work_stop_at_start(tiny_model, tmp_path):
+    from test_tools import SMOLLM2_TEMPLATE
+    (tmp_path / "plain.jinja").write_text(SMOLLM2_TEMPLATE)
+    for args, message in [
+        (["--env", "tests.helpers:nope"], "--env tests.helpers:nope: could not load it"),
+        (["--env", "tests.helpers:NoReset"], "NoReset has no reset(**row) method"),
+        (["--tools", "tests.helpers:undocumented"], "needs type hints and a Google-style docstring"),
+        (["--tools", "tests.helpers:add", "--chat_template", str(tmp_path / "plain.jinja")],
+         "does not render the tools' schema, the call, so the model would never see its tools"),
+        (["--env", "tests.helpers:Guess", "--rollout", "tests.rollouts:forced_prefix"], "give one or the other"),
+    ]:
+        assert message in start_fails(offline_train_args(tiny_model, tmp_path / "out", *args)), args
+
+
+@pytest.mark.slow
 def test_prompts_longer_than_max_prompt_length(tiny_model, tmp_path):
     err = start_fails(offline_train_args(tiny_model, tmp_path / "out", "--max_prompt_length", "8"))
     assert "tokens > --max_prompt_length 8: raise it" in err

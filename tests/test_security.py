@@ -18,7 +18,8 @@ def keyed_server(tiny_model, tmp_path_factory):
 def test_the_key_guards_every_route_and_unused_routes_are_closed(keyed_server):
     base, auth = f"http://127.0.0.1:{keyed_server['port']}", {"Authorization": f"Bearer {KEY}"}
     assert requests.get(base + "/health", timeout=10).status_code == 200  # for load balancers and the trainer's wait
-    for method, path in [("get", "/v1/models"), ("post", "/v1/completions"), ("get", "/server_info"),
+    for method, path in [("get", "/v1/models"), ("post", "/v1/completions"), ("post", "/v1/chat/completions"),
+                         ("get", "/server_info"),
                          ("post", "/update_weights"), ("post", "/init_weight_transfer_engine"), ("post", "/reset_prefix_cache")]:
         assert getattr(requests, method)(base + path, timeout=10).status_code == 401, path
         wrong = {"Authorization": "Bearer not-the-key"}
@@ -26,6 +27,21 @@ def test_the_key_guards_every_route_and_unused_routes_are_closed(keyed_server):
     assert requests.get(base + "/v1/models", headers=auth, timeout=10).status_code == 200
     for path in ("/collective_rpc", "/sleep", "/wake_up", "/pause", "/invocations", "/v1/load_lora_adapter"):
         assert requests.post(base + path, headers=auth, timeout=10).status_code == 404, path  # not exposed at all
+
+
+def test_the_openai_chat_route_answers_the_plain_openai_client_with_the_key(keyed_server):
+    """/v1/chat/completions, as OpenAI-client agents call it: 401 without the key, 200 with it, and with vLLM's
+    extras (the token ids of the prompt and of each choice, their log-probs) for a trainer that records them."""
+    import openai
+    base = f"http://127.0.0.1:{keyed_server['port']}/v1"
+    request = dict(model=keyed_server["model"], messages=[{"role": "user", "content": "What is 2 + 3?"}],
+                   max_tokens=4, n=2, seed=1, logprobs=True, extra_body={"return_token_ids": True})
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=base, api_key="not-the-key").chat.completions.create(**request)
+    answer = openai.OpenAI(base_url=base, api_key=KEY).chat.completions.create(**request)
+    assert len(answer.choices) == 2 and answer.prompt_token_ids
+    for choice in answer.choices:
+        assert 1 <= len(choice.token_ids) <= 4 and len(choice.logprobs.content) == len(choice.token_ids)
 
 
 def test_the_trainer_sends_the_key_and_says_when_it_is_missing(keyed_server, tmp_path):
