@@ -1,5 +1,6 @@
 """The real vllm_server.py on a tiny random model: generation, weight pushes, restoring weights, what an
-idle server costs, and its processes' reuse of freed memory."""
+idle server costs, its processes' reuse of freed memory, and multi-turn trajectories sampled from it token-exact."""
+import math
 import os
 import subprocess
 import sys
@@ -203,3 +204,54 @@ def test_a_cpu_servers_processes_reuse_freed_memory():
     users = page_faults_per_cycle(NANOGRPO_CPU_SERVER="1", MALLOC_MMAP_THRESHOLD_=str(32 * 2**20))  # theirs wins
     assert plain > 10_000 and users > 10_000, (plain, users)
     assert tuned < 1_000, f"{tuned} page faults per cycle in a tuned process, {plain} in a plain one"
+
+
+class FirstTurnCalls:
+    """The real client, except that every trajectory's first turn is `ids` (a call to add: the tiny random model
+    never writes one), with no sampler log-probs; later turns are the server's samples."""
+
+    def __init__(self, client, ids: list[int]):
+        self.client, self.ids, self.requests = client, ids, 0
+
+    def generate(self, prompts, n, **sampling):
+        self.requests += 1
+        if self.requests == 1:
+            return [dict(token_ids=self.ids, logprobs=[math.nan] * len(self.ids), finish_reason="stop")] * (len(prompts) * n)
+        return self.client.generate(prompts, n, **sampling)
+
+
+def test_multi_turn_trajectories_are_token_exact(setup):
+    """A call, the tool's answer, and a second turn the server samples from the trajectory's token ids. The trainer's
+    log-probs of the model's second turn equal the sampler's (it was sampled from exactly the tokens the trainer
+    sees), and the server re-scoring whole trajectories agrees with the trainer on every model token, in fp32."""
+    from rollout import RolloutContext, collate
+    from helpers import add
+    from tools import tool_rollout
+    client, model, _, sync, initial = setup
+    model.load_state_dict(initial, strict=False)
+    sync.push()  # the server has the weights of `model` (earlier tests here pushed others)
+    tokenizer = AutoTokenizer.from_pretrained(model.config._name_or_path)
+    call = tokenizer('<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>')["input_ids"]
+    ctx = RolloutContext(FirstTurnCalls(client, call + [tokenizer.eos_token_id]), tokenizer, 3,
+                         dict(max_tokens=64, temperature=1.0), seed=5)
+    rows = [{"prompt": "What is 2 + 3?"}, {"prompt": [{"role": "user", "content": "Add 2 and 3."}]}]
+    episodes = tool_rollout(rows, ctx, tools=[add], max_iterations=2)
+    assert len(episodes) == 6 and ctx.client.requests >= 2
+    for e in episodes:
+        assert e.messages[0]["tool_calls"] == [{"type": "function", "function": {"name": "add",
+                                                                                 "arguments": {"a": 2, "b": 3}}}]
+        assert e.messages[1] == {"role": "tool", "name": "add", "content": "5"}
+        first = len(call) + 1
+        answer = e.sampled.index(True, first)  # the tool's answer and the next turn's start: not the model's
+        assert not any(e.sampled[first:answer]) and all(e.sampled[:first])
+        assert "<tool_response>\n5\n</tool_response>" in tokenizer.decode(e.completion_ids[first:answer])
+        assert e.extra["tool_calls"] >= 1 and not e.extra["template_rewrote_history"]
+    inputs, tokens = collate(episodes, 0)
+    with torch.no_grad():
+        ours = completion_logprobs(model, inputs, tokens["mask"].shape[1], 1.0)[0]
+    sampled = tokens["sampled"].bool() & ~tokens["sampler_logp"].isnan()  # the server's samples: the later turns
+    assert sampled.sum() > 0 and (ours - tokens["sampler_logp"]).abs()[sampled].max() < 1e-4
+    for i, e in enumerate(episodes[:2]):  # re-scored on the server: every token the model wrote, the call too
+        theirs = torch.tensor(client.prompt_logprobs(e.prompt_ids + e.completion_ids)[len(e.prompt_ids) - 1:])
+        model_tokens = torch.tensor(e.sampled)
+        assert (ours[i, :len(theirs)] - theirs).abs()[model_tokens].max() < 1e-4

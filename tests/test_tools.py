@@ -98,59 +98,6 @@ def test_a_tool_turn_appends_exactly_the_templates_tokens_after_the_models_end_o
                                        "<|im_start|>assistant\n"
 
 
-class FirstTurnCalls:
-    """The real client, except that every trajectory's first turn is `ids` (a call to add: the tiny random model
-    never writes one), with no sampler log-probs; later turns are the server's samples."""
-
-    def __init__(self, client, ids: list[int]):
-        self.client, self.ids, self.requests = client, ids, 0
-
-    def generate(self, prompts, n, **sampling):
-        self.requests += 1
-        if self.requests == 1:
-            return [dict(token_ids=self.ids, logprobs=[math.nan] * len(self.ids), finish_reason="stop")] * (len(prompts) * n)
-        return self.client.generate(prompts, n, **sampling)
-
-
-@pytest.mark.slow
-def test_multi_turn_trajectories_are_token_exact(server):
-    """A call, the tool's answer, and a second turn the server samples from the trajectory's token ids. The trainer's
-    log-probs of the model's second turn equal the sampler's (it was sampled from exactly the tokens the trainer
-    sees), and the server re-scoring whole trajectories agrees with the trainer on every model token, in fp32."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from rollout import RolloutContext, collate
-    from tools import tool_rollout
-    from utils import completion_logprobs
-    from vllm_server import VLLMClient
-    tokenizer = AutoTokenizer.from_pretrained(server["model"])
-    client = VLLMClient(port=server["port"])
-    call = tokenizer('<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>')["input_ids"]
-    ctx = RolloutContext(FirstTurnCalls(client, call + [tokenizer.eos_token_id]), tokenizer, 3,
-                         dict(max_tokens=64, temperature=1.0), seed=5)
-    rows = [{"prompt": "What is 2 + 3?"}, {"prompt": [{"role": "user", "content": "Add 2 and 3."}]}]
-    episodes = tool_rollout(rows, ctx, tools=[add], max_iterations=2)
-    assert len(episodes) == 6 and ctx.client.requests >= 2
-    for e in episodes:
-        assert e.messages[0]["tool_calls"] == [{"type": "function", "function": {"name": "add",
-                                                                                 "arguments": {"a": 2, "b": 3}}}]
-        assert e.messages[1] == {"role": "tool", "name": "add", "content": "5"}
-        first = len(call) + 1
-        answer = e.sampled.index(True, first)  # the tool's answer and the next turn's start: not the model's
-        assert not any(e.sampled[first:answer]) and all(e.sampled[:first])
-        assert "<tool_response>\n5\n</tool_response>" in tokenizer.decode(e.completion_ids[first:answer])
-        assert e.extra["tool_calls"] >= 1 and not e.extra["template_rewrote_history"]
-    model = AutoModelForCausalLM.from_pretrained(server["model"], dtype=torch.float32).eval()
-    inputs, tokens = collate(episodes, 0)
-    with torch.no_grad():
-        ours = completion_logprobs(model, inputs, tokens["mask"].shape[1], 1.0)[0]
-    sampled = tokens["sampled"].bool() & ~tokens["sampler_logp"].isnan()  # the server's samples: the later turns
-    assert sampled.sum() > 0 and (ours - tokens["sampler_logp"]).abs()[sampled].max() < 1e-4
-    for i, e in enumerate(episodes[:2]):  # re-scored on the server: every token the model wrote, the call too
-        theirs = torch.tensor(client.prompt_logprobs(e.prompt_ids + e.completion_ids)[len(e.prompt_ids) - 1:])
-        model_tokens = torch.tensor(e.sampled)
-        assert (ours[i, :len(theirs)] - theirs).abs()[model_tokens].max() < 1e-4
-
-
 @pytest.mark.slow
 def test_tools_and_an_environment_train_through_the_server_and_its_reward_is_a_column(server, tmp_path):
     """--tools and --env (tests.helpers.Guess, written as TRL's documentation writes environments) through the
