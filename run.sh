@@ -11,11 +11,7 @@ PY=.venv/bin/python
 OUT=out
 for ((i = 1; i <= $#; i++)); do [ "${!i}" = "--output_dir" ] && { j=$((i + 1)); OUT=${!j}; }; done
 mkdir -p "$OUT"
-read -r PORT GROUP_PORT < <($PY -c "
-import socket
-socks = [socket.socket() for _ in range(2)]
-for s in socks: s.bind(('127.0.0.1', 0))
-print(*[s.getsockname()[1] for s in socks])")
+read -r PORT GROUP_PORT < <($PY -c "import utils; print(*utils.free_ports(2))")
 MODEL=smollm2-135m
 for ((i = 1; i <= $#; i++)); do [ "${!i}" = "--model" ] && { j=$((i + 1)); MODEL=${!j}; }; done
 

@@ -551,6 +551,28 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def free_ports(n: int = 1, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct ports free on `host` now, drawn below the kernel's ephemeral range: one drawn there stays free
+    until it is used, as no socket bound to port 0 (gloo's, vLLM's, any client's) is given it meanwhile."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    draw, ports = random.SystemRandom(), []
+    while len(ports) < n:
+        port = draw.randrange(max(1024, low - 20000), low) if low > 2048 else 0
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))  # without SO_REUSEADDR: a port still in TIME_WAIT is not taken
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        if port not in ports and port != 29500:  # 29500: torchrun's default rendezvous
+            ports.append(port)
+    return ports
+
+
 def stop_process_group(proc, timeout: float = 30):
     """Stop exactly what we started as `proc` (start_new_session=True: a server with its engine and workers,
     a torchrun with its ranks): SIGTERM to its group, SIGKILL after `timeout` seconds; then SIGKILL to any of

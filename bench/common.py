@@ -3,7 +3,6 @@ memory of a process tree. Every process is started in its own session and stoppe
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -24,9 +23,8 @@ def workload_arguments(parser, steps: int = 4):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    import utils
+    return utils.free_ports()[0]
 
 
 class PeakRSS(threading.Thread):

@@ -4,7 +4,6 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -81,9 +80,8 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    import utils
+    return utils.free_ports()[0]
 
 
 def stop(proc: subprocess.Popen):

@@ -170,3 +170,16 @@ def test_an_error_that_waiting_cannot_mend_saves_the_run_and_raises_it(capsys):
     with pytest.raises(RuntimeError):
         nothing.run(refused)
     assert "No step was done since the start, nothing new to save" in capsys.readouterr().out
+
+
+def test_free_ports_are_outside_the_range_the_kernel_hands_out():
+    """Ports for the server and the weight transfer are drawn below the ephemeral range, so a socket bound to port
+    0 in between (gloo's, vLLM's) can never take one; they are distinct and free."""
+    import socket
+    import utils
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    ports = utils.free_ports(50)
+    assert len(set(ports)) == 50 and all(1024 <= p < low for p in ports)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[0]))
