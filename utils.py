@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from config import DEFAULT_DATASET, RunStopped, UsageError, run_main
+from config import DEFAULT_DATASET, NO_DATASET, RunStopped, UsageError, run_main
 from plot import read_jsonl
 
 
@@ -67,12 +67,17 @@ def check_prompt(prompt, where: str):
 
 
 def load_rows(dataset: str, split: str, prompt_column: str, answer_column: str, num_arithmetic: int,
-              seed: int) -> list[dict]:
+              seed: int, num_starts: int = 0) -> list[dict]:
     """The rows of the embedded task, a local json/jsonl/parquet file or a hub dataset, every column kept as it
     is, with the prompt also under "prompt" (text, or a list of chat messages) and the reference answer, if the
-    dataset has one, under "answer" (the built-in accuracy reads GSM8K's "... #### 42" as 42)."""
+    dataset has one, under "answer" (the built-in accuracy reads GSM8K's "... #### 42" as 42). With no dataset
+    ("none": an environment makes the prompts), `num_starts` rows {"prompt": "", "seed": k} for its reset(**row),
+    the held-out ones ("test") with seeds no training row has."""
     if dataset == DEFAULT_DATASET:
         return arithmetic_problems(num_arithmetic, seed, "test" if split == "test" else "train")
+    if dataset == NO_DATASET:
+        first = 10 ** 9 if split == "test" else 0
+        return [{"prompt": "", "seed": first + k} for k in range(num_starts)]
     import datasets
     if os.path.isfile(dataset):
         ext = os.path.splitext(dataset)[1].lstrip(".")
@@ -149,6 +154,16 @@ def encode_prompt(tokenizer, prompt, system_prompt: str = "", tools: list[dict] 
         raise UsageError("the dataset's prompts are chat messages, but the model's tokenizer has no chat template; use "
                          "text prompts or a model with a chat template")
     return tokenizer((system_prompt + "\n\n" if system_prompt else "") + prompt)["input_ids"]
+
+
+def encode_prompts(tokenizer, prompts: list, system_prompt: str = "", tools: list[dict] | None = None) -> list[list[int]]:
+    """encode_prompt of each prompt, each distinct one once (the embedded task repeats a few hundred questions)."""
+    done = {}
+    for prompt in prompts:
+        key = json.dumps(prompt, sort_keys=True, default=str)
+        if key not in done:
+            done[key] = encode_prompt(tokenizer, prompt, system_prompt, tools)
+    return [done[json.dumps(prompt, sort_keys=True, default=str)] for prompt in prompts]
 
 
 def step_prompt_indices(step: int, num_rows: int, prompts_per_step: int, seed: int) -> list[int]:

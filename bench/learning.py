@@ -1,10 +1,12 @@
 """Does the default run learn the task? Starts one vllm_server.py, runs train.py with its defaults (the
 embedded model on the embedded arithmetic task) once per seed against it, and prints the held-out
-evaluation before and after training for each seed: accuracy (pass@1: the accuracy reward's mean over
-the held-out problems x samples) and the format reward, then their mean and spread over the seeds,
-and each run's wall time (server start not included: the server is started once).
+evaluation before and after training for each seed: the mean of each reward over the held-out prompts x
+samples (accuracy is pass@1), then their mean and spread over the seeds, and each run's wall time (server
+start not included: the server is started once). With --env, an embedded environment (README: Environments
+and tools) instead, also printing the tool calls per trajectory in the first and the last training steps.
 
     .venv/bin/python bench/learning.py                    # seeds 42, 43, 44: the default run 3 times
+    .venv/bin/python bench/learning.py --env guess        # the embedded guess game, 3 times
     .venv/bin/python bench/learning.py --seeds 1 -- --learning_rate 1e-5   # after --: any train.py flags
 """
 import argparse
@@ -20,7 +22,7 @@ from common import ROOT, free_port, serving
 
 
 def run(port: int, out: str, seed: int, flags: list[str]) -> tuple[list[dict], float]:
-    """train.py with its defaults and `flags`: its evaluations (metrics rows with eval/ keys) and wall time."""
+    """train.py with its defaults and `flags`: its metrics rows (the evaluations among them) and wall time."""
     import json
 
     from utils import stop_process_group
@@ -39,8 +41,7 @@ def run(port: int, out: str, seed: int, flags: list[str]) -> tuple[list[dict], f
         log.seek(0)
         print(" ", log.read().strip().splitlines()[-1], flush=True)  # train.py's summary line
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        evals = [r for r in map(json.loads, filter(str.strip, f)) if "eval/reward" in r]
-    return evals, time.perf_counter() - t
+        return [json.loads(line) for line in f if line.strip()], time.perf_counter() - t
 
 
 def spread(values: list[float]) -> str:
@@ -53,25 +54,30 @@ if __name__ == "__main__":
     p.add_argument("--seeds", type=int, default=3, help="runs, with seeds 42, 43, ...")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--keep", default="", help="a folder to keep the runs in (logs, metrics, rollouts); default: none")
+    p.add_argument("--env", default="", help="an embedded environment (calculator, guess) or module:factory")
     p.add_argument("flags", nargs="*", help="train.py flags, after --")
     args = p.parse_args()
-    keys = {"accuracy": "eval/rewards/accuracy", "format": "eval/rewards/format"}
-    results = {name: [] for name in keys}
+    flags = ["--model", args.model, *(["--env", args.env] if args.env else []), *args.flags]
+    results = {}  # reward name -> [(before, after) per seed]
     if args.keep:
         os.makedirs(args.keep, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp, serving(args.model, args.keep or tmp) as server:
         work = args.keep or tmp
-        print(f"train.py defaults{' + ' + shlex.join(args.flags) if args.flags else ''}, {args.seeds} seed(s)")
+        print(f"train.py defaults + {shlex.join(flags)}, {args.seeds} seed(s)")
         for seed in range(42, 42 + args.seeds):
-            evals, seconds = run(server["port"], os.path.join(work, f"seed{seed}"), seed,
-                                 ["--model", args.model, *args.flags])
+            rows, seconds = run(server["port"], os.path.join(work, f"seed{seed}"), seed, flags)
+            evals, steps = [r for r in rows if "eval/reward" in r], [r for r in rows if "loss" in r]
             first, last = evals[0], evals[-1]
             line = []
-            for name, key in keys.items():
-                results[name].append((first[key], last[key]))
+            for key in sorted(k for k in first if k.startswith("eval/rewards/")):
+                name = key.removeprefix("eval/rewards/")
+                results.setdefault(name, []).append((first[key], last[key]))
                 line.append(f"{name} {first[key]:.3f} -> {last[key]:.3f} ({last[key] - first[key]:+.3f})")
+            if "tools/calls" in steps[0]:  # tool calls per trajectory, the first 3 training steps vs the last 3
+                calls = [statistics.mean(r["tools/calls"] for r in part) for part in (steps[:3], steps[-3:])]
+                line.append(f"tool calls {calls[0]:.2f} -> {calls[1]:.2f}")
             print(f"seed {seed}: {', '.join(line)} | steps {first['step']} -> {last['step']}, "
-                  f"{int(last['eval/num_prompts'])} problems | {seconds / 60:.1f} min", flush=True)
+                  f"{int(last['eval/num_prompts'])} prompts | {seconds / 60:.1f} min", flush=True)
     for name, pairs in results.items():
         gains = [b - a for a, b in pairs]
         print(f"{name:8s} before {statistics.mean(a for a, _ in pairs):.3f}, after {statistics.mean(b for _, b in pairs):.3f}"

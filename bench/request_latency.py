@@ -7,7 +7,8 @@ each message). One invocation runs, one server after the other (never two at onc
     - `--pushes` sequential weight pushes of the model's own weights (gloo, the server's dtype), each timed;
     - the CPU the server's processes use in the `--idle` seconds after a request, with nothing to do.
 
-It prints median, p90 and max of each, in seconds, and the idle CPU in cores.
+It prints median, p90 and max of each, in seconds, and the idle CPU in cores. With $NANOGRPO_BENCH_SERVER set
+(the tests), "tiny" with the shipped polling alone is measured on that server, the tests' own.
 
     .venv/bin/python bench/request_latency.py [--models tiny,smollm2-135m --pollings "shipped,vLLM's" --requests 50
                                               --pushes 20 --idle 5]
@@ -19,7 +20,7 @@ import sys
 import tempfile
 import time
 
-from common import ROOT, free_port, serving
+from common import ROOT, SHARED_SERVER, free_port, serving
 
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 POLLINGS = {"shipped": "0", "vLLM's": "1"}  # NANOGRPO_VLLM_POLLING in the server's environment
@@ -77,7 +78,12 @@ def main():
     with tempfile.TemporaryDirectory() as workdir:
         results = []
         for name in args.models.split(","):
-            if name == "tiny":
+            if name == "tiny" and os.environ.get(SHARED_SERVER) and args.pollings == "shipped":
+                from vllm_server import VLLMClient  # the tests' own server on their tiny model, served as shipped
+                client = VLLMClient(port=int(os.environ[SHARED_SERVER].split(":")[0]))
+                client.wait_for_health(timeout=30)
+                model, flags = client.model_name, ()
+            elif name == "tiny":
                 from conftest import make_tiny_model
                 model = make_tiny_model(os.path.join(workdir, "tiny"))
                 flags = ("--dtype", "float32", "--max-model-len", "1024")  # as the tests serve it

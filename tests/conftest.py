@@ -40,6 +40,13 @@ def run(cmd: list[str], timeout: float, env: dict | None = None, **kwargs) -> su
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def run_all(cmds: list[list[str]], timeout: float, env: dict | None = None) -> list[subprocess.CompletedProcess]:
+    """run() of each command, all at once (for short ones that mostly import: they overlap on the cores)."""
+    import concurrent.futures
+    with concurrent.futures.ThreadPoolExecutor(len(cmds)) as pool:
+        return list(pool.map(lambda cmd: run(cmd, timeout, env), cmds))
+
+
 def left_running() -> list[tuple[int, str]]:
     """(pid, command line) of the processes this test session started that still run (zombies aside)."""
     mark, found = f"NANOGRPO_TEST_SUITE={os.getpid()}".encode(), []
@@ -121,7 +128,7 @@ def make_tiny_model(path, num_heads: int = 1, max_positions: int = 1024) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), max_positions=2048)  # as the benches' engines need
 
 
 @contextlib.contextmanager

@@ -109,6 +109,15 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
+def guess(number: int) -> str:
+    """A tool named as the Guess environment's method.
+
+    Args:
+        number: a number
+    """
+    return str(number)
+
+
 class Guess:
     """A game as TRL 1.16's documentation writes environments: reset(**row) starts it (a secret from 1 to 10, the
     same for the same prompt), the tool `guess` answers higher or lower, get_reward() is 1 once it was found."""

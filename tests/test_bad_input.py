@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from config import Config, parse_config
-from conftest import ROOT, free_port, run, train_args
+from conftest import ROOT, free_port, run_all, train_args
 from rewards import RewardScorer
 import config
 import utils
@@ -51,6 +51,7 @@ GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
     (["--eval_steps", "5", "--eval_pass_k", "16"], "each k must be between 1 and --eval_num_generations (4)"),
     (["--eval_steps", "-2"], "--eval_steps must be -1 (before and after training), 0 (never) or N > 0"),
     (["--eval_steps", "5", "--dataset", GSM8K], "it has no held-out split; give --eval_dataset"),
+    (["--dataset", "none"], "--dataset none: only an --env makes its own prompts"),
 ])
 def test_bad_flags_fail_with_a_message_naming_the_flag(args, message, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
@@ -131,12 +132,18 @@ def test_unknown_or_unimportable_reward_functions():
 def start_fails(args: list[str], *, timeout=300, python=(sys.executable,)) -> str:
     """Run a script that must fail at start, as a user's mistake: its message as the last line of stderr,
     `error: ...`, no traceback, exit code 2. Returns that line."""
-    proc = run([*python, *args], timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: "), proc.stderr[-3000:]
-    return last
+    return starts_fail([args], timeout=timeout, python=python)[0]
+
+
+def starts_fail(arg_lists: list[list[str]], *, timeout=300, python=(sys.executable,)) -> list[str]:
+    """start_fails for each of `arg_lists`, all run at once: their last lines."""
+    lines = []
+    for proc in run_all([[*python, *args] for args in arg_lists], timeout, env=dict(os.environ, OMP_NUM_THREADS="1")):
+        assert proc.returncode == 2, proc.args[-6:] + [proc.stdout[-2000:] + proc.stderr[-3000:]]
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        lines.append(proc.stderr.strip().splitlines()[-1])
+        assert lines[-1].startswith("error: "), proc.stderr[-3000:]
+    return lines
 
 
 def offline_train_args(tiny_model, out, *args):
@@ -145,32 +152,36 @@ def offline_train_args(tiny_model, out, *args):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["flag", "missing file", "missing column", "unreadable file"])
-def test_a_mistake_found_at_start_is_one_line_and_exit_code_2(tiny_model, tmp_path, case):
+def test_a_mistake_found_at_start_is_one_line_and_exit_code_2(tiny_model, tmp_path):
     (tmp_path / "no_prompt.jsonl").write_text(json.dumps({"text": "2 + 2?", "answer": "4"}) + "\n")
     (tmp_path / "broken.jsonl").write_text('{"prompt": "2 + 2?", "answer": \n')
-    args, message = {
-        "flag": (["--num_generations", "1"], "error: invalid configuration: --num_generations 1: GRPO needs at least 2"),
-        "missing file": (["--dataset", str(tmp_path / "nope.jsonl")], "no such file"),
-        "missing column": (["--dataset", str(tmp_path / "no_prompt.jsonl")], "has no column 'question'"),
-        "unreadable file": (["--dataset", str(tmp_path / "broken.jsonl")], "not a readable jsonl file"),
-    }[case]
-    assert message in start_fails(offline_train_args(tiny_model, tmp_path / "out", *args))
+    cases = [  # a flag, a missing file, a missing column, an unreadable file
+        (["--num_generations", "1"], "error: invalid configuration: --num_generations 1: GRPO needs at least 2"),
+        (["--dataset", str(tmp_path / "nope.jsonl")], "no such file"),
+        (["--dataset", str(tmp_path / "no_prompt.jsonl")], "has no column 'question'"),
+        (["--dataset", str(tmp_path / "broken.jsonl")], "not a readable jsonl file"),
+    ]
+    errors = starts_fail([offline_train_args(tiny_model, tmp_path / f"out{i}", *args) for i, (args, _) in enumerate(cases)])
+    for (args, message), error in zip(cases, errors):
+        assert message in error, args
 
 
 @pytest.mark.slow
 def test_tools_and_environments_that_cannot_work_stop_at_start(tiny_model, tmp_path):
     from test_tools import SMOLLM2_TEMPLATE
     (tmp_path / "plain.jinja").write_text(SMOLLM2_TEMPLATE)
-    for args, message in [
+    cases = [
         (["--env", "tests.helpers:nope"], "--env tests.helpers:nope: could not load it"),
         (["--env", "tests.helpers:NoReset"], "NoReset has no reset(**row) method"),
         (["--tools", "tests.helpers:undocumented"], "needs type hints and a Google-style docstring"),
         (["--tools", "tests.helpers:add", "--chat_template", str(tmp_path / "plain.jinja")],
          "does not render the tools' schema, the call, so the model would never see its tools"),
         (["--env", "tests.helpers:Guess", "--rollout", "tests.rollouts:forced_prefix"], "give one or the other"),
-    ]:
-        assert message in start_fails(offline_train_args(tiny_model, tmp_path / "out", *args)), args
+        (["--env", "tests.helpers:Guess", "--tools", "tests.helpers:guess"], "two tools are named 'guess'"),
+    ]
+    errors = starts_fail([offline_train_args(tiny_model, tmp_path / f"out{i}", *args) for i, (args, _) in enumerate(cases)])
+    for (args, message), error in zip(cases, errors):
+        assert message in error, args
 
 
 @pytest.mark.slow

@@ -6,23 +6,22 @@ import sys
 
 import pytest
 
-from conftest import ROOT, make_tiny_model, run, running_server
+from conftest import ROOT, run
 
 pytestmark = pytest.mark.slow
 SMALL = ["--steps", "2", "--prompts", "2", "--G", "2", "--length", "8"]  # one step after the warm-up one
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    return make_tiny_model(tmp_path_factory.mktemp("bench-model"), max_positions=2048)  # the benches' max length
+def model(tiny_model) -> str:
+    return tiny_model  # 2048 positions: the benches' offline engines' max length
 
 
 @pytest.fixture(scope="module")
-def shared(model, tmp_path_factory):
-    """One server on the model for the benches that would each start their own the same way (bench/common.serving
-    hands it out); request_latency starts its own, and bench/common.serving is run by it."""
-    with running_server(model, tmp_path_factory.mktemp("bench-server") / "server.log") as server:
-        yield {"NANOGRPO_BENCH_SERVER": f"{server['port']}:{server['proc'].pid}"}
+def shared(server):
+    """The session's server, for the benches that would each start their own the same way (bench/common.serving
+    hands it out; a bench pushes its model's weights before it measures)."""
+    return {"NANOGRPO_BENCH_SERVER": f"{server['port']}:{server['proc'].pid}"}
 
 
 def bench(name: str, *args: str, timeout: int = 600, env: dict | None = None) -> str:
@@ -44,9 +43,15 @@ def test_scaling(model, shared):
 
 
 def test_learning(model, shared):
-    out = bench("learning.py", "--model", model, "--seeds", "1", "--", "--max_steps", "1", "--prompts_per_step", "2",
-                "--num_generations", "2", "--max_completion_length", "8", "--eval_num_prompts", "2", env=shared)
-    assert "seed 42: accuracy" in out and "improved in" in out
+    out = bench("learning.py", "--model", model, "--seeds", "1", "--env", "calculator", "--", "--max_steps", "1",
+                "--prompts_per_step", "2", "--num_generations", "2", "--max_completion_length", "8",
+                "--eval_num_prompts", "2", env=shared)
+    assert "seed 42: accuracy" in out and "tool calls 0.00 -> 0.00" in out and "improved in" in out
+
+
+def test_multi_turn(model, shared):
+    out = bench("multi_turn.py", "--model", model, "--env", "guess", *SMALL, env=shared)
+    assert "multi-turn generation vs vllm.LLM, steps after the first" in out
 
 
 def test_logprob_memory(model):
@@ -60,9 +65,9 @@ def test_limits(model, shared):
     assert "the defaults" in out and "entropy_coef=0.01" in out
 
 
-def test_request_latency():
+def test_request_latency(shared):
     out = bench("request_latency.py", "--models", "tiny", "--pollings", "shipped", "--requests", "2", "--pushes", "1",
-                "--idle", "0.5")
+                "--idle", "0.5", env=shared)
     assert "2 requests" in out and "1 pushes" in out and "idle server, CPU" in out
 
 

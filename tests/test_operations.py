@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import die_with_parent, launcher, run_train, running_server, stop, train_args
+from conftest import die_with_parent, free_port, launcher, run_train, running_server, stop, train_args
 
 pytestmark = pytest.mark.slow
 RUN = ["--reward_funcs", "tests.helpers:brevity", "--num_generations", "4", "--prompts_per_step", "4",
@@ -196,29 +196,31 @@ def test_a_server_killed_mid_run_is_waited_for_and_else_the_run_is_saved(tiny_mo
     the same port: the run waits, joins the new server's weight transfer, pushes its weights and completes,
     and the sync probe after every step (fp32: 1e-3) shows the server computing with the trainer's weights.
     2) The server is killed for good: the run saves a checkpoint and stops with a message saying what to do."""
-    out = tmp_path / "restart"
-    with running_server(tiny_model, tmp_path / "server1.log") as first:
-        proc = start_run(first, out, *RUN, "--fsdp", "--max_steps", "6", "--vllm_server_timeout", "300")
-        try:
+    out, port = tmp_path / "restart", free_port()
+    # the trainer starts first: it waits for the server's health while the server starts
+    proc = start_run({"model": tiny_model, "port": port}, out, *RUN, "--fsdp", "--max_steps", "4",
+                     "--vllm_server_timeout", "300")
+    try:
+        with running_server(tiny_model, tmp_path / "server1.log", port=port) as first:
             wait_for_steps(proc, out, 2)
             os.killpg(first["proc"].pid, signal.SIGKILL)
             first["proc"].wait()
-            with running_server(tiny_model, tmp_path / "server2.log", port=first["port"]) as second:
-                stdout, stderr = proc.communicate(timeout=600)
-                assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
-                assert "lost the vLLM server" in stdout and "the vLLM server is back" in stdout
-                metrics = list(map(json.loads, open(out / "metrics.jsonl")))
-                assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
-                assert metrics[0]["server_reconnects"] == 0 and metrics[-1]["server_reconnects"] >= 1
-                assert max(m["sync_probe_diff_max"] for m in metrics) < 1e-3
+        with running_server(tiny_model, tmp_path / "server2.log", port=port) as second:
+            stdout, stderr = proc.communicate(timeout=600)
+            assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
+            assert "lost the vLLM server" in stdout and "the vLLM server is back" in stdout
+            metrics = list(map(json.loads, open(out / "metrics.jsonl")))
+            assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+            assert metrics[0]["server_reconnects"] == 0 and metrics[-1]["server_reconnects"] >= 1
+            assert max(m["sync_probe_diff_max"] for m in metrics) < 1e-3
 
-                out = tmp_path / "gone"
-                proc = start_run(second, out, *RUN, "--max_steps", "50", "--vllm_server_timeout", "5")
-                wait_for_steps(proc, out, 2)
-                os.killpg(second["proc"].pid, signal.SIGKILL)
-                stdout, stderr = proc.communicate(timeout=300)
-        finally:
-            stop(proc)
+            out = tmp_path / "gone"
+            proc = start_run(second, out, *RUN, "--max_steps", "50", "--vllm_server_timeout", "5")
+            wait_for_steps(proc, out, 2)
+            os.killpg(second["proc"].pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        stop(proc)
     assert proc.returncode != 0 and "did not answer within 5s" in stderr and "--resume_from_checkpoint latest" in stderr, \
         stdout[-2000:] + stderr[-4000:]
     # a foreseen stop: each rank's one line, no traceback of ours (torchrun adds its own summary)
@@ -250,21 +252,20 @@ def weights_of(folder) -> dict:
 
 
 def test_a_nan_loss_skips_the_update_and_several_in_a_row_stop_the_run(server, tmp_path):
-    """A reward function returning inf (steps 2 and 3) makes the loss NaN: those updates are skipped (the
-    weights stay as they were) and the run goes on. Three such steps in a row stop it with a message;
-    every checkpoint it wrote holds finite weights."""
-    inf = ["--reward_funcs", "tests.helpers:inf_on_calls", "--save_steps", "1", "--save_total_limit", "0"]
-    out = tmp_path / "skip"
-    _, metrics = run_train(server, out, *RUN, *inf, "--max_steps", "4", nproc=1, env={"NANOGRPO_TEST_INF_CALLS": "2,3"})
-    assert [m["skipped_updates"] for m in metrics] == [0, 1, 1, 0]
-    w = {k: weights_of(out / f"checkpoint-{k}") for k in (1, 3, 4)}
+    """A reward function returning inf makes the loss NaN: that update is skipped (the weights stay as they were)
+    and the run goes on (steps 2 and 3; step 4 trains again, and the count starts over). Three such steps in a row
+    (5, 6, 7) stop it with a message; every checkpoint it wrote holds finite weights."""
+    out = tmp_path / "out"
+    proc = run_train(server, out, *RUN, "--reward_funcs", "tests.helpers:inf_on_calls", "--save_steps", "1",
+                     "--save_total_limit", "0", "--max_steps", "8", nproc=1, check=False,
+                     env={"NANOGRPO_TEST_INF_CALLS": "2,3,5,6,7"})
+    assert proc.returncode == 3 and "not finite in 3 steps in a row (up to step 7)" in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("stopped: the loss") and "Traceback" not in proc.stderr
+    assert [m["skipped_updates"] for m in metrics_of(out).values()] == [0, 1, 1, 0, 1, 1]
+    names = complete_checkpoints_load(out)
+    assert names == [f"checkpoint-{k}" for k in range(1, 7)]
+    w = {k: weights_of(out / f"checkpoint-{k}") for k in (1, 3, 4, 6)}
     assert all(torch.equal(w[1][name], w[3][name]) for name in w[1])  # skipped: unchanged
     assert not all(torch.equal(w[3][name], w[4][name]) for name in w[3])  # step 4 trained again
-    out = tmp_path / "stop"
-    proc = run_train(server, out, *RUN, *inf, "--max_steps", "8", nproc=1, check=False,
-                     env={"NANOGRPO_TEST_INF_CALLS": "3,4,5,6,7,8"})
-    assert proc.returncode == 3 and "not finite in 3 steps in a row (up to step 5)" in proc.stderr, proc.stderr[-3000:]
-    assert proc.stderr.strip().splitlines()[-1].startswith("stopped: the loss") and "Traceback" not in proc.stderr
-    names = complete_checkpoints_load(out)
-    assert names == [f"checkpoint-{k}" for k in (1, 2, 3, 4)]
+    assert all(torch.equal(w[4][name], w[6][name]) for name in w[4])
     assert all(t.isfinite().all() for name in names for t in weights_of(out / name).values())

@@ -115,6 +115,25 @@ def test_tools_and_an_environment_train_through_the_server_and_its_reward_is_a_c
     assert all("Guess my number" in r["prompt"] and '"name": "guess"' in r["prompt"] for r in records)
 
 
+@pytest.mark.slow
+def test_the_embedded_guess_game_needs_no_dataset_and_the_sync_probe_is_a_tool_trajectory(server, tmp_path):
+    """--env guess on 2 ranks: no dataset (its reset makes the prompts from the rows' seeds), its reward the only
+    column, evaluated on held-out seeds; the weight-sync probe is a multi-turn trajectory and matches in fp32."""
+    import json
+    from conftest import run_train
+    _, metrics = run_train(server, tmp_path / "out", "--env", "guess", "--num_generations", "4", "--prompts_per_step",
+                           "2", "--max_completion_length", "24", "--max_steps", "2", "--bf16", "false",
+                           "--no_save_model", "--eval_steps", "-1", "--eval_num_prompts", "2")
+    metrics = [m for m in metrics if "loss" in m]  # the training steps (the evaluation before them has a row too)
+    assert len(metrics) == 2 and all(m["rewards/Guess"] == 0.0 and m["sync_probe_diff_mean"] < 1e-3 for m in metrics)
+    assert all(m["tools/groups_with_different_prompts"] == 0 for m in metrics)
+    records = [json.loads(line) for line in open(tmp_path / "out" / "rollouts.jsonl")]
+    assert {r["split"] for r in records} == {"train", "eval"} and all(set(r["rewards"]) == {"Guess"} for r in records)
+    assert all("I am thinking of a whole number" in r["prompt"] for r in records)
+    evals = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl") if "eval/reward" in line]
+    assert len(evals) == 2 and evals[0]["eval/num_prompts"] == 2
+
+
 def test_an_agents_calls_make_one_trajectory_only_if_each_continues_the_one_before():
     from tools import agent_episode
     calls = [dict(messages=[{"role": "user", "content": "q"}], content="a", prompt_ids=[1, 2, 3], ids=[4, 5],
@@ -194,3 +213,162 @@ def test_an_environment_that_raises_or_hangs_gives_its_trajectory_no_reward_and_
     scores = environment_rewards(episodes, [], scorer, "Flaky")
     assert [math.isnan(v) for v in scores[0]] == [True] * 4 + [False] * 2 and scorer.failures == 4
     assert scorer.failed["Flaky"] == 4 and "no game today" in capfd.readouterr().err
+
+
+def test_environment_tokens_get_no_gradient():
+    """Trajectories whose completions hold the environment's tokens (sampled=False) between the model's turns, through
+    collate and the training step as train.py runs them (importance weights against the sampler, a KL penalty):
+    the gradient equals that of a loss written out over the model's tokens alone, token by token."""
+    from contextlib import nullcontext
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from config import Config
+    from rollout import Episode, collate
+    from train import accumulate_gradients, loss_mask_of
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, head_dim=16)).double()
+    turns = [([5, 6], [(1, True), (2, True), (30, False), (31, False), (3, True)]),
+             ([7], [(4, True), (40, False), (41, False), (42, False), (8, True), (9, True)]),
+             ([8, 9, 10], [(11, True), (12, True)])]
+    episodes = [Episode({}, p, [t for t, _ in c], [s for _, s in c], [math.nan] * len(c), "stop") for p, c in turns]
+    inputs, tokens = collate(episodes, pad_id=0)
+    P, C = inputs["input_ids"].shape[1] - tokens["mask"].shape[1], tokens["mask"].shape[1]
+    with torch.no_grad():  # the sampler's log-probs: the policy's, off by a little; NaN on the environment's tokens
+        logits = model(**inputs).logits.double()
+        exact = torch.log_softmax(logits[:, P - 1:-1], -1).gather(-1, inputs["input_ids"][:, P:, None])[..., 0]
+    sampler = torch.where(tokens["sampled"] > 0, exact - 0.05 * torch.arange(C), torch.full_like(exact, math.nan))
+    ref = exact - 0.3 * torch.rand(exact.shape)
+    adv = torch.tensor([1.0, -0.5, 0.7], dtype=torch.float64)
+    cfg = Config(micro_batch_size=2, bf16=False, beta=0.04, use_bias_correction_kl=False, loss_type="grpo")
+    loss_mask = loss_mask_of(tokens["sampled"], torch.zeros(3, dtype=torch.bool), False)
+    data = dict(inputs=inputs, loss_mask=loss_mask, advantages=adv, old_logp=None, ref_logp=ref, sampler_logp=sampler)
+    accumulate_gradients(model, data, cfg, 1, nullcontext())
+    ours = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    logp_all = torch.log_softmax(model(**inputs).logits.double()[:, P - 1:-1], -1)
+    loss = 0.0
+    for i, e in enumerate(episodes):  # the model's tokens only, one at a time
+        model_tokens = [t for t in range(len(e.completion_ids)) if e.sampled[t]]
+        for t in model_tokens:
+            logp = logp_all[i, t, e.completion_ids[t]]
+            is_weight = min(math.exp(exact[i, t] - sampler[i, t]), 2.0)  # token_truncate at 2
+            kl = torch.exp(ref[i, t] - logp) - (ref[i, t] - logp) - 1
+            loss = loss + (-adv[i] * is_weight * torch.exp(logp - logp.detach()) + 0.04 * kl) / len(model_tokens)
+    (loss / len(episodes)).backward()
+    diffs = [(a - p.grad).abs().max().item() for a, p in zip(ours, model.parameters())]
+    assert max(diffs) < 1e-6 and max(a.abs().max() for a in ours) > 1e-2, diffs  # the IS weights are fp32
+
+
+class GuessesFive:
+    """A stand-in for the server's client: a first turn calls guess(5), a later one ends the trajectory."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def generate(self, prompts, n, **sampling):
+        call = '<tool_call>{"name": "guess", "arguments": {"number": 5}}</tool_call>'
+        out = []
+        for p in prompts:
+            text = "done" if "<tool_response>" in self.tokenizer.decode(p) else call
+            ids = self.tokenizer(text)["input_ids"] + [self.tokenizer.eos_token_id]
+            out += [dict(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop")] * n
+        return out
+
+
+class SameStartForNobody:
+    """reset ignores the row: every trajectory starts with another prompt."""
+    calls = 0
+
+    def reset(self, **row) -> str:
+        SameStartForNobody.calls += 1
+        return f"Start number {SameStartForNobody.calls}."
+
+
+class Silent:
+    def reset(self, **row):
+        return None
+
+
+def test_an_environment_without_a_dataset_starts_each_group_from_its_rows_seed(tokenizer, capsys):
+    """--dataset none: the rows are seeds, the embedded guess game's reset makes the prompt (the same for a group,
+    with one secret); a reset that ignores the row is warned about once and counted; one that says nothing when
+    there is no prompt is an environment error."""
+    from environments import Guess
+    from rollout import RolloutContext
+    from tools import tool_rollout, trajectory_metrics
+    from utils import load_rows
+    rows = load_rows("none", "train", "", "", 0, 0, num_starts=4)
+    assert rows == [{"prompt": "", "seed": k} for k in range(4)]
+    assert load_rows("none", "test", "", "", 0, 0, num_starts=2)[0]["seed"] == 10 ** 9  # held-out starts
+    ctx = RolloutContext(GuessesFive(tokenizer), tokenizer, 3, dict(max_tokens=200, temperature=1.0), seed=1)
+    episodes = tool_rollout(rows, ctx, env_factory=Guess)
+    for g in range(4):
+        group = episodes[3 * g:3 * g + 3]
+        assert len({tuple(e.prompt_ids) for e in group}) == 1 and "I am thinking of a whole number" in \
+            tokenizer.decode(group[0].prompt_ids)
+        secret = Guess()
+        secret.reset(seed=g)
+        found = secret.secret == 5
+        assert all(e.extra["environment_reward"] == float(found) and e.extra["tool_calls"] == 1 for e in group)
+        answer = "found it" if found else "higher" if secret.secret > 5 else "lower"
+        assert answer in tokenizer.decode(group[0].completion_ids)
+    assert trajectory_metrics(episodes, True)["tools/groups_with_different_prompts"] == 0
+    # a batch sampled ahead (--async_generation) comes back from a checkpoint as it was: messages, rewards, masks
+    import json
+    from rollout import episodes_to_json, presampled_from_json
+    back = presampled_from_json([json.dumps([3, episodes_to_json(episodes)])], rows, 0, 3)
+    assert back[0] == 3 and [repr(e) for e in back[1]] == [repr(e) for e in episodes]
+    episodes = tool_rollout(rows, ctx, env_factory=SameStartForNobody)
+    for _ in range(2):
+        assert trajectory_metrics(episodes, True)["tools/groups_with_different_prompts"] == 4
+    assert capsys.readouterr().err.count("started the G trajectories of one row with different prompts") == 1
+    episodes = tool_rollout(rows[:1], ctx, env_factory=Silent)
+    assert all("returned no text, and the row has no prompt" in e.extra["environment_error"] for e in episodes)
+
+
+def test_the_embedded_environments_and_the_flags_they_bring():
+    from config import parse_config
+    from environments import Calculator, Guess
+    c = Calculator()
+    assert c.calculate("13 + 14") == "27" and c.calculate("(2 + 3) * 4 / 8") == "2.5"
+    with pytest.raises(ValueError, match="only numbers"):
+        c.calculate("__import__('os').getcwd()")
+    g = Guess()
+    g.reset(seed=7)
+    secret = g.secret
+    wrong = secret % 10 + 1
+    assert g.guess(wrong) == ("higher" if wrong < secret else "lower")
+    assert (g.guess(secret), g.guess(secret), g.get_reward()) == ("found it", "you found it already", 0.9)
+    g.reset(seed=7)
+    assert g.secret == secret and g.get_reward() == 0.0
+    cfg = parse_config(["--env", "guess"])
+    assert (cfg.env, cfg.dataset, cfg.reward_funcs) == ("environments:Guess", "none", "")
+    cfg = parse_config(["--env", "guess", "--dataset", "my.jsonl", "--max_completion_length=64"])
+    assert (cfg.dataset, cfg.max_completion_length) == ("my.jsonl", 64)  # the flags given win
+    assert parse_config(["--env", "calculator"]).reward_funcs == "accuracy,format"
+
+
+def test_tools_of_one_name_are_refused_and_schemas_are_made_once():
+    from tools import _schema, environment_tools
+    from environments import Guess
+
+    def guess(number: int) -> str:
+        """Guess.
+
+        Args:
+            number: a number
+        """
+        return ""
+    with pytest.raises(UsageError, match="two tools are named 'guess'"):
+        tool_schemas([guess] + environment_tools(Guess()))
+    tool_schemas(environment_tools(Guess()))
+    made = _schema.cache_info().misses
+    assert tool_schemas(environment_tools(Guess())) == tool_schemas(environment_tools(Guess()))
+    assert _schema.cache_info().misses == made
+
+
+def test_the_sync_probe_of_a_tool_run_is_a_multi_turn_trajectory(tokenizer):
+    from tools import probe_trajectory
+    text = tokenizer.decode(probe_trajectory(tokenizer, "What is 12 + 7?", "", tool_schemas([add])))
+    assert text.index('"name": "add"') < text.index("What is 12 + 7?") < text.index('<tool_call>\n{"name": "add"') \
+        < text.index("<tool_response>\n19\n</tool_response>") < text.index("So the answer is \\boxed{19}.<|im_end|>")
