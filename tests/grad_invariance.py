@@ -1,10 +1,14 @@
 """Run by tests/test_invariance.py (under torchrun or plain python): the gradient of one optimizer
 step on a fixed global batch, computed by train.accumulate_gradients with this process's share,
-written to a file by rank 0. Usage: grad_invariance.py LOSS_TYPE MICRO_BATCH_SIZE OUT_FILE [OPTION...]
+written to a file by rank 0. Usage: grad_invariance.py JOBS_FILE, a JSON list of jobs, each
+[LOSS_TYPE, MICRO_BATCH_SIZE, OUT_FILE, OPTION...]: one launch computes many gradients, each on a fresh
+model built after re-seeding, so each is the gradient a launch of its own gives (a launch costs seconds of
+imports; a job, a fraction of one). Rank 0 prints "job I: ..." as a job starts, so a failure shows its job.
 options: checkpointing (gradient checkpointing), fsdp (FSDP2 instead of DDP), uneven (rows 4-6 are
 dropped, as zero-std groups are, so rank 0 runs 2 micro-batches of 2 and rank 1 one), and NAME=VALUE (a
 Config field, e.g. epsilon_high=5; top_entropy_quantile makes the high-entropy mask of the step as train.py
 does: each rank's entropies, the quantile over all ranks)."""
+import json
 import os
 import sys
 from contextlib import nullcontext
@@ -19,10 +23,21 @@ from rollout import collate, sampled_episode  # noqa: E402
 from utils import distribute, full_tensor, no_grad_logprobs, run_and_exit, setup_distributed, take  # noqa: E402
 
 
+def main(jobs_file: str):
+    rank, _, world_size, device, is_main = setup_distributed()  # one process group for every job
+    with open(jobs_file) as f:
+        jobs = json.load(f)
+    for i, (loss_type, micro_batch_size, out, *options) in enumerate(jobs):
+        if is_main:
+            print(f"job {i}: {loss_type} {micro_batch_size} {' '.join(options)}", flush=True)
+        grad = gradient(loss_type, int(micro_batch_size), options, rank, world_size, device)
+        if is_main:
+            torch.save(grad, out)
 
-def main(loss_type: str, micro_batch_size: int, out: str, options: list[str]):
+
+def gradient(loss_type: str, micro_batch_size: int, options: list[str], rank: int, world_size: int, device):
+    """The gradient of the step (every parameter's, flattened into one tensor), on every rank."""
     checkpointing = "checkpointing" in options
-    rank, _, world_size, device, is_main = setup_distributed()
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=2, head_dim=16)).double()
@@ -53,10 +68,8 @@ def main(loss_type: str, micro_batch_size: int, out: str, options: list[str]):
         entropy = no_grad_logprobs(model, data["inputs"], C, cfg.temperature, micro_batch_size, nullcontext())[1]
         data["entropy_mask"] = high_entropy_mask(entropy, data["loss_mask"], cfg.top_entropy_quantile)
     accumulate_gradients(model, data, cfg, world_size, nullcontext())
-    grad = torch.cat([full_tensor(p.grad).flatten() for p in model.parameters()])  # FSDP2: gathered on every rank
-    if is_main:
-        torch.save(grad, out)
+    return torch.cat([full_tensor(p.grad).flatten() for p in model.parameters()])  # FSDP2: gathered on every rank
 
 
 if __name__ == "__main__":  # as train.py ends: no abort at exit after FSDP2 (utils.run_and_exit)
-    run_and_exit(main, sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:])
+    run_and_exit(main, sys.argv[1])

@@ -3,7 +3,10 @@ accumulation steps, two processes (torchrun, gloo) with 2 each, and one process 
 give the same gradient in float64 (every loss type, the masks and the entropy bonus; bnpo is split-dependent by
 definition), under
 DDP and under FSDP2, also when the ranks run different numbers of rows. FSDP2's ranks other than 0 never read
-the model and still train exactly the one in the folder."""
+the model and still train exactly the one in the folder.
+Launches cost seconds of imports each, so every gradient the tests compare is computed once, by one launch of
+2 processes and one of 1 (module fixtures), and the tests compare them."""
+import json
 import os
 
 import pytest
@@ -13,50 +16,73 @@ from conftest import ROOT, launcher, run
 
 pytestmark = pytest.mark.slow
 SCRIPT = os.path.join(ROOT, "tests", "grad_invariance.py")
-
-
-def gradient(tmp_path, loss_type, nproc, micro_batch_size, *extra):
-    out = tmp_path / f"{loss_type}-{nproc}-{micro_batch_size}-{'-'.join(extra)}.pt"
-    proc = run(launcher(nproc) + [SCRIPT, loss_type, str(micro_batch_size), str(out), *extra], timeout=300,
-               env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return torch.load(out)
-
-
-@pytest.mark.parametrize("loss_type, settings", [
+SPLITS = [  # (loss type, settings): the gradient of each must not depend on how the step is split
     ("dapo", []), ("dr_grpo", []), ("grpo", []),
     ("cispo", ["epsilon_high=5", "off_policy_mask_threshold=0.5"]),
     ("sapo", ["top_entropy_quantile=0.5", "entropy_coef=0.1"]),  # the mask's quantile and the bonus over all ranks
     ("luspo", ["importance_sampling_level=sequence"]),
     ("vespo", ["vllm_importance_sampling_mode=token_mask"]),
-])
-def test_gradient_is_the_same_however_the_step_is_split(tmp_path, loss_type, settings):
-    two_ranks = gradient(tmp_path, loss_type, 2, 2, *settings)  # 2 accumulation steps each
-    one_batch = gradient(tmp_path, loss_type, 1, 8, *settings)
+]
+GRADIENTS = {  # every gradient the tests below compare, once each: (loss type, processes, micro-batch size, *options)
+    *[(loss_type, 2, 2, *settings) for loss_type, settings in SPLITS],  # 2 accumulation steps on each of 2 ranks
+    *[(loss_type, 1, 8, *settings) for loss_type, settings in SPLITS],  # one big batch
+    *[(loss_type, 1, 2) for loss_type, settings in SPLITS if not settings],  # one process, 4 accumulation steps
+    ("bnpo", 1, 2), ("bnpo", 1, 8),
+    ("dapo", 1, 2), ("dapo", 2, 2, "checkpointing"),
+    ("grpo", 1, 2, "uneven"), ("grpo", 2, 2, "uneven"), ("grpo", 2, 2, "fsdp"), ("grpo", 2, 2, "fsdp", "uneven"),
+}
+
+
+def launch(tmp_path, nproc: int, jobs: list[tuple]) -> dict[tuple, torch.Tensor]:
+    """{job: gradient} of jobs (loss type, nproc, micro-batch size, *options), computed by one launch of
+    grad_invariance.py with `nproc` processes (a fresh model for each job)."""
+    files = [tmp_path / f"{nproc}-{i}.pt" for i in range(len(jobs))]
+    jobs_file = tmp_path / f"jobs-{nproc}.json"
+    jobs_file.write_text(json.dumps([[loss_type, micro_batch_size, str(out), *options]
+                                     for (loss_type, _, micro_batch_size, *options), out in zip(jobs, files)]))
+    proc = run(launcher(nproc) + [SCRIPT, str(jobs_file)], timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    started = proc.stdout.splitlines() or ["before the first job"]  # "job I: ...", printed as each starts
+    assert proc.returncode == 0, f"{nproc} process(es), failed in {started[-1]}\n{proc.stderr[-4000:]}"
+    return {job: torch.load(out) for job, out in zip(jobs, files)}
+
+
+@pytest.fixture(scope="module")
+def gradients(tmp_path_factory) -> dict[tuple, torch.Tensor]:
+    """Every gradient of GRADIENTS, in two launches: one of 2 processes (DDP and FSDP2 jobs alike) and one of 1.
+    The jobs are sorted, so they run in the same order in every run (a set's order changes with the hash seed)."""
+    tmp_path = tmp_path_factory.mktemp("gradients")
+    return {**launch(tmp_path, 2, sorted(job for job in GRADIENTS if job[1] == 2)),
+            **launch(tmp_path, 1, sorted(job for job in GRADIENTS if job[1] == 1))}
+
+
+@pytest.mark.parametrize("loss_type, settings", SPLITS)
+def test_gradient_is_the_same_however_the_step_is_split(gradients, loss_type, settings):
+    two_ranks = gradients[(loss_type, 2, 2, *settings)]  # 2 accumulation steps each
+    one_batch = gradients[(loss_type, 1, 8, *settings)]
     assert one_batch.abs().max() > 1e-3  # a real gradient, not zeros
     assert (two_ranks - one_batch).abs().max() < 1e-6
     if not settings:  # one process accumulating 4 micro-batches, too
-        assert (gradient(tmp_path, loss_type, 1, 2) - one_batch).abs().max() < 1e-6
+        assert (gradients[(loss_type, 1, 2)] - one_batch).abs().max() < 1e-6
 
 
-def test_bnpo_depends_on_the_split(tmp_path):
+def test_bnpo_depends_on_the_split(gradients):
     # bnpo averages per micro-batch token means: documented as split-dependent, and it is
-    assert (gradient(tmp_path, "bnpo", 1, 2) - gradient(tmp_path, "bnpo", 1, 8)).abs().max() > 1e-6
+    assert (gradients[("bnpo", 1, 2)] - gradients[("bnpo", 1, 8)]).abs().max() > 1e-6
 
 
-def test_gradient_checkpointing_changes_memory_not_the_gradient(tmp_path):
-    plain = gradient(tmp_path, "dapo", 1, 2)
-    assert (gradient(tmp_path, "dapo", 2, 2, "checkpointing") - plain).abs().max() < 1e-9
+def test_gradient_checkpointing_changes_memory_not_the_gradient(gradients):
+    plain = gradients[("dapo", 1, 2)]
+    assert (gradients[("dapo", 2, 2, "checkpointing")] - plain).abs().max() < 1e-9
 
 
-def test_fsdp2_gives_the_gradient_of_one_process_also_when_ranks_run_different_rows(tmp_path):
+def test_fsdp2_gives_the_gradient_of_one_process_also_when_ranks_run_different_rows(gradients):
     loss_type = "grpo"  # per-sequence weights: the hardest to split
     for rows in ([], ["uneven"]):
-        one = gradient(tmp_path, loss_type, 1, 2, *rows)
+        one = gradients[(loss_type, 1, 2, *rows)]
         assert one.abs().max() > 1e-3
-        assert (gradient(tmp_path, loss_type, 2, 2, "fsdp", *rows) - one).abs().max() < 1e-6, rows
-        assert (gradient(tmp_path, loss_type, 2, 2, *rows) - one).abs().max() < 1e-6, rows  # DDP
-    assert (gradient(tmp_path, loss_type, 1, 2, "uneven") - gradient(tmp_path, loss_type, 1, 2)).abs().max() > 1e-6
+        assert (gradients[(loss_type, 2, 2, "fsdp", *rows)] - one).abs().max() < 1e-6, rows
+        assert (gradients[(loss_type, 2, 2, *rows)] - one).abs().max() < 1e-6, rows  # DDP
+    assert (gradients[(loss_type, 1, 2, "uneven")] - gradients[(loss_type, 1, 2)]).abs().max() > 1e-6
 
 
 KEYS = """
@@ -91,20 +117,28 @@ def test_sums_over_ranks_refuse_names_that_differ_between_ranks(tmp_path):
     assert proc.stdout.count("refused: sum_over_ranks: the ranks summed different names") == 2  # every rank
 
 
+@pytest.fixture(scope="module")
+def fsdp_loads(tiny_model, tmp_path_factory):
+    """One launch of fsdp_load.py (2 processes) that checks each case in turn: the model as it is, with a fresh LoRA
+    adapter, and continued from a saved adapter."""
+    from utils import add_lora, load_model
+    model = add_lora(load_model(tiny_model, "cpu"), 4, 8, 0.0, "q_proj,v_proj")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()  # a trained adapter: it changes the logits
+    adapter = tmp_path_factory.mktemp("adapter")
+    model.save_pretrained(adapter)
+    return run(launcher(2) + [os.path.join(ROOT, "tests", "fsdp_load.py"), tiny_model, "plain", "lora",
+                              f"adapter={adapter}"], timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
 @pytest.mark.parametrize("options", [[], ["lora"], ["adapter"]])
-def test_fsdp2_ranks_get_their_shards_of_rank_0s_model(tiny_model, tmp_path, options):
+def test_fsdp2_ranks_get_their_shards_of_rank_0s_model(fsdp_loads, options):
     """Only rank 0 reads the model (the others build it on the meta device, no memory): every rank must end up
     training exactly the model in the folder, with LoRA too, fresh or continued from a saved adapter."""
-    if options == ["adapter"]:
-        from utils import add_lora, load_model
-        model = add_lora(load_model(tiny_model, "cpu"), 4, 8, 0.0, "q_proj,v_proj")
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_()  # a trained adapter: it changes the logits
-        model.save_pretrained(tmp_path / "adapter")
-        options = ["adapter", str(tmp_path / "adapter")]
-    proc = run(launcher(2) + [os.path.join(ROOT, "tests", "fsdp_load.py"), tiny_model, *options], timeout=300,
-               env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert sorted(proc.stdout.split()) == sorted("ok 0 ok 1".split())
+    case = options[0] if options else "plain"  # its name in fsdp_load.py's lines "ok RANK CASE"
+    passed = sorted(line for line in fsdp_loads.stdout.splitlines() if line.split()[2:] == [case])
+    report = fsdp_loads.stdout + fsdp_loads.stderr[-4000:]  # the cases that passed, then the first one's error
+    assert passed == [f"ok 0 {case}", f"ok 1 {case}"], report
+    assert fsdp_loads.returncode == 0, report  # a case that fails ends the launch: the later ones are not checked
