@@ -50,7 +50,8 @@ def test_learning(model, shared):
 
 
 def test_multi_turn(model, shared):
-    out = bench("multi_turn.py", "--model", model, "--env", "guess", *SMALL, env=shared)
+    out = bench("multi_turn.py", "--model", model, "--env", "guess", "--steps", "2", "--prompts", "2", "--G", "2",
+                "--length", "96", env=shared)  # room for the given call, its answer and a turn after it
     assert "multi-turn generation vs vllm.LLM, steps after the first" in out
 
 
