@@ -1,5 +1,6 @@
-"""The embedded environments, examples of the environment contract (tools.py; README: Environments and tools)
-that the embedded model learns on 2 CPU cores:
+"""The embedded environments, examples of the environment contract (tools.py; README: Environments and tools).
+The embedded SmolLM2-135M writes no tool call, so on it they learn nothing about tools (README says what was
+measured); they are where a model that calls tools starts:
 
     bash run.sh --env calculator    # the embedded arithmetic task, with a calculator tool
     bash run.sh --env guess         # a game with feedback: find a secret number, answered higher or lower
@@ -47,7 +48,7 @@ def _evaluate(node) -> float:
 class Guess:
     """Find a secret number from 1 to 10 (drawn from the row's seed: the G trajectories of a row play the same
     number). Each guess is answered "higher", "lower" or "found it"; the reward is 1 if found, less 0.1 for each
-    guess after the first, else 0. With no dataset (--dataset none), reset makes the prompt."""
+    guess after the first (at least 0.5), else 0. With no dataset (--dataset none), reset makes the prompt."""
     high = 10
 
     def reset(self, seed: int = 0, **row) -> str:
