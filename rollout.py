@@ -19,6 +19,7 @@ The contract:
     sampler's log-prob of each sampled token, NaN where it is not known (that token then gets no
     importance weight, ratio 1, and no sync comparison), any number for the tokens not sampled.
 """
+import base64
 import dataclasses
 import importlib
 import json
@@ -113,8 +114,24 @@ def run_rollout(fn, rows: list[dict], ctx: RolloutContext) -> list[Episode]:
 
 
 def episodes_to_json(episodes: list[Episode]) -> list[dict]:
-    """Episodes without their rows (the trainer knows them), for a checkpoint."""
-    return [{k: v for k, v in dataclasses.asdict(e).items() if k != "row"} for e in episodes]
+    """Episodes without their rows (the trainer knows them), for a checkpoint; model inputs (tensors) as
+    tensor_to_json gives them."""
+    return [{**{f.name: getattr(e, f.name) for f in dataclasses.fields(e) if f.name not in ("row", "model_inputs")},
+             "model_inputs": {k: tensor_to_json(v) for k, v in e.model_inputs.items()}} for e in episodes]
+
+
+def tensor_to_json(t: torch.Tensor) -> dict:
+    """A tensor as JSON: its dtype, shape and raw bytes in base64 (exact, unlike a list of decimals)."""
+    t = t.detach().cpu().contiguous()
+    raw = t.view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+            "base64": base64.b64encode(raw.numpy().tobytes()).decode()}
+
+
+def tensor_from_json(d: dict) -> torch.Tensor:
+    raw = bytearray(base64.b64decode(d["base64"]))
+    dtype = getattr(torch, d["dtype"])
+    return (torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)).reshape(d["shape"])
 
 
 def presampled_from_json(lines: list[str] | None, rows: list[dict], first: int, G: int) -> tuple | None:
@@ -125,7 +142,8 @@ def presampled_from_json(lines: list[str] | None, rows: list[dict], first: int, 
     if not saved or not saved[0]:
         return None
     records = [r for _, part in saved for r in part][first * G:(first + len(rows)) * G]
-    return saved[0][0], [Episode(row=rows[i // G], **r) for i, r in enumerate(records)]
+    return saved[0][0], [Episode(row=rows[i // G], **{**r, "model_inputs": {
+        k: tensor_from_json(v) for k, v in r.get("model_inputs", {}).items()}}) for i, r in enumerate(records)]
 
 
 def collate(episodes: list[Episode], pad_id: int) -> tuple[dict, dict]:
@@ -144,7 +162,34 @@ def collate(episodes: list[Episode], pad_id: int) -> tuple[dict, dict]:
         attention_mask[i, P - p:P + c] = 1
         sampled[i, :c] = torch.tensor(e.sampled, dtype=torch.bool)
         sampler_logp[i, :c] = torch.tensor(e.logprobs, dtype=torch.float32)
-    extra = {k: torch.cat([e.model_inputs[k] for e in episodes]) for k in episodes[0].model_inputs}
-    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, **extra}
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, **stack_model_inputs(episodes)}
     mask = attention_mask[:, P:].clone()
     return inputs, {"mask": mask, "sampled": sampled.long() * mask, "sampler_logp": sampler_logp}
+
+
+def stack_model_inputs(episodes: list[Episode]) -> dict:
+    """The episodes' extra model inputs as one batch, a row per episode: each is a tensor of one row per
+    prompt (leading dimension 1), such as Idefics3's pixel_values (1, images, 3, H, W). Rows of unequal shape
+    are padded with zeros to the largest (Idefics3 skips all-zero images, as its own processor pads a
+    batch), and an episode without an input gets zeros of its shape (a prompt without an image, beside ones
+    with). ValueError for an input that is not one row per prompt (e.g. Qwen2-VL's flattened patches)."""
+    keys = list(dict.fromkeys(k for e in episodes for k in e.model_inputs))
+    out = {}
+    for k in keys:
+        values = [e.model_inputs.get(k) for e in episodes]
+        present = [v for v in values if v is not None]
+        if any(not torch.is_tensor(v) or v.dim() < 1 or v.shape[0] != 1 for v in present):
+            shapes = sorted({tuple(v.shape) if torch.is_tensor(v) else type(v).__name__ for v in present}, key=str)
+            raise ValueError(f"model input {k!r} has shape(s) {shapes}: each episode's model_inputs must be tensors "
+                             "of one row for its prompt (leading dimension 1), such as pixel_values (1, images, 3, H, "
+                             "W); inputs whose rows are not one per prompt (flattened image patches) are not supported")
+        if any(v.dim() != present[0].dim() for v in present):
+            raise ValueError(f"model input {k!r} has tensors of {sorted({v.dim() for v in present})} dimensions "
+                             "across episodes; give every episode the same layout")
+        shape = [max(v.shape[d] for v in present) for d in range(present[0].dim())]
+        batch = present[0].new_zeros([len(episodes), *shape[1:]])
+        for i, v in enumerate(values):
+            if v is not None:
+                batch[(i, *(slice(0, n) for n in v.shape[1:]))] = v[0]
+        out[k] = batch
+    return out

@@ -7,7 +7,7 @@ The server is vLLM's own OpenAI-compatible server, started with the same flags a
 
 What this file adds to plain `vllm serve`, and nothing else:
   - vLLM's weight-transfer routes (/init_weight_transfer_engine, /start_weight_update,
-    /update_weights, /finish_weight_update) and /reset_prefix_cache, enabled through
+    /update_weights, /finish_weight_update), /reset_prefix_cache and /reset_encoder_cache, enabled through
     VLLM_SERVER_DEV_MODE=1;
   - a `gloo` weight-transfer backend, so weights can be pushed without CUDA (vLLM's own backends
     need it): the default without GPUs. With GPUs the default is vLLM's `nccl`; gloo works there
@@ -30,7 +30,8 @@ The wire protocol of a gloo weight push (trainer rank 0 = gloo rank 0, vLLM work
   2. POST /update_weights {names, dtype_names, shapes, bucket_bytes}, answered only after the
      worker has received every bucket, while the trainer broadcasts the buckets: the tensors in
      `names` order, concatenated as raw bytes and cut into buckets by `bucket_plan`.
-  3. POST /finish_weight_update, then POST /reset_prefix_cache (cached KV of old weights is stale).
+  3. POST /finish_weight_update, then POST /reset_prefix_cache and /reset_encoder_cache (cached KV and
+     encoded images of old weights are stale).
 """
 import ctypes
 import functools
@@ -145,7 +146,7 @@ class VLLMClient:
             raise ServerLost(f"vLLM server {path} answered {r.status_code}: {r.text[:500]}")
         if r.status_code != 200:
             raise RuntimeError(f"vLLM server {path} answered {r.status_code}: {r.text[:2000]}")
-        return r.json()
+        return r.json() if r.content else {}  # the cache routes answer with no body
 
     def wait_for_health(self, timeout: float = 300):
         """Wait until the server answers /health and names its model on /v1/models; a clear error if it does
@@ -203,6 +204,21 @@ class VLLMClient:
         return [dict(token_ids=c["token_ids"], logprobs=c["logprobs"]["token_logprobs"],
                      finish_reason=c["finish_reason"]) for c in choices]
 
+    def chat(self, messages: list[dict], n: int, max_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+             top_k: int = -1, min_p: float = 0.0, repetition_penalty: float = 1.0,
+             seed: int | None = None) -> tuple[list[int], list[dict]]:
+        """n completions of one conversation through the chat route (which takes images, as image_url parts),
+        rendered by the server's chat template: (the prompt's token ids as the server expanded them, the
+        samples as generate returns them)."""
+        body = dict(model=self.model_name, messages=messages, n=n, max_tokens=max_tokens, temperature=temperature,
+                    top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
+                    logprobs=True, return_token_ids=True, skip_special_tokens=False)
+        answer = self._post("/v1/chat/completions", body)
+        choices = sorted(answer["choices"], key=lambda c: c["index"])
+        assert len(choices) == n, f"asked for {n} completions, got {len(choices)}"
+        return answer["prompt_token_ids"], [dict(token_ids=c["token_ids"], logprobs=[
+            t["logprob"] for t in c["logprobs"]["content"]], finish_reason=c["finish_reason"]) for c in choices]
+
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """The server's log-prob of each token of `token_ids` given the ones before (the first has none)."""
         body = dict(model=self.model_name, prompt=[token_ids], max_tokens=1, temperature=1.0, prompt_logprobs=0,
@@ -229,6 +245,10 @@ class VLLMClient:
 
     def reset_prefix_cache(self):
         self._post("/reset_prefix_cache")
+
+    def reset_encoder_cache(self):
+        """Forget the vision encoder's outputs: vLLM keeps them by image, and reset_prefix_cache leaves them."""
+        self._post("/reset_encoder_cache")
 
 
 class ServerGone(RunStopped):
@@ -446,6 +466,7 @@ class WeightSync:
         try:
             self.engine.send_weights()
             self.client.reset_prefix_cache()  # cached KV of the old weights is stale
+            self.client.reset_encoder_cache()  # and so are images encoded by the old vision tower (VLMs)
         except Exception:
             self.source.finish()
             raise
@@ -599,7 +620,8 @@ def register_gloo_backend():
 TRAINING_ROUTES = {"/health", "/v1/models", "/v1/completions", "/v1/chat/completions", "/server_info",
                    "/get_world_size", "/metrics",
                    "/version", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
-                   "/finish_weight_update", "/shutdown_weight_transfer_engine", "/reset_prefix_cache"}
+                   "/finish_weight_update", "/shutdown_weight_transfer_engine", "/reset_prefix_cache",
+                   "/reset_encoder_cache"}
 
 
 async def route_guard(request, call_next):

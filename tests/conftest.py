@@ -126,6 +126,52 @@ def make_tiny_model(path, num_heads: int = 1, max_positions: int = 1024) -> str:
     return str(path)
 
 
+VLM_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+                "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+                "<image>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+                "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def make_tiny_vlm(path, image_size: int = 64) -> str:
+    """A random Idefics3 (SmolVLM's architecture): the tiny Llama above as its language model, a 2-layer
+    vision tower on image_size^2 images in patches of 8, pixel shuffle by 2 (image_size^2 / 256 image tokens
+    per image), and the SmolLM2 tokenizer with Idefics3's image tokens; an image processor that resizes to
+    image_size without splitting."""
+    import torch
+    from transformers import (AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessor,
+                              Idefics3Processor)
+    from config import default_model_path
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        "<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]})
+    tokenizer.chat_template = VLM_TEMPLATE
+    text = dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1, head_dim=64,
+                max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
+    config = Idefics3Config(text_config=text, vision_config=dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1, image_size=image_size,
+        patch_size=8), scale_factor=2, image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        tie_word_embeddings=True, pad_token_id=2)
+    torch.manual_seed(0)
+    model = Idefics3ForConditionalGeneration(config)
+    with torch.no_grad():  # as make_tiny_model: EOS favoured along one dimension
+        E = model.model.text_model.embed_tokens.weight
+        E[:, 0] = 1.0
+        E[2, 0] = 2.1
+    model.save_pretrained(path)
+    image_processor = Idefics3ImageProcessor(size={"longest_edge": image_size},
+                                             max_image_size={"longest_edge": image_size}, do_image_splitting=False)
+    Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=(image_size // 16) ** 2,
+                      chat_template=VLM_TEMPLATE).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory) -> str:
+    return make_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm"))
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), max_positions=2048)  # as the benches' engines need

@@ -20,11 +20,13 @@ def test_the_key_guards_every_route_and_unused_routes_are_closed(keyed_server):
     assert requests.get(base + "/health", timeout=10).status_code == 200  # for load balancers and the trainer's wait
     for method, path in [("get", "/v1/models"), ("post", "/v1/completions"), ("post", "/v1/chat/completions"),
                          ("get", "/server_info"),
-                         ("post", "/update_weights"), ("post", "/init_weight_transfer_engine"), ("post", "/reset_prefix_cache")]:
+                         ("post", "/update_weights"), ("post", "/init_weight_transfer_engine"), ("post", "/reset_prefix_cache"),
+                         ("post", "/reset_encoder_cache")]:
         assert getattr(requests, method)(base + path, timeout=10).status_code == 401, path
         wrong = {"Authorization": "Bearer not-the-key"}
         assert getattr(requests, method)(base + path, headers=wrong, timeout=10).status_code == 401, path
     assert requests.get(base + "/v1/models", headers=auth, timeout=10).status_code == 200
+    assert requests.post(base + "/reset_encoder_cache", headers=auth, timeout=10).status_code == 200  # every push
     for path in ("/collective_rpc", "/sleep", "/wake_up", "/pause", "/invocations", "/v1/load_lora_adapter"):
         assert requests.post(base + path, headers=auth, timeout=10).status_code == 404, path  # not exposed at all
 
