@@ -220,6 +220,8 @@ def start_turn(r: dict, tokenizer, budget: int, pool, timeout: float):
         return
     try:
         prefix = pool.submit(r["env"].turn_prefix).result(timeout=timeout)
+        if prefix is not None and not isinstance(prefix, str):
+            raise TypeError(f"turn_prefix() returned a {type(prefix).__name__}; return text, or '' for none")
     except concurrent.futures.TimeoutError:
         r["live"], r["error"] = False, f"turn_prefix did not return within {timeout:g} s (--tool_timeout)\n"
         return

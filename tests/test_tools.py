@@ -374,6 +374,9 @@ def test_an_environments_turn_prefix_is_given_not_sampled_and_the_model_continue
         assert e.messages == [{"role": "assistant", "content": tokenizer.decode(opening[:-2])}]
     episodes = tool_rollout(rows[:1], ctx, env_factory=OpeningFails)
     assert all("RuntimeError: no opening" in e.extra["environment_error"] for e in episodes)
+    episodes = tool_rollout(rows[:1], ctx, env_factory=lambda: type("NumberOpening", (OpeningFails,), {
+        "turn_prefix": lambda self: 5})())
+    assert all("turn_prefix() returned a int" in e.extra["environment_error"] for e in episodes)
 
 
 def test_the_embedded_environments_and_the_flags_they_bring():
