@@ -17,6 +17,7 @@ import zipfile
 from dataclasses import dataclass
 
 DEFAULT_MODEL = "smollm2-135m"  # the embedded model; any other value is a hub id or a folder
+EMBEDDED_VLM = "smollm2-vision"  # the embedded vision-language model: SmolLM2 with a small vision tower (vision.py)
 
 DEFAULT_DATASET = "arithmetic"  # the embedded, procedurally generated task (utils.arithmetic_problems)
 
@@ -61,14 +62,15 @@ class Config:
     # model and data
     model: str = DEFAULT_MODEL  # "smollm2-135m" (embedded), a Hugging Face model id, or a local folder
     dataset: str = DEFAULT_DATASET  # "arithmetic" (embedded), a hub dataset name, or a local .json/.jsonl/.parquet file;
-                                    # "none" with an --env that makes its prompts
+                                    # "none" with an --env that makes its prompts; "shapes": the embedded vision
+                                    # task (it sets the flags of EMBEDDED_TASKS not given)
     dataset_split: str = "train"  # split of a hub dataset
     prompt_column: str = ""  # column with the prompt: text or chat messages; "" = "prompt", else "question"
     answer_column: str = "answer"  # column of the reference answer, optional; reaches rewards as it is, as
                                    # `answer` too (the built-in accuracy reads "#### 42" as 42)
     system_prompt: str = ""  # optional system message before every prompt; "" = the model's default
     max_prompt_length: int = 512  # tokens; longer prompts are an error at start (say which to change)
-    num_arithmetic_problems: int = 5000  # size of the embedded task's training set
+    num_arithmetic_problems: int = 5000  # size of the embedded task's training set (arithmetic, shapes)
     # generation (on the vLLM server)
     num_generations: int = 8  # G: completions per prompt; the group for the advantage baseline
     prompts_per_step: int = 6  # prompts per optimizer step, over all ranks (so G * this completions); tuned*
@@ -152,6 +154,10 @@ class Config:
     lora_dropout: float = 0.05  # dropout on the adapter's input while training (off with --disable_dropout)
     lora_target_modules: str = "all-linear"  # comma-separated module names (e.g. q_proj,v_proj) or all-linear
     save_merged_model: bool = False  # with --use_peft, also save the base with the adapter merged (output_dir/model)
+    freeze_vision_tower: bool = True  # a vision-language model's vision encoder and connector stay as loaded (not
+                                      # trained, no LoRA adapter, pushed once); false trains them too
+    vision_learning_rate: float = 0.0  # peak learning rate of a trained vision encoder and connector (as LLaVA's
+                                       # mm_projector_lr); 0 = --learning_rate
     # server
     vllm_server_host: str = "127.0.0.1"  # where vllm_server.py listens
     vllm_server_port: int = 8000  # the --port of vllm_server.py
@@ -198,7 +204,7 @@ class Config:
     def evaluates(self) -> bool:
         """Whether the run evaluates: --eval_steps N > 0, or -1 (the default) where a held-out set is at hand
         without asking (the embedded task's, or --eval_dataset); a hub dataset's split is loaded only when asked."""
-        at_hand = self.dataset in (DEFAULT_DATASET, NO_DATASET) or bool(self.eval_dataset)
+        at_hand = self.dataset in (DEFAULT_DATASET, NO_DATASET, *EMBEDDED_TASKS) or bool(self.eval_dataset)
         return self.eval_steps > 0 or (self.eval_steps == -1 and at_hand)
 
     def eval_every(self) -> int:
@@ -345,6 +351,8 @@ class Config:
         if self.fsdp and "RANK" not in os.environ:
             errors.append("--fsdp shards the model over processes: launch with torchrun --nproc_per_node N (README: "
                           "FSDP2 and LoRA), or drop --fsdp")
+        if self.vision_learning_rate < 0:
+            errors.append("--vision_learning_rate must be >= 0 (0: the same as --learning_rate)")
         if self.num_arithmetic_problems < 1:
             errors.append("--num_arithmetic_problems must be at least 1")
         if self.vllm_server_timeout < 0 or self.vllm_request_timeout < 0:
@@ -402,8 +410,11 @@ def parse_config(argv: list[str] | None = None) -> Config:
     """Config from the command line: `--name value` for every field; bools take `--bf16 false` or `--no_bf16`."""
     argv = sys.argv[1:] if argv is None else argv
     args = vars(_parser().parse_args(argv))
-    if args["env"] in EMBEDDED_ENVIRONMENTS:  # its factory, and the flags it runs with where they are not given
+    flags = {}  # an embedded environment's or task's flags, where they are not given
+    if args["env"] in EMBEDDED_ENVIRONMENTS:  # its factory, and the flags it runs with
         args["env"], flags = EMBEDDED_ENVIRONMENTS[args["env"]]
+    flags = flags | EMBEDDED_TASKS.get(args["dataset"], {})
+    if flags:
         given = vars(_parser(defaults=False).parse_args(argv))  # (abbreviated too, as argparse takes them)
         args |= {name: value for name, value in flags.items() if name not in given}
     return Config(**args)
@@ -433,6 +444,13 @@ def _parser(defaults: bool = True) -> argparse.ArgumentParser:
 EMBEDDED_ENVIRONMENTS = {
     "calculator": ("environments:Calculator", {"max_completion_length": 96}),
     "guess": ("environments:Guess", {"dataset": NO_DATASET, "reward_funcs": "", "max_completion_length": 160}),
+}
+
+# The embedded tasks besides arithmetic: --dataset NAME runs with these flags, unless they are given.
+EMBEDDED_TASKS = {
+    # the embedded vision task (vision.py): a small VLM learns to name the colour of a shape in a picture
+    "shapes": {"model": EMBEDDED_VLM, "reward_funcs": "vision:named_colour", "max_completion_length": 12,
+               "max_steps": 30, "num_arithmetic_problems": 1000, "freeze_vision_tower": False},
 }
 
 
@@ -466,6 +484,16 @@ def default_model_path() -> str:
     return out
 
 
+def embedded_vlm_path() -> str:
+    """The embedded vision-language model's folder, built once from the embedded SmolLM2 (vision.py)."""
+    out = os.path.join(cache_dir(), "SmolLM2-135M-vision")
+    if not os.path.exists(os.path.join(out, "config.json")):
+        from vision import build_embedded_vlm
+        print(f"building the embedded vision-language model once into {out} ...", file=sys.stderr, flush=True)
+        build_embedded_vlm(out, default_model_path())
+    return out
+
+
 def convert_embedded_model(out: str):
     """SmolLM2-135M-Instruct's GGUF file, dequantised into a Hugging Face folder at `out`."""
     import torch
@@ -496,6 +524,8 @@ def resolve_model(name: str) -> str:
     """The embedded model's folder, a local folder, or a hub id (org/name) as given."""
     if name == DEFAULT_MODEL:
         return default_model_path()
+    if name == EMBEDDED_VLM:
+        return embedded_vlm_path()
     if not os.path.exists(name) and (name.startswith((".", "/", "~")) or name.count("/") > 1):
         raise UsageError(f"--model {name}: no such folder (a hub id looks like org/name)")
     if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from config import UsageError
-from utils import encode_prompt
+from utils import PerPrompt, encode_prompt
 
 
 @dataclass
@@ -56,6 +56,7 @@ class RolloutContext:
     sampling: dict  # max_tokens, temperature, top_p, top_k, min_p, repetition_penalty of client.generate
     seed: int  # the seed of this call's sampling
     system_prompt: str = ""
+    processor: object = None  # a vision-language model's processor (vision.py), else None
 
     def encode(self, prompt) -> list[int]:
         """Token ids of a row's prompt (text or chat messages), as the trainer encodes it."""
@@ -79,10 +80,12 @@ def generate(rows: list[dict], ctx: RolloutContext) -> list[Episode]:
             for i, s in enumerate(samples)]
 
 
-def load_rollout(name: str):
-    """rollout.generate for "", else the user's function named module:function; UsageError saying what to change."""
+def load_rollout(name: str, vision: bool = False):
+    """rollout.generate for "" (vision.vision_rollout for a vision-language model), else the user's function named
+    module:function; UsageError saying what to change."""
     if not name:
-        return generate
+        from vision import vision_rollout
+        return vision_rollout if vision else generate
     module, _, fn = name.partition(":")
     if not module or not fn:
         raise UsageError(f"--rollout {name}: give module:function, e.g. my_rollouts:rollout for the function rollout "
@@ -168,28 +171,33 @@ def collate(episodes: list[Episode], pad_id: int) -> tuple[dict, dict]:
 
 
 def stack_model_inputs(episodes: list[Episode]) -> dict:
-    """The episodes' extra model inputs as one batch, a row per episode: each is a tensor of one row per
-    prompt (leading dimension 1), such as Idefics3's pixel_values (1, images, 3, H, W). Rows of unequal shape
-    are padded with zeros to the largest (Idefics3 skips all-zero images, as its own processor pads a
-    batch), and an episode without an input gets zeros of its shape (a prompt without an image, beside ones
-    with). ValueError for an input that is not one row per prompt (e.g. Qwen2-VL's flattened patches)."""
+    """The episodes' extra model inputs as one batch, a row per episode (utils.PerPrompt: episodes that share an
+    input, the G of a group, share its one copy). Each is a tensor of one row for its prompt (leading dimension
+    1), such as Idefics3's pixel_values (1, images, 3, H, W). Rows of unequal shape are padded with zeros to the
+    largest (Idefics3 skips all-zero images, as its own processor pads a batch), and an episode without an input
+    gets zeros of its shape (a prompt without an image, beside ones with). ValueError for an input that is not
+    one row per prompt (e.g. Qwen2-VL's flattened patches) or one per token (token_type_ids)."""
     keys = list(dict.fromkeys(k for e in episodes for k in e.model_inputs))
     out = {}
     for k in keys:
         values = [e.model_inputs.get(k) for e in episodes]
-        present = [v for v in values if v is not None]
-        if any(not torch.is_tensor(v) or v.dim() < 1 or v.shape[0] != 1 for v in present):
+        present = list({id(v): v for v in values if v is not None}.values())  # each shared tensor once
+        if k in PER_TOKEN_INPUTS or any(not torch.is_tensor(v) or v.dim() < 1 or v.shape[0] != 1 for v in present):
             shapes = sorted({tuple(v.shape) if torch.is_tensor(v) else type(v).__name__ for v in present}, key=str)
             raise ValueError(f"model input {k!r} has shape(s) {shapes}: each episode's model_inputs must be tensors "
                              "of one row for its prompt (leading dimension 1), such as pixel_values (1, images, 3, H, "
-                             "W); inputs whose rows are not one per prompt (flattened image patches) are not supported")
+                             "W); inputs whose rows are not one per prompt (flattened image patches) or that have a "
+                             "value per token (token_type_ids) are not supported")
         if any(v.dim() != present[0].dim() for v in present):
             raise ValueError(f"model input {k!r} has tensors of {sorted({v.dim() for v in present})} dimensions "
                              "across episodes; give every episode the same layout")
         shape = [max(v.shape[d] for v in present) for d in range(present[0].dim())]
-        batch = present[0].new_zeros([len(episodes), *shape[1:]])
-        for i, v in enumerate(values):
-            if v is not None:
-                batch[(i, *(slice(0, n) for n in v.shape[1:]))] = v[0]
-        out[k] = batch
+        unique = present[0].new_zeros([len(present) + 1, *shape[1:]])  # the last row: zeros, for the episodes
+        for u, v in enumerate(present):                                # without this input
+            unique[(u, *(slice(0, n) for n in v.shape[1:]))] = v[0]
+        row = {id(v): u for u, v in enumerate(present)}
+        out[k] = PerPrompt(unique, torch.tensor([len(present) if v is None else row[id(v)] for v in values]))
     return out
+
+
+PER_TOKEN_INPUTS = ("token_type_ids", "mm_token_type_ids")  # would need the padding of input_ids: not supported

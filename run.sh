@@ -2,6 +2,7 @@
 # The main job on one machine: set up (once), start the vLLM server, train, stop the server.
 #   bash run.sh                                  # the embedded defaults: SmolLM2-135M on the arithmetic task
 #   bash run.sh --max_steps 50 --beta 0.04       # any train.py flag
+#   bash run.sh --dataset shapes                 # the embedded vision task, on a small vision-language model
 #   SERVER_ARGS="--dtype float32" bash run.sh    # any `vllm serve` flag for the server
 # On a GPU machine, run vllm_server.py and torchrun yourself (README: "On GPUs").
 set -euo pipefail
@@ -12,8 +13,7 @@ OUT=out
 for ((i = 1; i <= $#; i++)); do [ "${!i}" = "--output_dir" ] && { j=$((i + 1)); OUT=${!j}; }; done
 mkdir -p "$OUT"
 read -r PORT GROUP_PORT < <($PY -c "import utils; print(*utils.free_ports(2))")
-MODEL=smollm2-135m
-for ((i = 1; i <= $#; i++)); do [ "${!i}" = "--model" ] && { j=$((i + 1)); MODEL=${!j}; }; done
+MODEL=$($PY -c 'import sys, config; print(config.parse_config(sys.argv[1:]).model)' "$@")  # the flags' model
 
 # a fresh key for this run, given to both sides in the environment (a command line is visible to every
 # local user in /proc): no other program on this machine can use the server or replace its weights

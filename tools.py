@@ -338,9 +338,12 @@ def mark_groups_with_different_prompts(episodes: list[Episode], G: int) -> list[
     return episodes
 
 
-def tool_rollout_for(cfg, tokenizer, model: str):
+def tool_rollout_for(cfg, tokenizer, model: str, vision: bool = False):
     """The multi-turn rollout of --tools and --env, its parts checked at start (one-line UsageErrors): (the rollout
     function, the environment's reward name (its class) if it has get_reward(), else None, the tools' schemas)."""
+    if vision:
+        raise UsageError(f"{'--env' if cfg.env else '--tools'} with a vision-language model: multi-turn rollouts take "
+                         "text-only models for now; train the VLM without them")
     tools, factory, reward_name = load_callables(cfg.tools, "--tools"), None, None
     schemas = tool_schemas(tools)
     if cfg.env:

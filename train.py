@@ -46,14 +46,15 @@ from plot import plot_run
 from rewards import RewardScorer, postprocess_rewards, weighted_rewards
 from rollout import RolloutContext, collate, episodes_to_json, load_rollout, presampled_from_json, run_rollout
 from tools import environment_rewards, probe_trajectory, read_chat_template, tool_rollout_for, trajectory_metrics
-from utils import (MetricsLogger, ScoringWatch, ServerWeights, StepTimer, StopRequest, add_lora, barrier,
+from utils import (MetricsLogger, Probe, ScoringWatch, ServerWeights, StepTimer, StopRequest, add_lora, barrier,
                    check_checkpoint, check_finite, check_sync, completion_logprobs, console_line, disable_dropout,
-                   distribute, encode_prompts, eval_summary, extremes_over_ranks, find_checkpoint, full_tensor,
+                   distribute, encode_prompt, eval_summary, extremes_over_ranks, find_checkpoint, full_tensor,
                    gather_lines, gradient_sync, length_sorted, load_checkpoint, load_model, load_rows, mean_over_ranks,
                    merge_stats, no_grad_logprobs, pass_at_k, prepare_output_dir, print0, progress, quantile_over_ranks,
                    reference_model, restore_training_state, reward_metrics, rollout_records, run_and_exit,
                    save_checkpoint, save_model, setup_distributed, step_prompt_indices, sum_over_ranks, take, to_device,
                    training_metrics, trim_padding)
+from vision import freeze_vision_tower, load_processor, parameter_groups, prompt_lengths, vision_probe
 from vllm_server import InThread, ServerGuard, VLLMClient, WeightSync
 
 
@@ -358,22 +359,22 @@ def main(cfg: Config):
 
     from transformers import AutoTokenizer
     model_path = resolve_model(cfg.model)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    processor = load_processor(model_path)  # a vision-language model's (prompts with images: vision.py), else None
+    tokenizer = processor.tokenizer if processor else AutoTokenizer.from_pretrained(model_path)
     if cfg.chat_template:  # e.g. a template that renders tools, for a model whose own cannot
         tokenizer.chat_template = read_chat_template(cfg.chat_template)
-    rollout_fn = load_rollout(cfg.rollout)  # rows -> episodes through the server (rollout.generate by default)
+    rollout_fn = load_rollout(cfg.rollout, processor is not None)  # rows -> episodes through the server
     env_reward, schemas = None, None  # the environment's get_reward() column (named after its class); the tools'
     if cfg.tools or cfg.env:  # the multi-turn rollout: the model calls tools, an environment answers (tools.py)
-        rollout_fn, env_reward, schemas = tool_rollout_for(cfg, tokenizer, cfg.model)
+        rollout_fn, env_reward, schemas = tool_rollout_for(cfg, tokenizer, cfg.model, processor is not None)
     pad_id = 0 if tokenizer.pad_token_id is None else tokenizer.pad_token_id  # masked out: any id (Llama 3 has none)
     rows = load_rows(cfg.dataset, cfg.dataset_split, cfg.prompt_column, cfg.answer_column, cfg.num_arithmetic_problems,
                      cfg.seed, num_starts=NO_DATASET_STARTS)  # --dataset none: a seed per row
-    prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in rows], cfg.system_prompt, schemas)  # chat template
     eval_rows = load_rows(cfg.eval_dataset or cfg.dataset, cfg.eval_split, cfg.prompt_column, cfg.answer_column,
                           cfg.num_arithmetic_problems, cfg.seed, cfg.eval_num_prompts)[:cfg.eval_num_prompts] \
         if cfg.evaluates() else []
-    eval_ids = encode_prompts(tokenizer, [r["prompt"] for r in eval_rows], cfg.system_prompt, schemas)
-    longest = max(map(len, prompt_ids + eval_ids))
+    # through the chat template, with the image tokens (every image is read now: a bad one stops the run here)
+    longest = max(prompt_lengths(tokenizer, processor, rows + eval_rows, cfg.system_prompt, schemas))
     if longest > cfg.max_prompt_length:
         raise UsageError(f"the longest prompt has {longest} tokens > --max_prompt_length {cfg.max_prompt_length}: "
                          "raise it (and the server's --max-model-len) or drop the long prompts from the dataset")
@@ -397,9 +398,10 @@ def main(cfg: Config):
     policy.config.use_cache = False
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    frozen = freeze_vision_tower(policy) if processor and cfg.freeze_vision_tower else []  # VLMs: as loaded
     if cfg.use_peft:  # train a LoRA adapter; the base weights stay frozen and serve as the reference
         policy = add_lora(policy, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
-                          os.path.join(resume, "adapter") if resume else None)
+                          os.path.join(resume, "adapter") if resume else None, exclude=frozen)
     if cfg.disable_dropout:  # the server samples without dropout: train that policy, and pi_old = its log-probs
         disable_dropout(policy)
     model = distribute(policy, device, cfg.fsdp, cfg.bf16, world_size)  # FSDP2 shards per layer; else DDP copies
@@ -410,8 +412,8 @@ def main(cfg: Config):
     off_policy = cfg.num_iterations > 1 or cfg.steps_per_generation > 1  # then pi_old needs its own pass
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
     trainable = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(parameter_groups(policy, cfg.learning_rate, cfg.vision_learning_rate),  # VLMs: two
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
     if resume:
         changed = restore_training_state(state, model, optimizer, scheduler, rank, world_size)
@@ -419,9 +421,11 @@ def main(cfg: Config):
         print0(f"resuming from {resume} after step {state['step']}"
                + "".join(f"; {change} (this run's flag applies)" for change in changed))
 
-    # a fixed probe the server scores after pushes, to catch a sync that silently went wrong
-    probe_ids = (probe_trajectory(tokenizer, rows[0]["prompt"], cfg.system_prompt, schemas) if schemas else  # tools
-                 prompt_ids[0] + tokenizer(" Let me think. 12 + 7 = 19, so the answer is \\boxed{19}.")["input_ids"])
+    # a fixed probe the server scores after pushes, to catch a sync that silently went wrong (a VLM's has an image)
+    answer, prompt = " Let me think. 12 + 7 = 19, so the answer is \\boxed{19}.", rows[0]["prompt"]
+    sync_probe = (Probe(probe_trajectory(tokenizer, prompt, cfg.system_prompt, schemas)) if schemas else
+                  vision_probe(processor, rows[0], cfg.system_prompt, answer) if processor else
+                  Probe(encode_prompt(tokenizer, prompt, cfg.system_prompt) + tokenizer(answer)["input_ids"]))
     exact = server_dtype == torch.float32 and not cfg.bf16
     sync_tolerance = cfg.sync_check_tolerance if cfg.sync_check_tolerance >= 0 else (1e-3 if exact else 0.5)
     # weights leave in the server's names and dtype, LoRA merged, FSDP2 shards gathered one tensor at a time;
@@ -439,7 +443,7 @@ def main(cfg: Config):
     def rollout_call(step: int, extra_round: int = 0):
         """The call that samples this rank's episodes of `step`, repeatable (a server reconnect runs it again)."""
         seed = (cfg.seed * 1_000_000 + step) * 1000 + rank + extra_round * 10 ** 15
-        ctx = RolloutContext(client, tokenizer, G, sampling, seed, cfg.system_prompt)
+        ctx = RolloutContext(client, tokenizer, G, sampling, seed, cfg.system_prompt, processor)
         return functools.partial(run_rollout, rollout_fn, [rows[i] for i in rows_of(step, extra_round)], ctx)
 
     def draw_more(step: int, extra_round: int, wanted: bool) -> tuple:
@@ -458,8 +462,8 @@ def main(cfg: Config):
         ahead = presampled.get(steps_done)
         extra = ({"presampled": gather_lines([json.dumps(ahead and (ahead[0], episodes_to_json(ahead[1])))])}
                  if cfg.async_generation else {})
-        path = save_checkpoint(cfg.output_dir, steps_done, model, optimizer, scheduler, tokenizer, vars(cfg), is_main,
-                               cfg.save_total_limit, {**sum_over_ranks({"scorer_failures": scorer.failures}), **extra})
+        path = save_checkpoint(cfg.output_dir, steps_done, model, optimizer, scheduler, processor or tokenizer,
+                               vars(cfg), is_main, cfg.save_total_limit, {**sum_over_ranks({"scorer_failures": scorer.failures}), **extra})
         print0(f"saved {path}")
         return path
     # If the server dies or restarts, wait for it, push the current weights and repeat the call; if it does
@@ -496,7 +500,7 @@ def main(cfg: Config):
         requests carry the same seeds every time, so two evaluations differ only by the weights."""
         n, mine = cfg.eval_num_generations, list(range(rank, len(eval_rows), world_size))
         seed = (cfg.seed * 1_000_000 + 999_999) * 1000 + rank  # the same every time
-        ctx = RolloutContext(client, tokenizer, n, sampling, seed, cfg.system_prompt)
+        ctx = RolloutContext(client, tokenizer, n, sampling, seed, cfg.system_prompt, processor)
         episodes = server.run(run_rollout, rollout_fn, [eval_rows[i] for i in mine], ctx)
         texts, matrix, rewards = score(episodes)
         correct = (matrix[:, 0] >= 1).view(-1, n).sum(dim=1).tolist()  # per prompt: passed by the first function
@@ -616,7 +620,7 @@ def main(cfg: Config):
         timer.lap("sync")
         probe = {}
         if cfg.sync_check_steps and (step + 1) % cfg.sync_check_steps == 0:  # stops if the server's weights differ
-            probe = server.run(check_sync, client, model, probe_ids, autocast, is_main, sync_tolerance, step + 1)
+            probe = server.run(check_sync, client, model, sync_probe, autocast, is_main, sync_tolerance, step + 1)
         timer.lap("probe")
 
         # ---------------------------------------------------------------------- log
@@ -650,7 +654,8 @@ def main(cfg: Config):
     if stop.stopping:
         print0("stopped by a signal; continue with --resume_from_checkpoint latest")
     elif cfg.save_model:  # every rank: FSDP2 gathers
-        saved = save_model(model, tokenizer, cfg.output_dir, is_main, cfg.save_merged_model or not cfg.use_peft)
+        saved = save_model(model, processor or tokenizer, cfg.output_dir, is_main,
+                           cfg.save_merged_model or not cfg.use_peft)
         print0(f"saved {', '.join(saved)}")
     logger.close()
     if is_main and (picture := plot_run(cfg.output_dir)):

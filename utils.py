@@ -3,6 +3,7 @@ data, log-probs, distributed (and the models' wrappers), weights out (sync, prob
 checkpoints, logging.
 """
 import collections
+import dataclasses
 import errno
 import fcntl
 import functools
@@ -75,6 +76,9 @@ def load_rows(dataset: str, split: str, prompt_column: str, answer_column: str, 
     the held-out ones ("test") with seeds no training row has."""
     if dataset == DEFAULT_DATASET:
         return arithmetic_problems(num_arithmetic, seed, "test" if split == "test" else "train")
+    if dataset == "shapes":  # the embedded vision task
+        from vision import shape_problems
+        return shape_problems(num_arithmetic, seed, "test" if split == "test" else "train")
     if dataset == NO_DATASET:
         first = 10 ** 9 if split == "test" else 0
         return [{"prompt": "", "seed": first + k} for k in range(num_starts)]
@@ -191,7 +195,30 @@ def take(batch, rows):
     return None if batch is None else batch[rows]
 
 
+class PerPrompt:
+    """A model input held once per prompt and read as one row per episode: row i is values[index[i]]. The G
+    episodes of a group share their prompt's pixels, so a batch holds each image once; taking rows (a
+    micro-batch) copies nothing, and .to(device) makes the rows the forward needs, for that micro-batch only."""
+
+    def __init__(self, values: torch.Tensor, index: torch.Tensor):
+        self.values, self.index = values, index  # (U, ...) one per prompt; (N,) the row of each episode
+
+    def __getitem__(self, rows) -> "PerPrompt":
+        return PerPrompt(self.values, self.index[rows])
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def shape(self) -> tuple:
+        return (len(self.index), *self.values.shape[1:])
+
+    def to(self, *args, **kwargs) -> torch.Tensor:
+        return self.values[self.index].to(*args, **kwargs)
+
+
 def to_device(inputs: dict, device) -> dict:
+    """The model inputs as tensors on `device` (a PerPrompt input becomes its rows)."""
     return {k: v.to(device) for k, v in inputs.items()}
 
 
@@ -316,6 +343,21 @@ def positions(inputs: dict) -> torch.Tensor:
     return (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)
 
 
+def with_idle_image(hf, inputs: dict) -> dict:
+    """A vision-language model's inputs without a real image (no pixel_values, or only the zero images that pad
+    them), with one blank image that no token shows: the vision tower then runs in every forward, so under FSDP2
+    every rank gathers the same modules, and under DDP a trained tower gets a (zero) gradient on every rank. The
+    log-probs are those without it. Idefics3's layout: pixel_values (B, images, 3, H, W)."""
+    vision = getattr(hf.config, "vision_config", None)
+    if vision is None or ("pixel_values" in inputs and inputs["pixel_values"].any()):
+        return inputs
+    B, size, device = len(inputs["input_ids"]), vision.image_size, inputs["input_ids"].device
+    pixels = torch.zeros(B, 1, 3, size, size, device=device)
+    mask = torch.zeros(B, 1, size, size, dtype=torch.long, device=device)
+    pixels[0], mask[0] = 1.0, 1
+    return {**inputs, "pixel_values": pixels, "pixel_attention_mask": mask}
+
+
 def completion_logprobs(model, inputs: dict, num_completion_tokens: int, temperature: float,
                         chunk_size: int | None = 32, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The log-probs (B, C) of the completion part (the last C columns) of collated episodes under
@@ -326,6 +368,8 @@ def completion_logprobs(model, inputs: dict, num_completion_tokens: int, tempera
     that forward the lm_head is replaced by one that returns log-probs (see logprobs_and_entropy).
     A model that changes the logits after its head (soft-capping, scaling) returns its logits instead."""
     C, hf = num_completion_tokens, hf_model(model)
+    inputs = with_idle_image(hf, {k: v.to(v.values.device) if isinstance(v, PerPrompt) else v  # its rows
+                                  for k, v in inputs.items()})
     targets, head = inputs["input_ids"][:, -C:], hf.get_output_embeddings()
     plain = has_plain_lm_head(model)
     if plain:
@@ -454,13 +498,15 @@ def load_model(path: str, device, fsdp: bool = False, dtype=torch.float32):
     """A causal LM from a Hugging Face folder, on `device`. With FSDP2 (`fsdp`) only rank 0 reads the weights, on
     the CPU; the other ranks build the same model on the meta device (no memory), and `distribute` gives every
     rank its shard from rank 0's copy: no rank but the first ever holds the whole model."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # one line per step on the console, no loading bars
+    config = AutoConfig.from_pretrained(path)
+    auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM  # a VLM or not
     if fsdp and dist.is_initialized() and dist.get_rank() > 0:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            return auto.from_config(config, dtype=dtype)
+    model = auto.from_pretrained(path, dtype=dtype)
     return model if fsdp else model.to(device)
 
 
@@ -480,15 +526,18 @@ def hf_model(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
 
 
-def add_lora(model, r: int, alpha: float, dropout: float, target_modules: str, saved: str | None = None):
+def add_lora(model, r: int, alpha: float, dropout: float, target_modules: str, saved: str | None = None,
+             exclude: list[str] | None = None):
     """Wrap `model` in a peft LoRA model: only the adapter trains; the base weights stay frozen. `saved`:
-    an adapter folder to continue from (its own r, alpha and targets)."""
+    an adapter folder to continue from (its own r, alpha and targets); `exclude`: modules (and all inside them)
+    that get no adapter (a VLM's frozen vision tower)."""
     from peft import LoraConfig, PeftModel, get_peft_model
     if saved:
         return PeftModel.from_pretrained(model, saved, is_trainable=True)
     targets = target_modules if target_modules == "all-linear" else [m.strip() for m in target_modules.split(",")]
+    skip = "|".join(re.escape(name) for name in exclude or [])
     return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
-                                            task_type="CAUSAL_LM"))
+                                            exclude_modules=rf"^({skip})\..*" if skip else None, task_type="CAUSAL_LM"))
 
 
 def distribute(model, device, fsdp: bool, bf16: bool, world_size: int, trainable: bool = True):
@@ -662,7 +711,9 @@ class ServerWeights:
     names, LoRA merged into its base weight (the server runs the base architecture), FSDP2 shards
     gathered one tensor at a time (a collective: every rank iterates, in the same order), in `dtype`.
     `metadata()` lists (name, dtype, shape) without gathering. This is the WeightSource interface of
-    vLLM's trainer-side weight-transfer engines, so the same object feeds our gloo and vLLM's nccl."""
+    vLLM's trainer-side weight-transfer engines, so the same object feeds our gloo and vLLM's nccl.
+    A weight that cannot change (frozen and without a LoRA adapter: a VLM's frozen vision tower, the base
+    weights around LoRA layers) is sent by the first push only."""
 
     def __init__(self, model, dtype: torch.dtype):
         self.model, self.dtype = hf_model(model), dtype
@@ -671,29 +722,50 @@ class ServerWeights:
         # named_parameters lists a tied lm_head once, under the embedding's name, as the server expects
         self.params = [(name, p) for name, p in self.model.named_parameters()
                        if "lora_" not in name and name.replace(".base_layer", "") != skip]
+        self.changing = [(name, p) for name, p in self.params if p.requires_grad or name.endswith(".base_layer.weight")]
+        self.pushed = False  # after the first push, only the weights that can change
+
+    def _sent(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return self.changing if self.pushed else self.params
+
+    def send_all_next(self):
+        """The next push sends every weight again (to a server that was restarted, or that may hold others)."""
+        self.pushed = False
 
     def metadata(self) -> list[WeightMeta]:
-        return [WeightMeta(name.replace(".base_layer", ""), self.dtype, tuple(p.shape)) for name, p in self.params]
+        return [WeightMeta(name.replace(".base_layer", ""), self.dtype, tuple(p.shape)) for name, p in self._sent()]
 
     def __iter__(self):
-        for name, p in self.params:
+        params, self.pushed = self._sent(), True  # when reading begins: rank 0 does not read to the end
+        for name, p in params:
             weight = full_tensor(p.detach())
             if name.endswith(".base_layer.weight"):  # a LoRA layer: W + B A * alpha / r
                 weight = weight + lora_delta(self.model.get_submodule(name.removesuffix(".base_layer.weight")))
             yield name.replace(".base_layer", ""), weight.to(self.dtype)
 
 
-def check_sync(client, model, probe_ids: list[int], autocast, is_main: bool, tolerance: float, step: int) -> dict:
+@dataclasses.dataclass
+class Probe:
+    """A fixed token sequence that the server and the trainer both score (check_sync). A vision-language model's
+    also has its pixel inputs, and its messages with the images, which the server renders itself (chat route)."""
+    ids: list[int]
+    model_inputs: dict = dataclasses.field(default_factory=dict)  # tensors with a leading dimension of 1
+    messages: list | None = None
+
+
+def check_sync(client, model, probe: Probe, autocast, is_main: bool, tolerance: float, step: int) -> dict:
     """The mean and max |log-prob difference| between the server and `model` on a fixed token sequence,
     on every rank: a deterministic check that the server computes with the weights we pushed. Every rank
     runs the forward (FSDP2 gathers); rank 0 asks the server. Stops the run if the mean is above `tolerance`."""
-    ids = torch.tensor([probe_ids])
-    ours = no_grad_logprobs(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, len(probe_ids) - 1,
-                            1.0, 1, autocast)[0][0]  # (P - 1,) log-probs of the one row
+    ids = torch.tensor([probe.ids])
+    ours = no_grad_logprobs(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), **probe.model_inputs},
+                            len(probe.ids) - 1, 1.0, 1, autocast)[0][0]  # (P - 1,) log-probs of the one row
     diff, error = torch.zeros(1), None
     if is_main:
         try:
-            diff = (ours - torch.tensor(client.prompt_logprobs(probe_ids))).abs()
+            theirs = (client.prompt_logprobs(probe.ids) if probe.messages is None
+                      else client.chat_prompt_logprobs(probe.messages, probe.ids))
+            diff = (ours - torch.tensor(theirs)).abs()
         except Exception as e:  # e.g. the server was lost: the other ranks are in the sum below, so join it first
             error = e
     probe = sum_over_ranks({"sync_probe_diff_mean": diff.mean(), "sync_probe_diff_max": diff.max()})  # rank 0's
@@ -705,8 +777,8 @@ def check_sync(client, model, probe_ids: list[int], autocast, is_main: bool, tol
             f"trainer's by {probe['sync_probe_diff_mean']:.4g} on average > {tolerance:g}. The server is not "
             "computing with the weights we trained. Likely causes: a weight not pushed or pushed under a name the "
             "server does not map (LoRA or FSDP prefixes), a tied lm_head the server did not refresh, a stale prefix "
-            "cache, or a server started with another model or dtype. If the dtypes differ on purpose, raise "
-            "--sync_check_tolerance.")
+            "or vision-encoder cache, or a server started with another model or dtype. If the dtypes differ on "
+            "purpose, raise --sync_check_tolerance.")
     return probe
 
 
@@ -768,7 +840,8 @@ def save_model(model, tokenizer, output_dir: str, is_main: bool, merged: bool = 
 CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 
 RESUME_MUST_MATCH = ("model", "dataset", "dataset_split", "num_arithmetic_problems", "seed", "prompts_per_step",
-                     "num_generations", "use_peft",  # what decides the weights and the order of the prompts
+                     "num_generations", "use_peft", "freeze_vision_tower",  # what decides the weights and the order
+                                                                            # of the prompts
                      "num_iterations", "steps_per_generation")  # how optimizer steps map to steps (the schedule)
 
 
@@ -892,6 +965,7 @@ def save_checkpoint(output_dir: str, step: int, model, optimizer, scheduler, tok
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     path = os.path.join(output_dir, f"checkpoint-{step}")
     staging = path + ".tmp"
+    sharded_parameters(getattr(model, "module", model))  # FSDP2: weights a forward left gathered are shards again
     optim = get_optimizer_state_dict(getattr(model, "module", model), optimizer,
                                      options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # rank 0 gets it
     rngs = rng_states()
@@ -1103,7 +1177,14 @@ def finite_json(record) -> str:
         if isinstance(x, dict):
             return {k: clean(v) for k, v in x.items()}
         return [clean(v) for v in x] if isinstance(x, (list, tuple)) else x
-    return json.dumps(clean(record), allow_nan=False)
+    return json.dumps(clean(record), allow_nan=False, default=describe)
+
+
+def describe(value) -> str:
+    """A value JSON has no form for, as rollouts.jsonl shows it: an image by its size, bytes by their count."""
+    if hasattr(value, "size") and hasattr(value, "mode"):  # a PIL image
+        return f"<image {value.mode} {value.size[0]}x{value.size[1]}>"
+    return f"<{len(value)} bytes>" if isinstance(value, (bytes, bytearray)) else str(value)
 
 
 class MetricsLogger:

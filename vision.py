@@ -11,27 +11,69 @@ the images as data URLs; it answers with the prompt ids it expanded, which must 
 import base64
 import concurrent.futures
 import io
+import re
 
+from config import UsageError
 from rollout import Episode, RolloutContext
-from utils import prompt_messages
+from utils import Probe, encode_prompts, prompt_messages
 
 IMAGE_COLUMNS = ("images", "image")
+ARCHITECTURES = ("idefics3", "smolvlm")  # pixel_values (prompts, images, 3, H, W), served by vLLM's CPU build
+VISION_MODULES = ("vision_model", "vision_tower", "visual", "connector", "multi_modal_projector", "mm_projector")
 
 
 def load_processor(model_path: str):
-    """The model's processor if it is a vision-language model's (it has an image processor), else None."""
-    from transformers import AutoProcessor
+    """The model's processor if it is a vision-language model's (it has an image processor), else None.
+    UsageError for a VLM of an architecture nanogrpo does not train (yet)."""
+    from transformers import AutoConfig, AutoProcessor
     try:
         processor = AutoProcessor.from_pretrained(model_path)
     except (OSError, ValueError, KeyError, ImportError):  # a tokenizer-only folder
         return None
-    return processor if getattr(processor, "image_processor", None) is not None else None
+    if getattr(processor, "image_processor", None) is None:
+        return None
+    model_type = AutoConfig.from_pretrained(model_path).model_type
+    if model_type not in ARCHITECTURES:
+        raise UsageError(f"{model_path} is a vision-language model of type {model_type!r}; nanogrpo trains "
+                         f"{' and '.join(ARCHITECTURES)} models (SmolVLM) for now, whose image inputs hold one row "
+                         "per prompt")
+    return processor
 
 
-def row_images(row: dict) -> list:
+def longest_edge(processor) -> int | None:
+    """The longest image side the processor works at (Idefics3: size["longest_edge"]); larger images are scaled
+    down to it before either side sees them."""
+    size = getattr(getattr(processor, "image_processor", None), "size", None)  # a dict, or transformers' SizeDict
+    return size.get("longest_edge") if isinstance(size, dict) else getattr(size, "longest_edge", None)
+
+
+def freeze_vision_tower(model) -> list[str]:
+    """Keep a VLM's vision encoder and connector as loaded (--freeze_vision_tower): no gradient, so no optimizer
+    state, and the weight sync sends them once. Returns the frozen modules' names (LoRA leaves them out)."""
+    frozen = [name for name, module in model.named_modules() if name.rsplit(".", 1)[-1] in VISION_MODULES]
+    for name in frozen:
+        model.get_submodule(name).requires_grad_(False)
+    return frozen
+
+
+def parameter_groups(model, learning_rate: float, vision_learning_rate: float) -> list[dict]:
+    """The optimizer's parameter groups: a VLM's trained vision encoder and connector at vision_learning_rate
+    (0: learning_rate), everything else that trains at learning_rate. One group for a text model."""
+    vision, other = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            parts = name.split(".")
+            (vision if any(part in VISION_MODULES for part in parts) else other).append(p)
+    if not vision:
+        return [{"params": other, "lr": learning_rate}]
+    return [{"params": other, "lr": learning_rate}, {"params": vision, "lr": vision_learning_rate or learning_rate}]
+
+
+def row_images(row: dict, longest_edge: int | None = None) -> list:
     """A row's images as RGB PIL images: its `images` column (a list) or `image` (one, or a list); each a
     PIL image, a file path, bytes, or {"bytes": ..., "path": ...} (a datasets Image not decoded). ValueError
-    saying which one cannot be read."""
+    saying which one cannot be read. With `longest_edge`, a larger image is scaled down to it (aspect kept), so
+    the trainer and the server get the same bounded picture (a huge one would stall the server's decoding)."""
     from PIL import Image
     column = next((c for c in IMAGE_COLUMNS if row.get(c) is not None), None)
     if column is None:
@@ -48,8 +90,13 @@ def row_images(row: dict) -> list:
                 item = Image.open(item)
             if not isinstance(item, Image.Image):
                 raise ValueError(f"it is a {type(item).__name__}, not an image, a path or bytes")
-            out.append(item.convert("RGB"))
-        except (OSError, ValueError) as e:
+            item = item.convert("RGB")
+            if longest_edge and max(item.size) > longest_edge:
+                scale = longest_edge / max(item.size)
+                item = item.resize((max(1, round(item.width * scale)), max(1, round(item.height * scale))),
+                                   Image.Resampling.LANCZOS)
+            out.append(item)
+        except (OSError, ValueError, Image.DecompressionBombError) as e:
             raise ValueError(f"column {column!r}, image {k}: cannot read it ({e})") from None
     return out
 
@@ -77,6 +124,66 @@ def encode_vision_prompt(processor, messages: list[dict], images: list) -> tuple
     return enc["input_ids"][0].tolist(), {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
 
 
+def image_token_counts(processor):
+    """A function: an image's size (width, height) -> the tokens the processor expands it to, each size counted
+    once (from the processor's own formula where it has one, as vLLM does, else by rendering a blank image)."""
+    from PIL import Image
+    counts, image_token = {}, getattr(processor, "image_token", "<image>")
+    plain = len(processor.tokenizer(image_token, add_special_tokens=False)["input_ids"])
+
+    def count(size):
+        if size not in counts:
+            try:  # (height, width)
+                counts[size] = processor._get_num_multimodal_tokens(image_sizes=[size[::-1]])["num_image_tokens"][0]
+            except (AttributeError, KeyError, TypeError, NotImplementedError):
+                ids = processor(text=[image_token], images=[[Image.new("RGB", size)]])["input_ids"][0]
+                counts[size] = len(ids) - plain + 1
+        return counts[size]
+    return count
+
+
+def prompt_lengths(tokenizer, processor, rows: list[dict], system_prompt: str = "", tools=None) -> list[int]:
+    """Each row's prompt length in tokens as the model sees it, image tokens included. Every image is read now:
+    a row whose image cannot be read, or a dataset with images for a model without an image processor, is a
+    UsageError naming it (so a run does not fail on it hours in)."""
+    images = []
+    for i, row in enumerate(rows):
+        try:
+            images.append(row_images(row, longest_edge(processor)))
+        except ValueError as e:
+            raise UsageError(f"dataset row {i}: {e}; fix or drop that row") from None
+        if images[-1] and processor is None:
+            raise UsageError(f"the dataset has images (row {i}) but the model has no image processor: it is a "
+                             "text-only model. Use a vision-language model (e.g. SmolVLM), or drop the "
+                             f"{'/'.join(IMAGE_COLUMNS)} column")
+    if processor is None:
+        return list(map(len, encode_prompts(tokenizer, [r["prompt"] for r in rows], system_prompt, tools)))
+    count = image_token_counts(processor)
+    prompts = [with_image_parts(prompt_messages(r["prompt"], system_prompt), len(im)) for r, im in zip(rows, images)]
+    texts = [processor.apply_chat_template(m, add_generation_prompt=True) for m in prompts]
+    return [len(processor.tokenizer(text, add_special_tokens=False)["input_ids"]) + sum(count(x.size) - 1 for x in im)
+            for text, im in zip(texts, images)]
+
+
+def probe_image():
+    """A fixed picture for the sync probe of a VLM whose first row has none: colour bands, no two pixels alike."""
+    from PIL import Image
+    return Image.frombytes("RGB", (64, 64), bytes((x * 4 + c * 85 + y) % 256 for y in range(64) for x in range(64)
+                                                  for c in range(3)))
+
+
+def vision_probe(processor, row: dict, system_prompt: str = "", answer: str = "") -> Probe:
+    """The sync probe of a VLM: a row's prompt with its images (or a fixed picture) and a fixed answer, which the
+    server scores through the chat route, so that a stale vision-encoder cache or a dropped image shows."""
+    images = row_images(row, longest_edge(processor)) or [probe_image()]
+    messages = with_image_parts(prompt_messages(row["prompt"], system_prompt), len(images))
+    messages.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
+    text = processor.apply_chat_template(messages, continue_final_message=True)
+    enc = processor(text=[text], images=[images], return_tensors="pt")
+    pixels = {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
+    return Probe(enc["input_ids"][0].tolist(), pixels, server_messages(messages, images))
+
+
 def data_url(image) -> str:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")  # lossless: the server decodes the pixels the trainer has
@@ -90,28 +197,138 @@ def server_messages(messages: list[dict], images: list) -> list[dict]:
                               if part.get("type") == "image" else part for part in m["content"]]} for m in messages]
 
 
-def vision_rollout(rows: list[dict], ctx: RolloutContext, processor=None) -> list[Episode]:
+def vision_rollout(rows: list[dict], ctx: RolloutContext) -> list[Episode]:
     """The rollout of a vision-language model (rollout.py's contract): G samples of each row's prompt with its
     images, one chat request per row, all rows at once (their requests meet in the server's batches)."""
-    prompts = []
+    prompts, processor = [], ctx.processor
     for i, row in enumerate(rows):
-        images = row_images(row)
+        images = row_images(row, longest_edge(processor))
         messages = with_image_parts(prompt_messages(row["prompt"], ctx.system_prompt), len(images))
         prompts.append((*encode_vision_prompt(processor, messages, images), server_messages(messages, images)))
 
-    def sample(i):
-        return ctx.client.chat(prompts[i][2], n=ctx.num_generations, seed=ctx.seed, **ctx.sampling)
+    def sample(i):  # a seed per row: prompts that differ only in their images must not draw the same samples
+        return ctx.client.chat(prompts[i][2], n=ctx.num_generations, seed=(ctx.seed * 1_000_003 + i) % 2**63,
+                               **ctx.sampling)
 
     with concurrent.futures.ThreadPoolExecutor(max(1, len(rows))) as pool:
         answers = list(pool.map(sample, range(len(rows))))
     episodes = []
     for i, ((ids, inputs, _), (server_ids, samples)) in enumerate(zip(prompts, answers)):
         if server_ids != ids:
+            first = next((k for k, (a, b) in enumerate(zip(server_ids, ids)) if a != b), min(len(ids), len(server_ids)))
             raise ValueError(f"the server rendered the prompt of row {i} with its images as {len(server_ids)} tokens, "
-                             f"the processor as {len(ids)} (first difference at token "
-                             f"{next((k for k, (a, b) in enumerate(zip(server_ids, ids)) if a != b), min(len(ids), len(server_ids)))}"
-                             "): the server must process images as the model folder's processor does; start it "
-                             "without --mm-processor-kwargs or --chat-template of its own")
+                             f"the processor as {len(ids)} (first difference at token {first}): the server must "
+                             "process images as the model folder's processor does; start it without --mm-processor-kwargs or --chat-template of its own")
         episodes += [Episode(rows[i], ids, s["token_ids"], [True] * len(s["token_ids"]), s["logprobs"],
                              s["finish_reason"], model_inputs=inputs) for s in samples]
     return episodes
+
+
+# -----------------------------------------------------------------------------
+# the embedded vision task: shapes drawn with PIL, and a small VLM built from the embedded SmolLM2
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 170, 40), "blue": (30, 60, 220), "yellow": (230, 200, 20)}
+SHAPES = ("circle", "square", "triangle")
+SHAPES_QUESTION = "What colour is the shape in the picture? Answer with one word: red, green, blue or yellow."
+
+
+def draw_shape(colour: str, shape: str, rng):
+    """A 64x64 picture: one shape of one colour, of a random size and place, on a light background."""
+    from PIL import Image, ImageDraw
+    image = Image.new("RGB", (64, 64), tuple(rng.randint(225, 255) for _ in range(3)))
+    size = rng.randint(20, 44)
+    x, y = rng.randint(2, 62 - size), rng.randint(2, 62 - size)
+    box, fill, draw = (x, y, x + size, y + size), COLOURS[colour], ImageDraw.Draw(image)
+    if shape == "circle":
+        draw.ellipse(box, fill=fill)
+    elif shape == "square":
+        draw.rectangle(box, fill=fill)
+    else:
+        draw.polygon([(x + size / 2, y), (x, y + size), (x + size, y + size)], fill=fill)
+    return image
+
+
+def shape_problems(n: int, seed: int, split: str = "train") -> list[dict]:
+    """The embedded vision task: a picture of one shape, "what colour is it?", the colour as the answer (chance:
+    1 in 4). "test" gives 64 pictures drawn from seeds no training picture has (`n` is ignored)."""
+    import random
+    rng = random.Random(seed + (10 ** 9 if split == "test" else 0))
+    rows = []
+    for i in range(64 if split == "test" else n):
+        colour, shape = list(COLOURS)[i % len(COLOURS)], rng.choice(SHAPES)
+        rows.append({"prompt": SHAPES_QUESTION, "image": draw_shape(colour, shape, rng), "answer": colour,
+                     "shape": shape})
+    rng.shuffle(rows)
+    return rows
+
+
+EMBEDDED_VLM_TEMPLATE = (  # SmolLM2's ChatML template (its default system message), with image parts as <image>
+    "{%- if messages[0]['role'] != 'system' -%}"
+    "{{- '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}{{- '<image>' -}}{%- elif part['type'] == 'text' -%}{{- part['text'] -}}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}{{- '<|im_end|>\\n' -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+
+
+def build_embedded_vlm(out: str, language_model: str, image_size: int = 64, seed: int = 0):
+    """An Idefics3 (SmolVLM's architecture) whose language model is `language_model` (the embedded
+    SmolLM2-135M-Instruct), with a small random vision tower (2 layers, width 128, patches of 8) and connector
+    (pixel shuffle by 2: (image_size / 16)^2 image tokens per image), scaled so that image tokens enter the
+    language model at the norm of its word embeddings. Nothing pretrained sees the pictures: what the model
+    learns about them, it learns in training (train it with --freeze_vision_tower false). Written atomically."""
+    import os
+    import shutil
+
+    import torch
+    from transformers import (AutoModelForCausalLM, AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration,
+                              Idefics3ImageProcessor, Idefics3Processor)
+    tokenizer = AutoTokenizer.from_pretrained(language_model)
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        "<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]})
+    tokenizer.chat_template = EMBEDDED_VLM_TEMPLATE
+    lm = AutoModelForCausalLM.from_pretrained(language_model, dtype=torch.float32)
+    text = lm.config.to_dict() | {"vocab_size": len(tokenizer)}
+    config = Idefics3Config(text_config=text, vision_config=dict(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, image_size=image_size,
+        patch_size=8), scale_factor=2, image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        tie_word_embeddings=lm.config.tie_word_embeddings, pad_token_id=lm.config.pad_token_id)
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config).eval()
+    lm.resize_token_embeddings(len(tokenizer), mean_resizing=True)  # the new image tokens: the mean embedding
+    model.model.text_model.load_state_dict(lm.model.state_dict())
+    if not config.tie_word_embeddings:
+        model.lm_head.load_state_dict(lm.lm_head.state_dict())
+    image_processor = Idefics3ImageProcessor(size={"longest_edge": image_size}, do_image_splitting=False,
+                                             max_image_size={"longest_edge": image_size})
+    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer,
+                                  image_seq_len=(image_size // 16) ** 2, chat_template=EMBEDDED_VLM_TEMPLATE)
+    import random
+    rng = random.Random(seed)
+    pictures = [draw_shape(c, s, rng) for c in COLOURS for s in SHAPES]
+    with torch.no_grad():  # image tokens at the word embeddings' typical norm
+        pixels = processor.image_processor(pictures, return_tensors="pt")["pixel_values"]
+        features = model.model.get_image_features(pixel_values=pixels)
+        features = features.pooler_output if hasattr(features, "pooler_output") else features
+        words = model.model.text_model.embed_tokens.weight.norm(dim=-1).median()
+        model.model.connector.modality_projection.proj.weight.mul_(words / features.norm(dim=-1).median())
+    staging = f"{out}.tmp{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    processor.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    os.replace(staging, out)
+    return out
+
+
+def named_colour(completions, answer, **kwargs) -> list[float]:
+    """The embedded vision task's reward: 1.0 if the completion names the picture's colour and no other."""
+    from rewards import completion_text
+    out = []
+    for completion, colour in zip(completions, answer):
+        words = set(re.findall(r"[a-z]+", completion_text(completion).lower()))
+        out.append(float(colour in words and not (words & set(COLOURS)) - {colour}))
+    return out

@@ -226,6 +226,18 @@ class VLLMClient:
         pl = self._post("/v1/completions", body)["choices"][0]["prompt_logprobs"]
         return [entry[str(tok)]["logprob"] for tok, entry in zip(token_ids[1:], pl[1:])]
 
+    def chat_prompt_logprobs(self, messages: list[dict], token_ids: list[int]) -> list[float]:
+        """prompt_logprobs of a conversation (with images) that the server renders itself, continuing its last
+        (assistant) message; `token_ids`: the trainer's rendering, which the server's must equal (ValueError)."""
+        body = dict(model=self.model_name, messages=messages, max_tokens=1, temperature=1.0, prompt_logprobs=0,
+                    return_token_ids=True, add_generation_prompt=False, continue_final_message=True)
+        answer = self._post("/v1/chat/completions", body)
+        if answer["prompt_token_ids"] != token_ids:
+            raise ValueError(f"the server rendered the sync probe as {len(answer['prompt_token_ids'])} tokens, the "
+                             f"trainer as {len(token_ids)}: the server must render chats and images as the model "
+                             "folder's processor does")
+        return [entry[str(tok)]["logprob"] for tok, entry in zip(token_ids[1:], answer["prompt_logprobs"][1:])]
+
     def num_workers(self) -> int:
         """vLLM worker processes (tensor x pipeline x data parallel): each joins the weight transfer."""
         return self._get("/get_world_size")["world_size"]
@@ -429,7 +441,9 @@ class WeightSync:
         self.connect()
 
     def connect(self):
-        """Join the server's weight transfer (rank 0); again after the server restarted."""
+        """Join the server's weight transfer (rank 0); again after the server restarted. The next push sends every
+        weight, also those that do not change (on every rank: FSDP2 gathers each one)."""
+        getattr(self.source.source, "send_all_next", lambda: None)()
         if self.rank != 0:
             return
         self.engine = None  # a previous group, with its rendezvous store, goes first: the port is reused

@@ -165,3 +165,17 @@ def timed(fn, *args, **kwargs) -> tuple[float, object]:
     t = time.perf_counter()
     value = fn(*args, **kwargs)
     return time.perf_counter() - t, value
+
+
+def replayed(script: str, argv: list[str], payload, workdir: str):
+    """`script` run again in a fresh process (a limit whose engine must not share this one) as
+    `script ARGV --replay FILE`, FILE holding `payload` as JSON: the value it prints on its RESULT line."""
+    recorded = os.path.join(workdir, "recorded.json")
+    with open(recorded, "w") as f:
+        json.dump(payload, f)
+    proc = subprocess.run([sys.executable, os.path.abspath(script), *argv, "--replay", recorded],
+                          capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise SystemExit(f"the replay failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))

@@ -7,6 +7,7 @@ and tools) instead, also printing the tool calls per trajectory in the first and
 
     .venv/bin/python bench/learning.py                    # seeds 42, 43, 44: the default run 3 times
     .venv/bin/python bench/learning.py --env guess        # the embedded guess game, 3 times
+    .venv/bin/python bench/learning.py -- --dataset shapes   # the embedded vision task (its VLM), 3 times
     .venv/bin/python bench/learning.py --seeds 1 -- --learning_rate 1e-5   # after --: any train.py flags
 """
 import argparse
@@ -52,16 +53,19 @@ def spread(values: list[float]) -> str:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, default=3, help="runs, with seeds 42, 43, ...")
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default="", help="default: the model the flags run (the embedded one)")
     p.add_argument("--keep", default="", help="a folder to keep the runs in (logs, metrics, rollouts); default: none")
     p.add_argument("--env", default="", help="an embedded environment (calculator, guess) or module:factory")
     p.add_argument("flags", nargs="*", help="train.py flags, after --")
     args = p.parse_args()
-    flags = ["--model", args.model, *(["--env", args.env] if args.env else []), *args.flags]
+    from config import parse_config, resolve_model
+    flags = [*(["--env", args.env] if args.env else []), *args.flags]
+    model = args.model or parse_config(flags).model  # e.g. the embedded VLM for --dataset shapes
+    flags = ["--model", model, *flags]
     results = {}  # reward name -> [(before, after) per seed]
     if args.keep:
         os.makedirs(args.keep, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp, serving(args.model, args.keep or tmp) as server:
+    with tempfile.TemporaryDirectory() as tmp, serving(resolve_model(model), args.keep or tmp) as server:
         work = args.keep or tmp
         print(f"train.py defaults + {shlex.join(flags)}, {args.seeds} seed(s)")
         for seed in range(42, 42 + args.seeds):

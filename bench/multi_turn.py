@@ -16,11 +16,10 @@ It prints, per step after the first (which warms up), the rollout's wall time, t
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
-from common import ROOT, serving, timed
+from common import ROOT, replayed, serving, timed
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
@@ -98,15 +97,7 @@ if __name__ == "__main__":
             steps = rollouts(model, server["port"], a.env, a.steps, a.prompts, a.G, a.length)
         if not any(step["requests"] for step in steps):
             raise SystemExit(f"no trajectory went on after its given first turn: raise --length ({a.length})")
-        recorded = os.path.join(tmp, "steps.json")
-        with open(recorded, "w") as f:
-            json.dump(steps, f)
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--model", a.model, "--replay", recorded],
-                              capture_output=True, text=True)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        if proc.returncode or not lines:
-            raise SystemExit(f"the replay failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-        limit = json.loads(lines[-1].removeprefix("RESULT "))
+        limit = replayed(__file__, ["--model", a.model], steps, tmp)
     print(f"{a.model} | --env {a.env} | {a.prompts} rows x G={a.G}, up to {a.length} tokens per trajectory | "
           f"{os.cpu_count()} CPUs")
     print(f"  {'step':>4s} {'turns':>5s} {'calls':>5s} {'tokens':>6s} {'rollout':>8s} {'vllm.LLM':>8s} {'ratio':>6s}")

@@ -147,7 +147,7 @@ def make_tiny_vlm(path, image_size: int = 64) -> str:
     tokenizer.chat_template = VLM_TEMPLATE
     text = dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                 num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1, head_dim=64,
-                max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
+                max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
     config = Idefics3Config(text_config=text, vision_config=dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1, image_size=image_size,
         patch_size=8), scale_factor=2, image_token_id=tokenizer.convert_tokens_to_ids("<image>"),

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from utils import check_sync, completion_logprobs, setup_distributed, teardown_distributed  # noqa: E402
+from utils import Probe, check_sync, completion_logprobs, setup_distributed, teardown_distributed  # noqa: E402
 from vllm_server import ServerGuard, ServerLost  # noqa: E402
 
 rank, _, world_size, _, is_main = setup_distributed()
@@ -51,7 +51,7 @@ class Server:
 server = Server()
 saved = []
 guard = ServerGuard(server, server, 5, on_gone=lambda: saved.append(1) or "out/checkpoint-1")
-probe = guard.run(check_sync, server, model, probe_ids, nullcontext(), is_main, 1e-6, 1)
+probe = guard.run(check_sync, server, model, Probe(probe_ids), nullcontext(), is_main, 1e-6, 1)
 mine = {"probe": probe, "reconnects": guard.reconnects, "pushes": server.pushes, "probes": server.probes}
 
 

@@ -1,6 +1,6 @@
 """Vision-language models: image inputs through the episode, the batch, the checkpoint and the forward."""
 import json
-from functools import partial
+import os
 
 import pytest
 import torch
@@ -22,7 +22,7 @@ def test_image_inputs_of_unequal_counts_are_padded_with_zero_images_and_a_bad_la
                 image_episode([5], [7, 8], pixel_values=two, pixel_attention_mask=torch.ones(1, 2, 8, 8, dtype=torch.long)),
                 image_episode([5, 6, 9], [7])]
     inputs, _ = collate(episodes, pad_id=0)
-    pv, pam = inputs["pixel_values"], inputs["pixel_attention_mask"]
+    pv, pam = inputs["pixel_values"].to("cpu"), inputs["pixel_attention_mask"].to("cpu")
     assert pv.shape == (3, 2, 3, 8, 8) and pam.shape == (3, 2, 8, 8) and pam.dtype == torch.long
     assert torch.equal(pv[0, 0], one[0, 0]) and not pv[0, 1].any() and torch.equal(pv[1], two[0]) and not pv[2].any()
     assert pam[0, 0].all() and not pam[0, 1].any() and pam[1].all() and not pam[2].any()
@@ -30,6 +30,25 @@ def test_image_inputs_of_unequal_counts_are_padded_with_zero_images_and_a_bad_la
     with pytest.raises(ValueError, match="'pixel_values' has shape.*leading dimension 1"):
         collate([flat], pad_id=0)
     assert set(collate([image_episode([5], [7])], pad_id=0)[0]) == {"input_ids", "attention_mask"}  # text only
+    per_token = image_episode([5], [7], token_type_ids=torch.zeros(1, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="'token_type_ids'.*per token"):
+        collate([per_token], pad_id=0)
+
+
+def test_the_episodes_of_a_group_share_one_copy_of_their_images_and_a_micro_batch_makes_only_its_rows():
+    """G episodes of a prompt share its pixel tensor (vision_rollout gives them one dict): the batch holds each
+    prompt's images once, taking a micro-batch copies nothing, and its rows are the images of its episodes."""
+    from rollout import collate
+    from utils import take, to_device
+    G, images = 4, [torch.rand(1, 1, 3, 8, 8) + 0.1 for _ in range(3)]
+    episodes = [image_episode([5], [7], pixel_values=image) for image in images for _ in range(G)]
+    inputs, _ = collate(episodes, pad_id=0)
+    pv = inputs["pixel_values"]
+    assert pv.shape == (3 * G, 1, 3, 8, 8) and pv.values.shape[0] <= 3 + 1  # one per prompt (and the zero image)
+    part = take(inputs, torch.tensor([1, 5, 11]))
+    assert part["pixel_values"].values is pv.values  # nothing copied
+    rows = to_device(part, "cpu")["pixel_values"]
+    assert torch.equal(rows, torch.cat([images[0], images[1], images[2]]))
 
 
 def test_a_batch_sampled_ahead_keeps_its_images_exactly_through_a_checkpoint():
@@ -113,8 +132,8 @@ def test_the_server_samples_with_the_image_and_the_trainer_scores_what_it_sample
                                                       {"type": "image"}]}], "images": [blue, red]},
             {"prompt": "No picture here."}]
     ctx = RolloutContext(VLLMClient(port=vlm_server["port"]), processor.tokenizer, 3,
-                         dict(max_tokens=12, temperature=1.0), seed=5)
-    episodes = run_rollout(partial(vision_rollout, processor=processor), rows, ctx)
+                         dict(max_tokens=12, temperature=1.0), seed=5, processor=processor)
+    episodes = run_rollout(vision_rollout, rows, ctx)
     assert [e.model_inputs["pixel_values"].shape[1] if e.model_inputs else 0 for e in episodes] == [1] * 3 + [2] * 3 + [0] * 3
     assert all(len(e.completion_ids) == len(e.logprobs) > 0 for e in episodes)
     model = AutoModelForImageTextToText.from_pretrained(tiny_vlm, dtype=torch.float32).eval()
@@ -134,3 +153,202 @@ def test_the_server_samples_with_the_image_and_the_trainer_scores_what_it_sample
         other = type(first)(first.row, ids, first.completion_ids, first.sampled, first.logprobs, first.finish_reason,
                             model_inputs=inputs)
         assert worst_difference([other]) > 1e-2, images
+
+
+def test_a_vision_tower_push_reaches_a_repeated_image_and_the_probe_sees_a_stale_encoder_cache(vlm_server, tiny_vlm):
+    """The server caches the vision encoder's output per image. After a push that changes only the vision tower,
+    the log-probs of an image it has seen before move and equal the trainer's (the push resets that cache); a
+    push that skipped the reset leaves them stale, and the sync probe (which has an image) stops the run."""
+    from transformers import AutoModelForImageTextToText
+    from utils import RunStopped, ServerWeights, check_sync
+    from vision import load_processor, vision_probe
+    from vllm_server import VLLMClient, WeightSync
+    from conftest import free_port
+    client = VLLMClient(port=vlm_server["port"])
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm, dtype=torch.float32).eval()
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    sync = WeightSync(client, ServerWeights(model, torch.float32), 0, "127.0.0.1", free_port())
+    probe = vision_probe(load_processor(tiny_vlm), {"prompt": "Describe it."}, answer=" A picture of bands.")
+    assert probe.model_inputs["pixel_values"].shape[:2] == (1, 1) and probe.messages[0]["content"][0]["type"] == "image_url"
+
+    def check():
+        return check_sync(client, model, probe, torch.autocast("cpu", enabled=False), True, 1e-4, 1)
+
+    def perturb_vision_tower():
+        with torch.no_grad():
+            for p in model.model.vision_model.parameters():
+                p.add_(0.2 * torch.randn_like(p))
+
+    try:
+        sync.push()
+        before = client.chat_prompt_logprobs(probe.messages, probe.ids)  # the image is now in the encoder cache
+        assert check()["sync_probe_diff_max"] < 1e-4
+        perturb_vision_tower()
+        sync.push()
+        after = client.chat_prompt_logprobs(probe.messages, probe.ids)
+        assert max(abs(a - b) for a, b in zip(before, after)) > 1e-2  # the repeated image was encoded again
+        assert check()["sync_probe_diff_max"] < 1e-4  # with the pushed tower
+        perturb_vision_tower()
+        client.reset_encoder_cache = lambda: None  # a push that forgets the encoder cache
+        sync.push()
+        with pytest.raises(RunStopped, match="weight sync check failed"):
+            check()
+    finally:
+        model.load_state_dict(initial, strict=False)
+        del client.reset_encoder_cache
+        sync.connect()  # as after a reconnect: the next push sends everything, the frozen weights too
+        sync.push()
+
+
+def test_a_frozen_vision_tower_gets_no_gradient_no_adapter_and_is_pushed_once(tiny_vlm):
+    from transformers import AutoModelForImageTextToText
+    from utils import ServerWeights, add_lora
+    from vision import freeze_vision_tower
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm, dtype=torch.float32)
+    assert freeze_vision_tower(model) == ["model.vision_model", "model.connector"]
+    vision = [n for n, p in model.named_parameters() if n.startswith(("model.vision_model.", "model.connector."))]
+    assert vision and all(not p.requires_grad for n, p in model.named_parameters() if n in vision)
+    assert all(p.requires_grad for n, p in model.named_parameters() if n not in vision)
+    source = ServerWeights(model, torch.float32)
+    first = [m.name for m in source.metadata()]
+    reading = iter(source)  # the sender reads as many as metadata() lists, and never reaches the generator's end
+    assert set(vision) <= set(first) and [next(reading)[0] for _ in first] == first  # the first push: everything
+    later = [m.name for m in source.metadata()]
+    assert not set(vision) & set(later) and len(later) == len(first) - len(vision) and [n for n, _ in source] == later
+    lora = add_lora(AutoModelForImageTextToText.from_pretrained(tiny_vlm, dtype=torch.float32), 4, 8, 0.0,
+                    "all-linear", exclude=["model.vision_model", "model.connector"])
+    adapted = {n.split(".lora_A")[0] for n, _ in lora.named_parameters() if ".lora_A" in n}
+    assert adapted and not any(".vision_model." in n or ".connector." in n for n in adapted)
+    assert any(".text_model." in n for n in adapted)
+
+
+def image_dataset(folder, n: int = 12) -> str:
+    """A jsonl dataset of colour pictures of several sizes (files), a row with two of them and one without."""
+    from PIL import Image
+    colours = {"red": (230, 20, 20), "green": (20, 200, 20), "blue": (20, 20, 230), "yellow": (230, 230, 20)}
+    os.makedirs(folder / "images", exist_ok=True)
+    rows = []
+    for i in range(n):
+        name = list(colours)[i % 4]
+        path = str(folder / "images" / f"{i}.png")
+        Image.new("RGB", (24 + 5 * i, 40 - i), colours[name]).save(path)
+        rows.append({"prompt": "What colour is the picture? One word.", "image": path, "answer": name})
+    rows.append({"prompt": "Are these the same colour?", "images": [rows[0]["image"], rows[1]["image"]],
+                 "answer": "no"})
+    rows.append({"prompt": "Name a colour.", "answer": "any"})
+    with open(folder / "data.jsonl", "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    return str(folder / "data.jsonl")
+
+
+VLM_RUN = ["--reward_funcs", "tests.helpers:brevity", "--num_generations", "4", "--prompts_per_step", "4",
+           "--max_completion_length", "8", "--bf16", "false", "--learning_rate", "1e-2", "--micro_batch_size", "3"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [["--async_generation", "--beta", "0.04"], ["--fsdp", "--freeze_vision_tower", "false"],
+                                  ["--fsdp", "--use_peft", "--lora_r", "4"]], ids=["ddp_async", "fsdp_tower", "fsdp_lora"])
+def test_two_processes_train_a_vlm_on_images_keep_the_server_in_sync_and_resume_exactly(vlm_server, tmp_path, mode):
+    """torchrun, 2 processes, the tiny Idefics3 on a dataset of pictures: 4 steps in one go, and a new run that
+    resumes from its checkpoint-2, give the same metrics and completions; the server's log-probs equal the
+    trainer's after every push (the probe has an image); the weights that train change, a frozen tower does not."""
+    from safetensors.torch import load_file
+    from conftest import run_train
+    data = image_dataset(tmp_path)
+    run = [*VLM_RUN, "--dataset", data, *mode]
+    run_train(vlm_server, tmp_path / "a", *run, "--max_steps", "4", "--save_steps", "2", "--save_total_limit", "0")
+    proc, _ = run_train(vlm_server, tmp_path / "b", *run, "--max_steps", "4", "--resume_from_checkpoint",
+                        str(tmp_path / "a" / "checkpoint-2"))
+    assert "resuming from" in proc.stdout and "step 3/4" in proc.stdout and "step 2/4" not in proc.stdout
+    a, b = ({m["step"]: m for m in map(json.loads, open(tmp_path / run / "metrics.jsonl"))} for run in ("a", "b"))
+    assert sorted(b) == [1, 2, 3, 4]
+    for step in (3, 4):
+        for key in ("reward", "loss", "kl", "grad_norm", "completion_length", "entropy", "sync_probe_diff_max"):
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-4, abs=1e-6), (step, key)
+    assert all(m["grad_norm"] > 0 for m in a.values()) and a[3]["loss"] != a[4]["loss"]
+    assert max(m["sync_probe_diff_max"] for m in a.values()) < 1e-4
+    if "--async_generation" not in mode:  # async, the sampler is one update behind
+        assert max(m["sampler_logprob_diff_max"] for m in a.values()) < 1e-4
+    ledger = {run: [(r["step"], r["rank"], r["prompt_index"], r["completion"], r["reward"])
+                    for r in map(json.loads, open(tmp_path / run / "rollouts.jsonl"))] for run in ("a", "b")}
+    assert ledger["b"] == ledger["a"] and len(ledger["a"]) == 4 * 16
+    columns = json.loads(open(tmp_path / "a" / "rollouts.jsonl").readline())["columns"]
+    assert set(columns) & {"image", "images"} and "answer" in columns
+    initial = load_file(os.path.join(vlm_server["model"], "model.safetensors"))
+    if "--use_peft" in mode:
+        adapter = load_file(tmp_path / "a" / "adapter" / "adapter_model.safetensors")
+        assert adapter and not any("vision_model" in k or "connector" in k for k in adapter)
+        assert any(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)
+        return
+    saved = load_file(tmp_path / "a" / "model" / "model.safetensors")
+    tower = [k for k in initial if k.startswith(("model.vision_model.", "model.connector."))]
+    changed = {k for k in initial if not torch.equal(saved[k], initial[k])}
+    assert any(k.startswith("model.text_model.") for k in changed)
+    assert bool(changed & set(tower)) == ("--freeze_vision_tower" in mode)
+
+
+@pytest.mark.slow
+def test_bad_image_input_stops_at_start_in_one_line(tiny_vlm, tiny_model, tmp_path):
+    """Every image is read at start: a missing or unreadable image, images for a text-only model, and prompts
+    whose image tokens pass --max_prompt_length stop the run before it needs a server (exit 2, one line)."""
+    from test_bad_input import offline_train_args, starts_fail
+    good = image_dataset(tmp_path)
+    (tmp_path / "not_an_image.png").write_text("hello")
+    rows = [json.loads(line) for line in open(good)]
+    rows[3]["image"] = str(tmp_path / "missing.png")
+    rows[5]["image"] = str(tmp_path / "not_an_image.png")
+    for name, bad in (("missing", 3), ("unreadable", 5)):
+        with open(tmp_path / f"{name}.jsonl", "w") as f:
+            f.writelines(json.dumps(row) + "\n" for i, row in enumerate(rows) if i in (0, bad))
+    cases = [(tiny_vlm, ["--dataset", str(tmp_path / "missing.jsonl")], "dataset row 1: column 'image', image 0: cannot read it"),
+             (tiny_vlm, ["--dataset", str(tmp_path / "unreadable.jsonl")], "cannot identify image file"),
+             (tiny_model, ["--dataset", good], "the dataset has images (row 0) but the model has no image processor"),
+             (tiny_vlm, ["--dataset", good, "--max_prompt_length", "30"], "tokens > --max_prompt_length 30")]
+    errors = starts_fail([[*offline_train_args(model, tmp_path / f"out{i}", *args), "--model", model]
+                          for i, (model, args, _) in enumerate(cases)])
+    for (_, args, message), error in zip(cases, errors):
+        assert message in error, (args, error)
+
+
+@pytest.mark.slow
+def test_the_vision_bench_runs_in_its_smallest_setting(vlm_server, tiny_vlm):
+    from test_benches import bench
+    out = bench("vision.py", "--model", tiny_vlm, "--steps", "2", "--prompts", "2", "--G", "2", "--length", "8",
+                env={"NANOGRPO_BENCH_SERVER": f"{vlm_server['port']}:{vlm_server['proc'].pid}"})
+    assert "generation with images vs vllm.LLM" in out and "forward+backward with images vs the bare" in out
+    assert "MiB held" in out
+
+
+def test_the_embedded_vision_task_its_reward_and_its_flags():
+    from config import parse_config
+    from vision import COLOURS, named_colour, shape_problems
+    train, test = shape_problems(40, 0), shape_problems(40, 0, "test")
+    assert len(train) == 40 and len(test) == 64 and {r["answer"] for r in test} == set(COLOURS)
+    assert sorted(r["answer"] for r in test).count("red") == 16  # balanced: chance is 1 in 4
+    assert all(r["image"].size == (64, 64) for r in train)
+    assert train[0]["image"].tobytes() != test[0]["image"].tobytes()
+    assert named_colour(["The shape is Blue.", "blue or red", "It is bluish", "BLUE!"], ["blue"] * 4) == [1, 0, 0, 1]
+    cfg = parse_config(["--dataset", "shapes"])
+    assert (cfg.model, cfg.reward_funcs, cfg.freeze_vision_tower) == ("smollm2-vision", "vision:named_colour", False)
+    assert cfg.evaluates() and parse_config(["--dataset", "shapes", "--freeze_vision", "true"]).freeze_vision_tower
+
+
+def test_images_larger_than_the_processors_size_are_scaled_down_before_either_side_sees_them(tiny_vlm):
+    from PIL import Image
+    from vision import load_processor, longest_edge, row_images
+    assert longest_edge(load_processor(tiny_vlm)) == 64
+    big, small = Image.new("RGB", (300, 100), (1, 2, 3)), Image.new("RGB", (40, 20), (1, 2, 3))
+    assert [im.size for im in row_images({"images": [big, small]}, 64)] == [(64, 21), (40, 20)]
+    assert [im.size for im in row_images({"images": [big]})] == [(300, 100)]
+
+
+def test_a_trained_vision_tower_has_its_own_learning_rate(tiny_vlm):
+    from transformers import AutoModelForImageTextToText
+    from vision import freeze_vision_tower, parameter_groups
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm, dtype=torch.float32)
+    groups = parameter_groups(model, 1e-5, 1e-3)
+    vision = {id(p) for n, p in model.named_parameters() if n.startswith(("model.vision_model.", "model.connector."))}
+    assert [g["lr"] for g in groups] == [1e-5, 1e-3] and {id(p) for p in groups[1]["params"]} == vision
+    assert parameter_groups(model, 1e-5, 0)[1]["lr"] == 1e-5
+    freeze_vision_tower(model)
+    assert len(parameter_groups(model, 1e-5, 1e-3)) == 1  # nothing of the tower trains
