@@ -167,6 +167,15 @@ def timed(fn, *args, **kwargs) -> tuple[float, object]:
     return time.perf_counter() - t, value
 
 
+def replay_if_asked(path: str | None, fn, model: str):
+    """In the process replayed() starts (its --replay FILE): print fn(model, the recorded payload) as the RESULT
+    line, and exit."""
+    if path:
+        with open(path) as f:
+            print("RESULT " + json.dumps(fn(model, json.load(f))))
+        sys.exit(0)
+
+
 def replayed(script: str, argv: list[str], payload, workdir: str):
     """`script` run again in a fresh process (a limit whose engine must not share this one) as
     `script ARGV --replay FILE`, FILE holding `payload` as JSON: the value it prints on its RESULT line."""

@@ -14,12 +14,11 @@ It prints, per step after the first (which warms up), the rollout's wall time, t
     .venv/bin/python bench/multi_turn.py [--env guess --steps 3 --prompts 8 --G 8 --length 160]
 """
 import argparse
-import json
 import os
 import sys
 import tempfile
 
-from common import ROOT, replayed, serving, timed
+from common import ROOT, replay_if_asked, replayed, serving, timed, workload_arguments
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
@@ -78,20 +77,15 @@ def replay(model: str, steps: list[dict]) -> list[float]:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m")
+    workload_arguments(p, steps=3)
+    p.set_defaults(length=160)
     p.add_argument("--env", default="guess", help="an embedded environment (calculator, guess) or module:factory")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--G", type=int, default=8)
-    p.add_argument("--length", type=int, default=160)
     p.add_argument("--replay", help=argparse.SUPPRESS)  # the limit's own process: a file of recorded steps
     a = p.parse_args()
     sys.path.insert(0, ROOT)
     from config import resolve_model
     model = resolve_model(a.model)
-    if a.replay:
-        print("RESULT " + json.dumps(replay(model, json.load(open(a.replay)))))
-        sys.exit(0)
+    replay_if_asked(a.replay, replay, model)
     with tempfile.TemporaryDirectory() as tmp:
         with serving(model, tmp) as server:
             steps = rollouts(model, server["port"], a.env, a.steps, a.prompts, a.G, a.length)

@@ -16,13 +16,12 @@ It prints, per step after the first (which warms up), each time, its limit's and
     .venv/bin/python bench/vision.py [--model smollm2-vision --steps 4 --prompts 8 --G 8 --length 12]
 """
 import argparse
-import json
 import os
 import sys
 import tempfile
 from contextlib import nullcontext
 
-from common import ROOT, replayed, serving, timed
+from common import ROOT, replay_if_asked, replayed, serving, timed, workload_arguments
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 MICRO_BATCH_SIZE = 16  # train.py's default
@@ -130,19 +129,14 @@ def ratio_line(what: str, ours: list[float], limit: list[float]) -> str:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-vision")
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--G", type=int, default=8)
-    p.add_argument("--length", type=int, default=12)
+    workload_arguments(p)
+    p.set_defaults(model="smollm2-vision", length=12)
     p.add_argument("--replay", help=argparse.SUPPRESS)  # the limit's own process: a file of recorded requests
     a = p.parse_args()
     sys.path.insert(0, ROOT)
     from config import resolve_model
     model = resolve_model(a.model)
-    if a.replay:
-        print("RESULT " + json.dumps(generation_limit(model, json.load(open(a.replay)))))
-        sys.exit(0)
+    replay_if_asked(a.replay, generation_limit, model)
     with tempfile.TemporaryDirectory() as tmp:
         with serving(model, tmp) as server:
             steps = rollouts(model, server["port"], a.steps, a.prompts, a.G, a.length)
