@@ -353,6 +353,9 @@ class Config:
                           "FSDP2 and LoRA), or drop --fsdp")
         if self.vision_learning_rate < 0:
             errors.append("--vision_learning_rate must be >= 0 (0: the same as --learning_rate)")
+        if self.vision_learning_rate > 0 and self.freeze_vision_tower:
+            errors.append("--vision_learning_rate applies to a vision tower that trains: add --freeze_vision_tower "
+                          "false, or drop --vision_learning_rate")
         if self.num_arithmetic_problems < 1:
             errors.append("--num_arithmetic_problems must be at least 1")
         if self.vllm_server_timeout < 0 or self.vllm_request_timeout < 0:

@@ -118,9 +118,15 @@ def run_rollout(fn, rows: list[dict], ctx: RolloutContext) -> list[Episode]:
 
 def episodes_to_json(episodes: list[Episode]) -> list[dict]:
     """Episodes without their rows (the trainer knows them), for a checkpoint; model inputs (tensors) as
-    tensor_to_json gives them."""
-    return [{**{f.name: getattr(e, f.name) for f in dataclasses.fields(e) if f.name not in ("row", "model_inputs")},
-             "model_inputs": {k: tensor_to_json(v) for k, v in e.model_inputs.items()}} for e in episodes]
+    tensor_to_json gives them, once for the episodes that share them (the G of a group: {"same_as": i})."""
+    first = {}  # id of a model_inputs dict -> the first episode that has it
+    out = []
+    for i, e in enumerate(episodes):
+        shared = first.setdefault(id(e.model_inputs), i) if e.model_inputs else i
+        fields = {f.name: getattr(e, f.name) for f in dataclasses.fields(e) if f.name not in ("row", "model_inputs")}
+        out.append({**fields, "model_inputs": {"same_as": shared} if shared != i else
+                    {k: tensor_to_json(v) for k, v in e.model_inputs.items()}})
+    return out
 
 
 def tensor_to_json(t: torch.Tensor) -> dict:
@@ -144,9 +150,16 @@ def presampled_from_json(lines: list[str] | None, rows: list[dict], first: int, 
     saved = [json.loads(line) for line in lines or []]
     if not saved or not saved[0]:
         return None
-    records = [r for _, part in saved for r in part][first * G:(first + len(rows)) * G]
-    return saved[0][0], [Episode(row=rows[i // G], **{**r, "model_inputs": {
-        k: tensor_from_json(v) for k, v in r.get("model_inputs", {}).items()}}) for i, r in enumerate(records)]
+    parts = [part for _, part in saved]  # "same_as" counts within one rank's part
+    records = [(r, part) for part in parts for r in part][first * G:(first + len(rows)) * G]
+    inputs = {}  # id of a saved record -> its model inputs, made once
+    for r, part in records:
+        source = part[r["model_inputs"]["same_as"]] if "same_as" in r.get("model_inputs", {}) else r
+        if id(source) not in inputs:
+            inputs[id(source)] = {k: tensor_from_json(v) for k, v in source.get("model_inputs", {}).items()}
+        inputs[id(r)] = inputs[id(source)]
+    return saved[0][0], [Episode(row=rows[i // G], **{**r, "model_inputs": inputs[id(r)]})
+                         for i, (r, _) in enumerate(records)]
 
 
 def collate(episodes: list[Episode], pad_id: int) -> tuple[dict, dict]:

@@ -9,11 +9,17 @@ set -euo pipefail
 cd "$(dirname "$0")"
 ./setup.sh
 PY=.venv/bin/python
+# the model the flags run (an embedded task picks its own); --help and flag mistakes are printed here, on stderr
+MODEL=$($PY -c 'import contextlib, sys, config
+sys.argv[0] = "train.py"
+with contextlib.redirect_stdout(sys.stderr):
+    model = config.parse_config(sys.argv[1:]).model
+print(model)' "$@")
+[ -n "$MODEL" ] || exit 0  # --help
 OUT=out
 for ((i = 1; i <= $#; i++)); do [ "${!i}" = "--output_dir" ] && { j=$((i + 1)); OUT=${!j}; }; done
 mkdir -p "$OUT"
 read -r PORT GROUP_PORT < <($PY -c "import utils; print(*utils.free_ports(2))")
-MODEL=$($PY -c 'import sys, config; print(config.parse_config(sys.argv[1:]).model)' "$@")  # the flags' model
 
 # a fresh key for this run, given to both sides in the environment (a command line is visible to every
 # local user in /proc): no other program on this machine can use the server or replace its weights

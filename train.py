@@ -359,7 +359,7 @@ def main(cfg: Config):
 
     from transformers import AutoTokenizer
     model_path = resolve_model(cfg.model)
-    processor = load_processor(model_path)  # a vision-language model's (prompts with images: vision.py), else None
+    processor = load_processor(model_path, cfg.chat_template, cfg.vision_learning_rate)  # a VLM's (vision.py) or None
     tokenizer = processor.tokenizer if processor else AutoTokenizer.from_pretrained(model_path)
     if cfg.chat_template:  # e.g. a template that renders tools, for a model whose own cannot
         tokenizer.chat_template = read_chat_template(cfg.chat_template)
@@ -463,7 +463,8 @@ def main(cfg: Config):
         extra = ({"presampled": gather_lines([json.dumps(ahead and (ahead[0], episodes_to_json(ahead[1])))])}
                  if cfg.async_generation else {})
         path = save_checkpoint(cfg.output_dir, steps_done, model, optimizer, scheduler, processor or tokenizer,
-                               vars(cfg), is_main, cfg.save_total_limit, {**sum_over_ranks({"scorer_failures": scorer.failures}), **extra})
+                               vars(cfg), is_main, cfg.save_total_limit,
+                               {**sum_over_ranks({"scorer_failures": scorer.failures}), **extra})
         print0(f"saved {path}")
         return path
     # If the server dies or restarts, wait for it, push the current weights and repeat the call; if it does

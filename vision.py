@@ -22,21 +22,29 @@ ARCHITECTURES = ("idefics3", "smolvlm")  # pixel_values (prompts, images, 3, H, 
 VISION_MODULES = ("vision_model", "vision_tower", "visual", "connector", "multi_modal_projector", "mm_projector")
 
 
-def load_processor(model_path: str):
+def load_processor(model_path: str, chat_template: str = "", vision_learning_rate: float = 0.0):
     """The model's processor if it is a vision-language model's (it has an image processor), else None.
-    UsageError for a VLM of an architecture nanogrpo does not train (yet)."""
+    UsageError for a VLM of an architecture nanogrpo does not train (yet), or with a --chat_template of its own
+    (the server renders a VLM's prompts with the folder's template, which the trainer's must equal)."""
     from transformers import AutoConfig, AutoProcessor
     try:
         processor = AutoProcessor.from_pretrained(model_path)
     except (OSError, ValueError, KeyError, ImportError):  # a tokenizer-only folder
-        return None
+        processor = None
     if getattr(processor, "image_processor", None) is None:
+        if vision_learning_rate:
+            raise UsageError("--vision_learning_rate: this model has no vision tower that trains (a text-only model); "
+                             "drop the flag")
         return None
     model_type = AutoConfig.from_pretrained(model_path).model_type
     if model_type not in ARCHITECTURES:
         raise UsageError(f"{model_path} is a vision-language model of type {model_type!r}; nanogrpo trains "
                          f"{' and '.join(ARCHITECTURES)} models (SmolVLM) for now, whose image inputs hold one row "
                          "per prompt")
+    if chat_template:
+        raise UsageError(f"--chat_template {chat_template} with a vision-language model: the server renders its "
+                         "prompts (with the images) by the model folder's template, and the trainer's must be the "
+                         f"same; put the template in {model_path} (chat_template.jinja) and drop --chat_template")
     return processor
 
 
@@ -65,6 +73,9 @@ def parameter_groups(model, learning_rate: float, vision_learning_rate: float) -
             parts = name.split(".")
             (vision if any(part in VISION_MODULES for part in parts) else other).append(p)
     if not vision:
+        if vision_learning_rate:
+            raise UsageError("--vision_learning_rate: this model has no vision tower that trains (a text-only model); "
+                             "drop the flag")
         return [{"params": other, "lr": learning_rate}]
     return [{"params": other, "lr": learning_rate}, {"params": vision, "lr": vision_learning_rate or learning_rate}]
 
@@ -146,23 +157,23 @@ def prompt_lengths(tokenizer, processor, rows: list[dict], system_prompt: str = 
     """Each row's prompt length in tokens as the model sees it, image tokens included. Every image is read now:
     a row whose image cannot be read, or a dataset with images for a model without an image processor, is a
     UsageError naming it (so a run does not fail on it hours in)."""
-    images = []
+    sizes = []  # each row's image sizes, (width, height): the images themselves are not kept
     for i, row in enumerate(rows):
         try:
-            images.append(row_images(row, longest_edge(processor)))
+            sizes.append([image.size for image in row_images(row, longest_edge(processor))])
         except ValueError as e:
             raise UsageError(f"dataset row {i}: {e}; fix or drop that row") from None
-        if images[-1] and processor is None:
+        if sizes[-1] and processor is None:
             raise UsageError(f"the dataset has images (row {i}) but the model has no image processor: it is a "
                              "text-only model. Use a vision-language model (e.g. SmolVLM), or drop the "
                              f"{'/'.join(IMAGE_COLUMNS)} column")
     if processor is None:
         return list(map(len, encode_prompts(tokenizer, [r["prompt"] for r in rows], system_prompt, tools)))
     count = image_token_counts(processor)
-    prompts = [with_image_parts(prompt_messages(r["prompt"], system_prompt), len(im)) for r, im in zip(rows, images)]
+    prompts = [with_image_parts(prompt_messages(r["prompt"], system_prompt), len(s)) for r, s in zip(rows, sizes)]
     texts = [processor.apply_chat_template(m, add_generation_prompt=True) for m in prompts]
-    return [len(processor.tokenizer(text, add_special_tokens=False)["input_ids"]) + sum(count(x.size) - 1 for x in im)
-            for text, im in zip(texts, images)]
+    return [len(processor.tokenizer(text, add_special_tokens=False)["input_ids"]) + sum(count(size) - 1 for size in s)
+            for text, s in zip(texts, sizes)]
 
 
 def probe_image():
@@ -218,7 +229,8 @@ def vision_rollout(rows: list[dict], ctx: RolloutContext) -> list[Episode]:
             first = next((k for k, (a, b) in enumerate(zip(server_ids, ids)) if a != b), min(len(ids), len(server_ids)))
             raise ValueError(f"the server rendered the prompt of row {i} with its images as {len(server_ids)} tokens, "
                              f"the processor as {len(ids)} (first difference at token {first}): the server must "
-                             "process images as the model folder's processor does; start it without --mm-processor-kwargs or --chat-template of its own")
+                             "process images as the model folder's processor does; start it without "
+                             "--mm-processor-kwargs or --chat-template of its own")
         episodes += [Episode(rows[i], ids, s["token_ids"], [True] * len(s["token_ids"]), s["logprobs"],
                              s["finish_reason"], model_inputs=inputs) for s in samples]
     return episodes
@@ -320,7 +332,12 @@ def build_embedded_vlm(out: str, language_model: str, image_size: int = 64, seed
     model.save_pretrained(staging)
     processor.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    os.replace(staging, out)
+    try:
+        os.replace(staging, out)  # atomic: a killed build never leaves a half-written folder
+    except OSError:  # another process (the server, the trainer) built it meanwhile
+        shutil.rmtree(staging, ignore_errors=True)
+        if not os.path.isfile(os.path.join(out, "config.json")):
+            raise
     return out
 
 

@@ -52,6 +52,7 @@ GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
     (["--eval_steps", "-2"], "--eval_steps must be -1 (before and after training), 0 (never) or N > 0"),
     (["--eval_steps", "5", "--dataset", GSM8K], "it has no held-out split; give --eval_dataset"),
     (["--dataset", "none"], "--dataset none: only an --env makes its own prompts"),
+    (["--vision_learning_rate", "1e-3"], "applies to a vision tower that trains: add --freeze_vision_tower false"),
 ])
 def test_bad_flags_fail_with_a_message_naming_the_flag(args, message, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)

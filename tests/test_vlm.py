@@ -67,6 +67,14 @@ def test_a_batch_sampled_ahead_keeps_its_images_exactly_through_a_checkpoint():
         for k in a.model_inputs:
             assert a.model_inputs[k].dtype == b.model_inputs[k].dtype and torch.equal(a.model_inputs[k], b.model_inputs[k])
         assert (a.prompt_ids, a.completion_ids, a.row) == (b.prompt_ids, b.completion_ids, b.row)
+    shared = {"pixel_values": torch.randn(1, 1, 3, 8, 8)}  # the G episodes of a prompt share their images:
+    for e in episodes[2:]:                                   # saved once, shared again when read
+        e.model_inputs = shared
+    saved = episodes_to_json(episodes)
+    assert saved[3]["model_inputs"] == {"same_as": 2} and "pixel_values" in saved[2]["model_inputs"]
+    _, back = presampled_from_json([json.dumps([4, saved])], rows, 1, 2)
+    assert back[0].model_inputs is back[1].model_inputs and torch.equal(back[1].model_inputs["pixel_values"],
+                                                                        shared["pixel_values"])
 
 
 def test_idefics3_logprobs_of_a_batch_equal_each_episodes_own_and_depend_on_the_image(tiny_vlm):
@@ -195,7 +203,7 @@ def test_a_vision_tower_push_reaches_a_repeated_image_and_the_probe_sees_a_stale
             check()
     finally:
         model.load_state_dict(initial, strict=False)
-        del client.reset_encoder_cache
+        client.__dict__.pop("reset_encoder_cache", None)
         sync.connect()  # as after a reconnect: the next push sends everything, the frozen weights too
         sync.push()
 
@@ -291,6 +299,7 @@ def test_two_processes_train_a_vlm_on_images_keep_the_server_in_sync_and_resume_
 def test_bad_image_input_stops_at_start_in_one_line(tiny_vlm, tiny_model, tmp_path):
     """Every image is read at start: a missing or unreadable image, images for a text-only model, and prompts
     whose image tokens pass --max_prompt_length stop the run before it needs a server (exit 2, one line)."""
+    from config import TOOLS_TEMPLATE
     from test_bad_input import offline_train_args, starts_fail
     good = image_dataset(tmp_path)
     (tmp_path / "not_an_image.png").write_text("hello")
@@ -303,7 +312,11 @@ def test_bad_image_input_stops_at_start_in_one_line(tiny_vlm, tiny_model, tmp_pa
     cases = [(tiny_vlm, ["--dataset", str(tmp_path / "missing.jsonl")], "dataset row 1: column 'image', image 0: cannot read it"),
              (tiny_vlm, ["--dataset", str(tmp_path / "unreadable.jsonl")], "cannot identify image file"),
              (tiny_model, ["--dataset", good], "the dataset has images (row 0) but the model has no image processor"),
-             (tiny_vlm, ["--dataset", good, "--max_prompt_length", "30"], "tokens > --max_prompt_length 30")]
+             (tiny_vlm, ["--dataset", good, "--max_prompt_length", "30"], "tokens > --max_prompt_length 30"),
+             (tiny_vlm, ["--dataset", good, "--chat_template", TOOLS_TEMPLATE], "with a vision-language model: the "
+              "server renders its prompts (with the images) by the model folder's template"),
+             (tiny_model, ["--freeze_vision_tower", "false", "--vision_learning_rate", "1e-3"],
+              "--vision_learning_rate: this model has no vision tower that trains")]
     errors = starts_fail([[*offline_train_args(model, tmp_path / f"out{i}", *args), "--model", model]
                           for i, (model, args, _) in enumerate(cases)])
     for (_, args, message), error in zip(cases, errors):
@@ -351,4 +364,7 @@ def test_a_trained_vision_tower_has_its_own_learning_rate(tiny_vlm):
     assert [g["lr"] for g in groups] == [1e-5, 1e-3] and {id(p) for p in groups[1]["params"]} == vision
     assert parameter_groups(model, 1e-5, 0)[1]["lr"] == 1e-5
     freeze_vision_tower(model)
-    assert len(parameter_groups(model, 1e-5, 1e-3)) == 1  # nothing of the tower trains
+    assert len(parameter_groups(model, 1e-5, 0)) == 1  # nothing of the tower trains
+    from config import UsageError
+    with pytest.raises(UsageError, match="--vision_learning_rate: this model has no vision tower that trains"):
+        parameter_groups(model, 1e-5, 1e-3)  # a flag that would do nothing is an error
