@@ -62,8 +62,9 @@ class Config:
     # model and data
     model: str = DEFAULT_MODEL  # "smollm2-135m" (embedded), a Hugging Face model id, or a local folder
     dataset: str = DEFAULT_DATASET  # "arithmetic" (embedded), a hub dataset name, or a local .json/.jsonl/.parquet file;
-                                    # "none" with an --env that makes its prompts; "shapes": the embedded vision
-                                    # task (it sets the flags of EMBEDDED_TASKS not given)
+                                    # "none" with an --env that makes its prompts; "parity", "shapes": embedded
+                                    # tasks (they set the flags of EMBEDDED_TASKS not given); a mixture of several:
+                                    # source[:weight],... or a mixture file, .yaml/.json (README: Task mixtures)
     dataset_split: str = "train"  # split of a hub dataset
     prompt_column: str = ""  # column with the prompt: text or chat messages; "" = "prompt", else "question"
     answer_column: str = "answer"  # column of the reference answer, optional; reaches rewards as it is, as
@@ -83,7 +84,8 @@ class Config:
     rollout: str = ""  # your own rollout function, module:function (README: Rollouts); "" = rollout.generate
     tools: str = ""  # tools the model may call, module:function,... (README: Environments and tools)
     env: str = ""  # an environment, module:factory: one instance per trajectory, its public methods are tools;
-                   # or an embedded one: calculator, guess (they set the flags of EMBEDDED_ENVIRONMENTS not given)
+                   # or an embedded one: calculator, guess (they set the flags of EMBEDDED_ENVIRONMENTS not given);
+                   # or several, name=factory,... (TRL's dict): each row's `environment` column picks one
     max_tool_calling_iterations: int = 5  # tool rounds per trajectory (TRL: no limit)
     tool_timeout: float = 30.0  # seconds a tool call may take; then it answers with an error
     chat_template: str = ""  # a Jinja chat template file to use instead of the model's (e.g. one that renders tools)
@@ -125,6 +127,8 @@ class Config:
     mask_truncated_completions: bool = False  # completions cut at max_completion_length get no loss (DAPO)
     reward_funcs: str = "accuracy,format"  # comma-separated names from rewards.py
     reward_weights: str = ""  # comma-separated floats, one per reward function; "" = all 1.0
+    reward_postprocess: str = ""  # module:function(matrix, names, tasks) -> matrix, run on the (N, k) reward matrix
+                                  # before weighting; "" = rewards.postprocess_rewards (the identity)
     overlong_max_length: int = 0  # the overlong_penalty reward: -1 at this many tokens; 0 = --max_completion_length
     overlong_buffer_length: int = 0  # ... falling from 0 over this many tokens before it; 0 = a fifth of the max
     max_unscored_steps: int = 5  # stop after this many steps in a row in which a reward function failed on every
@@ -205,6 +209,8 @@ class Config:
         """Whether the run evaluates: --eval_steps N > 0, or -1 (the default) where a held-out set is at hand
         without asking (the embedded task's, or --eval_dataset); a hub dataset's split is loaded only when asked."""
         at_hand = self.dataset in (DEFAULT_DATASET, NO_DATASET, *EMBEDDED_TASKS) or bool(self.eval_dataset)
+        if is_mixture_spec(self.dataset) or "=" in self.env:  # each task's own (mixture.load_mixture)
+            return self.eval_steps != 0
         return self.eval_steps > 0 or (self.eval_steps == -1 and at_hand)
 
     def eval_every(self) -> int:
@@ -314,7 +320,7 @@ class Config:
                 errors.append(f"overlong_penalty would never penalise: completions stop at --max_completion_length "
                               f"{self.max_completion_length}, before its penalty starts at "
                               f"{lengths['max_length'] - lengths['buffer_length']} tokens; lower --overlong_max_length")
-        if not self.reward_names() and not self.env:
+        if not self.reward_names() and not self.env and not is_mixture_spec(self.dataset):
             errors.append("--reward_funcs is empty: name at least one reward function (see rewards.py)")
         if NO_DATASET in (self.dataset, self.eval_dataset) and not self.env:
             errors.append(f"--dataset {NO_DATASET}: only an --env makes its own prompts (its reset(**row) gets a seed and "
@@ -345,7 +351,8 @@ class Config:
                               f"({self.eval_num_generations})")
         except ValueError:
             errors.append(f"--eval_pass_k {self.eval_pass_k!r}: use comma-separated integers, e.g. 1,8")
-        if self.eval_steps > 0 and not self.eval_dataset and os.path.isfile(self.dataset):
+        if self.eval_steps > 0 and not self.eval_dataset and os.path.isfile(self.dataset) \
+                and not is_mixture_spec(self.dataset):
             errors.append(f"--eval_steps with a local --dataset {self.dataset}: it has no held-out split; give "
                           "--eval_dataset (a .jsonl/.json/.parquet file with the same columns)")
         if self.fsdp and "RANK" not in os.environ:
@@ -368,6 +375,28 @@ class Config:
         if errors:
             raise UsageError("invalid configuration: " + errors[0] if len(errors) == 1 else
                              "invalid configuration:\n  - " + "\n  - ".join(errors))
+
+
+def is_mixture_spec(dataset: str) -> bool:
+    """Whether --dataset names a mixture of tasks (mixture.py): sources with a comma, a weight (source:0.5) or a
+    name (name=source), or a mixture file (.yaml/.yml, or .json holding an object with `tasks`)."""
+    if dataset.endswith((".yaml", ".yml")):
+        return True
+    if dataset.endswith(".json") and os.path.isfile(dataset):  # a mixture file, or a dataset of records
+        with open(dataset) as f:
+            head = f.read(1024).lstrip()
+        return head.startswith("{") and '"tasks"' in head
+    return "," in dataset or "=" in dataset or split_weight(dataset)[1] is not None
+
+
+def split_weight(spec: str) -> tuple[str, str | None]:
+    """"source:0.5" -> ("source", "0.5"); ("source", None) if the part after the last colon is not a number."""
+    source, colon, weight = spec.rpartition(":")
+    try:
+        float(weight)
+    except ValueError:
+        return spec, None
+    return (source, weight.strip()) if colon and source else (spec, None)
 
 
 def _parse_bool(s: str) -> bool:
@@ -451,6 +480,8 @@ EMBEDDED_ENVIRONMENTS = {
 
 # The embedded tasks besides arithmetic: --dataset NAME runs with these flags, unless they are given.
 EMBEDDED_TASKS = {
+    # is a number even or odd (utils.parity_problems), scored by the first of the two words the answer says
+    "parity": {"reward_funcs": "choice"},
     # the embedded vision task (vision.py): a small VLM learns to name the colour of a shape in a picture
     "shapes": {"model": EMBEDDED_VLM, "reward_funcs": "vision:named_colour", "max_completion_length": 12,
                "max_steps": 30, "num_arithmetic_problems": 1000, "freeze_vision_tower": False},

@@ -1,5 +1,5 @@
-"""A picture of a run: reward (and the evaluation's), each reward function, KL and completion lengths
-over the steps, from output_dir/metrics.jsonl. train.py draws it at the end; for any run folder:
+"""A picture of a run: reward (and the evaluation's, and each task's in a mixture), each reward function, KL and
+completion lengths over the steps, from output_dir/metrics.jsonl. train.py draws it at the end; for any run folder:
 
     python plot.py out            # writes out/metrics.png
 """
@@ -39,7 +39,12 @@ def plot_run(output_dir: str) -> str | None:
     ax.plot(*series(train, "reward"), label="train")
     if evals:
         ax.plot(*series(evals, "eval/reward"), "o-", label="held-out")
-    ax.set_title("reward")
+    tasks = sorted({k.split("/")[1] for r in train for k in r if k.startswith("task/") and k.endswith("/prompts")})
+    for task in tasks:  # a mixture: each task's reward (its own functions, its own weights), and its held-out one
+        line, = ax.plot(*series(train, f"task/{task}/reward"), alpha=0.7, label=task)
+        if evals:
+            ax.plot(*series(evals, f"eval/task/{task}/reward"), "o--", color=line.get_color(), label=f"{task} (held-out)")
+    ax.set_title("reward" + (" (and each task's)" if tasks else ""))
     ax = axes[0, 1]
     for key in sorted(k for k in train[-1] if k.startswith("rewards/") and not k.endswith(("_std", "_nan_frac"))):
         name = key.removeprefix("rewards/")

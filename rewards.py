@@ -106,6 +106,24 @@ def format(completions, **kwargs) -> list[float]:  # noqa: A001 - TRL's name for
     return [float(len(BOXED_NUMBER.findall(completion_text(c))) == 1) for c in completions]
 
 
+def choice(completions, answer, choices, **kwargs) -> list[float]:
+    """1.0 if the completion chooses the row's `answer` among its `choices` (a list of words or phrases): the
+    content of its last \\boxed{} if it has one, else the choice it names first (a whole word, any case); 0.0 if
+    it names none. For classification and multiple-choice tasks (the embedded parity task)."""
+    out = []
+    for completion, ref, options in zip(completions, answer, choices):
+        text = completion_text(completion)
+        boxed = final_answer(text) if "\\boxed{" in text else None
+        if boxed is not None:
+            chosen = boxed.strip(" .").lower()
+        else:
+            found = [(m.start(), c) for c in options
+                     for m in [re.search(rf"(?<!\w){re.escape(str(c))}(?!\w)", text, re.IGNORECASE)] if m]
+            chosen = str(min(found)[1]).lower() if found else None
+        out.append(float(chosen is not None and chosen == str(ref).strip().lower()))
+    return out
+
+
 def tag_count(completions, **kwargs) -> list[float]:
     """0.25 for each of <think>, </think>, <answer>, </answer> that appears exactly once."""
     tags = ("<think>", "</think>", "<answer>", "</answer>")
@@ -120,24 +138,46 @@ def overlong_penalty(completion_ids, max_length: int, buffer_length: int, **kwar
     return [0.0 if len(ids) <= start else max(-1.0, (start - len(ids)) / buffer_length) for ids in completion_ids]
 
 
-def weighted_rewards(matrix, weights):
-    """(N, k) rewards of k functions (NaN = not scored) and their (k,) weights -> (N,) weighted sums over the
-    functions that scored each completion; NaN for a completion no function scored (it has no reward: the
-    advantages leave it out of its group's statistics and give it 0, as TRL does)."""
+def weighted_rewards(matrix, weights, own=None):
+    """(N, k) rewards of k functions (NaN = not scored), their weights ((k,), or (N, k): each row's task's), and
+    own (N, k) (None: all), the columns that are each row's (its task's) -> (N,) weighted sums of each row's own
+    columns that scored it; NaN for a completion none of them scored (it has no reward: the advantages leave it
+    out of its group's statistics and give it 0, as TRL does)."""
+    if own is not None:
+        matrix = matrix.where(own, float("nan"))  # another task's column adds nothing, whatever it holds
     scored = ~matrix.isnan()
     return (matrix * weights).nansum(dim=1).where(scored.any(dim=1), float("nan"))
 
 
-def postprocess_rewards(matrix, names: list[str]):
-    """Hook between scoring and weighting: the (N completions, k functions) reward matrix in, the same
-    shape out; NaN means "not scored" and adds nothing to the total. The identity by default; edit it
-    to reshape a channel without touching the loop, e.g.
+def postprocess_rewards(matrix, names: list[str], tasks: list[str]):
+    """Hook between scoring and weighting: the (N completions, k functions) reward matrix in, the same shape
+    out; NaN means "not scored" and adds nothing to the total. `tasks[i]` is the task of completion i (in a
+    mixture, its `task` column; else the dataset's name); a row's reward is taken from its own task's columns
+    only, so another task's column of a row (NaN) may hold anything. The identity by default; edit it, or name
+    your own with --reward_postprocess module:function, to reshape a channel without touching the loop, e.g.
         matrix[:, names.index("format")] *= 0.5                   # down-weight one function
-        matrix[:, names.index("accuracy")].clamp_(min=0, max=1)   # clip a noisy one"""
+        matrix[:, names.index("accuracy")].clamp_(min=0, max=1)   # clip a noisy one
+        hard = torch.tensor([t == "gsm8k" for t in tasks])
+        matrix[hard, names.index("accuracy")] *= 2                # one task's rows count twice"""
     return matrix
 
 
-REWARD_FUNCS = {"accuracy": accuracy, "format": format, "tag_count": tag_count, "overlong_penalty": overlong_penalty}
+def postprocessed(hook, matrix, names: list[str], tasks: list[str]):
+    """hook(matrix, names, tasks) (postprocess_rewards, or --reward_postprocess), checked: RunStopped if it raises or
+    returns other than a float tensor of the matrix's shape."""
+    try:
+        out = hook(matrix.clone(), names, tasks)
+    except Exception as e:
+        raise RunStopped(f"the reward postprocess hook {getattr(hook, '__name__', hook)} raised {type(e).__name__}: "
+                         f"{e}") from e
+    if not hasattr(out, "shape") or tuple(out.shape) != tuple(matrix.shape) or not out.is_floating_point():
+        raise RunStopped(f"the reward postprocess hook {getattr(hook, '__name__', hook)} returned "
+                         f"{type(out).__name__} {tuple(getattr(out, 'shape', ()))} for a float matrix of shape "
+                         f"{tuple(matrix.shape)}; return a float tensor of the same shape (NaN = not scored)")
+    return out.float()
+
+
+REWARD_FUNCS = {"accuracy": accuracy, "format": format, "choice": choice, "tag_count": tag_count, "overlong_penalty": overlong_penalty}
 EXTRA_ARGUMENTS = ("trainer_state", "log_metric", "log_extra")  # TRL's, besides the dataset's columns
 
 
@@ -251,10 +291,10 @@ def _unscored(n: int, why: str) -> dict:
     return {"scores": [math.nan] * n, "failed": n, "traceback": why, "metrics": {}, "extra": {}}
 
 
-def _score(names: list[str], batch: dict, options: dict) -> list[dict]:
-    """Runs in the scorer's process: the functions named (one sync function, or every async one, which
-    run concurrently) on one batch: per function {scores, failed, traceback, metrics, extra} or {error}."""
-    async def one(name):
+def _score(jobs: list[tuple[str, dict]], options: dict) -> list[dict]:
+    """Runs in the scorer's process: each job's function on its batch (one sync function, or every async one,
+    which run concurrently): per function {scores, failed, traceback, metrics, extra} or {error}."""
+    async def one(name, batch):
         try:
             result = await _score_one(get_reward_func(name, options), batch, len(batch["completions"]))
         except BadOutput as e:
@@ -262,7 +302,7 @@ def _score(names: list[str], batch: dict, options: dict) -> list[dict]:
         return {**result, "metrics": {k: sum(v) / len(v) for k, v in result["metrics"].items()}}
 
     async def all_of():
-        return await asyncio.gather(*[one(name) for name in names])
+        return await asyncio.gather(*[one(name, batch) for name, batch in jobs])
     return asyncio.run(all_of())
 
 
@@ -317,22 +357,26 @@ class RewardModel:
 
 
 class RewardScorer:
-    """scorer(rows, completions, completion_ids, step) -> k lists (one per function) of N floats, NaN = not
-    scored. rows[i] is the dataset row of completion i; `columns`, the dataset's, are checked against
-    every function's signature at start."""
+    """scorer(rows, completions, completion_ids, step, own) -> k lists (one per function) of N floats, NaN = not
+    scored. rows[i] is the dataset row of completion i; own (N, k), if given, says which functions score which
+    completions (a mixture's tasks each have their own; the others stay NaN). `columns`, the rows' columns (or
+    each function's), are checked against every function's signature at start."""
 
-    def __init__(self, names: list[str], columns: list[str], device="cpu", max_steps: int = 0, timeout: float = 60.0,
-                 options: dict | None = None):
-        taken = [c for c in columns if c in ("prompts", "completions", "completion_ids", *EXTRA_ARGUMENTS)]
+    def __init__(self, names: list[str], columns: list[str] | dict[str, list[str]], device="cpu", max_steps: int = 0,
+                 timeout: float = 60.0, options: dict | None = None):
+        columns = columns if isinstance(columns, dict) else dict.fromkeys(names, columns)
+        taken = [c for cs in columns.values() for c in cs
+                 if c in ("prompts", "completions", "completion_ids", *EXTRA_ARGUMENTS)]
         if taken:
             raise UsageError(f"the dataset has a column named {taken[0]!r}, the name of an argument every reward "
                              "function gets from nanogrpo (as in TRL); rename the column")
         self.names, self.timeout, self.max_steps, self.options = names, timeout, max_steps, options or {}
         self.models = {name: RewardModel(name, device) for name in names if is_reward_model(name)}
-        self.is_async = {name: inspect.iscoroutinefunction(load_reward_func(name, columns, self.options))
+        self.is_async = {name: inspect.iscoroutinefunction(load_reward_func(name, columns[name], self.options))
                          for name in names if name not in self.models}
         self.failures = 0  # (function, completion) scores lost: the function raised, or hung
         self.failed = dict.fromkeys(names, 0)  # the same, of each function in the last call
+        self.attempted = dict.fromkeys(names, 0)  # the completions each function was to score in the last call
         self.calls, self.reported = dict.fromkeys(names, 0), set()
         self.metrics, self.extra = {}, {}  # what functions logged with log_metric / log_extra in the last call
         self._pool = None
@@ -364,37 +408,54 @@ class RewardScorer:
                 os.killpg(group, signal.SIGKILL)
         self._pool = None
 
-    def _run(self, names: list[str], batch: dict) -> list[dict]:
+    def _run(self, jobs: list[tuple[str, dict]]) -> list[dict]:
         self.start()
         try:
-            return self._pool.apply_async(_score, (names, batch, self.options)).get(timeout=self.timeout)
-        except Exception as e:  # hung, or the process died: these functions' batch is unscored; a fresh process
+            return self._pool.apply_async(_score, (jobs, self.options)).get(timeout=self.timeout)
+        except Exception as e:  # hung, or the process died: these functions' batches are unscored; a fresh process
             self.stop(busy=True)
             why = (f"did not finish within {self.timeout:g} s" if isinstance(e, mp.TimeoutError)
                    else f"crashed the scorer process ({type(e).__name__}: {e})")
-            return [_unscored(len(batch["completions"]), f"{why}\n") for _ in names]
+            return [_unscored(len(batch["completions"]), f"{why}\n") for _, batch in jobs]
 
-    def __call__(self, rows: list[dict], completions: list[str], completion_ids: list[list[int]], step: int = 0):
+    def __call__(self, rows: list[dict], completions: list, completion_ids: list[list[int]], step: int = 0,
+                 own=None) -> list[list[float]]:
         self.metrics, self.extra = {}, {}
-        if not rows:  # a rank with no prompts (more processes than evaluation prompts): no call, nothing scored
-            self.failed = dict.fromkeys(self.names, 0)
-            return [[] for _ in self.names]
+        n = len(rows)
         prompts = [r["prompt"] for r in rows]
         completions = [c if isinstance(p, str) or isinstance(c, list) else [{"role": "assistant", "content": c}]
                        for p, c in zip(prompts, completions)]  # a list: the messages of a multi-turn completion
-        batch = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids,
-                 **{k: [r.get(k) for r in rows] for k in rows[0] if k != "prompt"},
-                 "trainer_state": SimpleNamespace(global_step=step, max_steps=self.max_steps)}
+        which = {name: [i for i in range(n) if own is None or own[i][j]] for j, name in enumerate(self.names)}
+
+        def batch_of(name):  # the completions `name` scores, with their rows' columns
+            rs = [rows[i] for i in which[name]]
+            return {"prompts": [prompts[i] for i in which[name]], "completions": [completions[i] for i in which[name]],
+                    "completion_ids": [completion_ids[i] for i in which[name]],
+                    **{k: [r.get(k) for r in rs] for k in dict.fromkeys(k for r in rs for k in r) if k != "prompt"},
+                    "trainer_state": SimpleNamespace(global_step=step, max_steps=self.max_steps)}
         results = {}
-        sync = [n for n in self.names if n not in self.models and not self.is_async[n]]
-        for names in [[n] for n in sync] + [[n for n in self.names if self.is_async.get(n)]]:
+        called = [name for name in self.names if which[name]]  # none for a rank without prompts, or not its task's
+        sync = [name for name in called if name not in self.models and not self.is_async[name]]
+        for names in [[name] for name in sync] + [[name for name in called if self.is_async.get(name)]]:
             if names:
-                results |= dict(zip(names, self._run(names, batch)))
-        for name, model in self.models.items():
-            results[name] = self._score_model(name, model, batch)
+                results |= dict(zip(names, self._run([(name, batch_of(name)) for name in names])))
+        for name in called:
+            if name in self.models:
+                results[name] = self._score_model(name, self.models[name], batch_of(name))
+        out = []
         for name in self.names:
-            self._account(name, results[name], len(completions))
-        return [results[name]["scores"] for name in self.names]
+            self.attempted[name], self.failed[name] = len(which[name]), 0
+            scores = [math.nan] * n
+            if name in results:
+                self._account(name, results[name], len(which[name]))
+                for i, score in zip(which[name], results[name]["scores"]):
+                    scores[i] = score
+                for column, values in results[name]["extra"].items():  # log_extra: None where it did not score
+                    full = self.extra.setdefault(column, [None] * n)
+                    for i, value in zip(which[name], values):
+                        full[i] = value
+            out.append(scores)
+        return out
 
     def _score_model(self, name: str, model: RewardModel, batch: dict) -> dict:
         try:
@@ -411,7 +472,6 @@ class RewardScorer:
         self.failures += result["failed"]
         self.failed[name] = result["failed"]
         self.metrics |= result["metrics"]
-        self.extra |= result["extra"]
         if result["failed"] == n and self.calls[name] == 1:
             raise RunStopped(f"reward function {name} failed on every completion of its first batch, so it would "
                              f"never score anything; its error:\n{result['traceback']}")

@@ -338,36 +338,37 @@ def mark_groups_with_different_prompts(episodes: list[Episode], G: int) -> list[
     return episodes
 
 
-def tool_rollout_for(cfg, tokenizer, model: str, vision: bool = False):
-    """The multi-turn rollout of --tools and --env, its parts checked at start (one-line UsageErrors): (the rollout
-    function, the environment's reward name (its class) if it has get_reward(), else None, the tools' schemas)."""
+def tool_rollout_for(cfg, tokenizer, vision: bool, tools_spec: str, env: str, reward_funcs: list[str]):
+    """The multi-turn rollout of a task's tools (module:function,...) and environment (module:factory), its parts
+    checked at start (one-line UsageErrors): (the rollout function, the environment's reward name (its class) if it
+    has get_reward(), else None, the tools' schemas). The settings of every rollout come from cfg."""
     if vision:
-        raise UsageError(f"{'--env' if cfg.env else '--tools'} with a vision-language model: multi-turn rollouts take "
+        raise UsageError(f"{'--env' if env else '--tools'} with a vision-language model: multi-turn rollouts take "
                          "text-only models for now; train the VLM without them")
-    tools, factory, reward_name = load_callables(cfg.tools, "--tools"), None, None
+    tools, factory, reward_name = load_callables(tools_spec, "--tools"), None, None
     schemas = tool_schemas(tools)
-    if cfg.env:
-        module, _, name = cfg.env.partition(":")
-        factory = load_callables(cfg.env, "--env")[0] if name else None
+    if env:
+        module, _, name = env.partition(":")
+        factory = load_callables(env, "--env")[0] if name else None
         if factory is None:
-            raise UsageError(f"--env {cfg.env}: give module:factory (a class, or a function returning an instance)")
+            raise UsageError(f"--env {env}: give module:factory (a class, or a function returning an instance)")
         if inspect.iscoroutinefunction(factory):  # an OpenAI-client agent: async def agent(client, row)
             if tools:
-                raise UsageError(f"--env {cfg.env} is an agent, which calls its own tools: drop --tools")
+                raise UsageError(f"--env {env} is an agent, which calls its own tools: drop --tools")
             rollout = functools.partial(agent_rollout, agent=factory,
                                         timeout=cfg.tool_timeout * (cfg.max_tool_calling_iterations + 1))
             return rollout, factory.__name__, None
         try:
             probe = factory()
         except Exception as e:
-            raise UsageError(f"--env {cfg.env}: making an instance raised {type(e).__name__}: {e}") from None
+            raise UsageError(f"--env {env}: making an instance raised {type(e).__name__}: {e}") from None
         if not callable(getattr(probe, "reset", None)):
-            raise UsageError(f"--env {cfg.env}: {type(probe).__name__} has no reset(**row) method (it starts each "
+            raise UsageError(f"--env {env}: {type(probe).__name__} has no reset(**row) method (it starts each "
                              "trajectory, and may return text for the prompt's last user message)")
         schemas = tool_schemas(tools + environment_tools(probe))
         reward_name = type(probe).__name__ if callable(getattr(probe, "get_reward", None)) else None
-    check_tool_template(tokenizer, model)
-    if not cfg.reward_names() and not reward_name:
+    check_tool_template(tokenizer, cfg.model)
+    if not reward_funcs and not reward_name:
         raise UsageError("nothing gives a reward: name --reward_funcs, or give the environment a get_reward() method")
     rollout = functools.partial(tool_rollout, tools=tools, env_factory=factory,
                                 max_iterations=cfg.max_tool_calling_iterations, timeout=cfg.tool_timeout)
@@ -382,18 +383,25 @@ def read_chat_template(path: str) -> str:
         raise UsageError(f"--chat_template {path}: cannot read it ({e.strerror}); give a Jinja template file") from None
 
 
-def environment_rewards(episodes: list[Episode], scores: list[list[float]], scorer, name: str) -> list[list[float]]:
-    """The reward functions' scores (k lists) and a last column, `name`: each trajectory's get_reward(). An episode
-    whose environment raised (in reset or get_reward; an agent anywhere) gets NaN in every column: no reward, like a
-    failing reward function (counted in scorer.failures and scorer.failed[name], the first traceback printed once)."""
-    scores = [list(column) for column in scores] + [[e.extra.get("environment_reward", math.nan) for e in episodes]]
-    scorer.failed[name] = 0
+def environment_rewards(episodes: list[Episode], scores: list[list[float]], scorer, columns: list[str],
+                        column_of: list[str | None]) -> list[list[float]]:
+    """The reward functions' scores (k lists) and a column per environment reward (`columns`, each named after its
+    class): each trajectory's get_reward() in its environment's column (`column_of[i]`; None: no environment
+    reward), NaN in the others. An episode whose environment raised (in reset or get_reward; an agent anywhere)
+    gets NaN in every column: no reward, like a failing reward function (counted in scorer.failures and
+    scorer.failed[its column], the first traceback printed once)."""
+    scores = [list(column) for column in scores] + [
+        [e.extra.get("environment_reward", math.nan) if of == name else math.nan
+         for e, of in zip(episodes, column_of)] for name in columns]
+    scorer.failed |= dict.fromkeys(columns, 0)
+    scorer.attempted |= {name: column_of.count(name) for name in columns}
     for i, e in enumerate(episodes):
         if e.extra.get("environment_error"):
             for column in scores:
                 column[i] = math.nan
             scorer.failures += 1
-            scorer.failed[name] += 1
+            if column_of[i] is not None:
+                scorer.failed[column_of[i]] += 1
             if "environment" not in scorer.reported:
                 scorer.reported.add("environment")
                 print(f"the environment failed on a trajectory (no reward for it; counted in scorer_failures; only "

@@ -41,20 +41,21 @@ from contextlib import nullcontext
 
 import torch
 
-from config import NO_DATASET_STARTS, Config, UsageError, native_bf16, parse_config, resolve_model
+from config import Config, UsageError, native_bf16, parse_config, resolve_model
+from mixture import load_mixture, resume_signature
 from plot import plot_run
-from rewards import RewardScorer, postprocess_rewards, weighted_rewards
-from rollout import RolloutContext, collate, episodes_to_json, load_rollout, presampled_from_json, run_rollout
-from tools import environment_rewards, probe_trajectory, read_chat_template, tool_rollout_for, trajectory_metrics
+from rewards import RewardScorer, postprocess_rewards, postprocessed, weighted_rewards
+from rollout import RolloutContext, collate, episodes_to_json, presampled_from_json, run_rollout
+from tools import environment_rewards, load_callables, probe_trajectory, read_chat_template, trajectory_metrics
 from utils import (MetricsLogger, Probe, ScoringWatch, ServerWeights, StepTimer, StopRequest, add_lora, barrier,
                    check_checkpoint, check_finite, check_sync, completion_logprobs, console_line, disable_dropout,
                    distribute, encode_prompt, eval_summary, extremes_over_ranks, find_checkpoint, full_tensor,
-                   gather_lines, gradient_sync, length_sorted, load_checkpoint, load_model, load_rows, mean_over_ranks,
-                   merge_stats, no_grad_logprobs, pass_at_k, prepare_output_dir, print0, progress, quantile_over_ranks,
+                   gather_lines, gradient_sync, length_sorted, load_checkpoint, load_model, mean_over_ranks,
+                   merge_stats, no_grad_logprobs, prepare_output_dir, print0, progress, quantile_over_ranks,
                    reference_model, restore_training_state, reward_metrics, rollout_records, run_and_exit,
-                   save_checkpoint, save_model, setup_distributed, step_prompt_indices, sum_over_ranks, take, to_device,
+                   save_checkpoint, save_model, setup_distributed, sum_over_ranks, take, to_device,
                    training_metrics, trim_padding)
-from vision import freeze_vision_tower, load_processor, parameter_groups, prompt_lengths, vision_probe
+from vision import freeze_vision_tower, load_processor, parameter_groups, vision_probe
 from vllm_server import InThread, ServerGuard, VLLMClient, WeightSync
 
 
@@ -353,7 +354,8 @@ def main(cfg: Config):
     G = cfg.num_generations
     prompts_per_rank = cfg.prompts_per_step // world_size
     resume = find_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir) if cfg.resume_from_checkpoint else None
-    resume_step = check_checkpoint(resume, vars(cfg)) if resume else 0  # a run that would continue it exactly
+    run_config = vars(cfg) | resume_signature(cfg)  # as checkpoints keep it (with a mixture's tasks and weights)
+    resume_step = check_checkpoint(resume, run_config) if resume else 0  # a run that would continue it exactly
     # writable, ours alone (locked), no earlier run's output to mix with: said now, not at the first save
     output_lock = prepare_output_dir(cfg.output_dir, resume, resume_step) if is_main else None
 
@@ -363,18 +365,13 @@ def main(cfg: Config):
     tokenizer = processor.tokenizer if processor else AutoTokenizer.from_pretrained(model_path)
     if cfg.chat_template:  # e.g. a template that renders tools, for a model whose own cannot
         tokenizer.chat_template = read_chat_template(cfg.chat_template)
-    rollout_fn = load_rollout(cfg.rollout, processor is not None)  # rows -> episodes through the server
-    env_reward, schemas = None, None  # the environment's get_reward() column (named after its class); the tools'
-    if cfg.tools or cfg.env:  # the multi-turn rollout: the model calls tools, an environment answers (tools.py)
-        rollout_fn, env_reward, schemas = tool_rollout_for(cfg, tokenizer, cfg.model, processor is not None)
     pad_id = 0 if tokenizer.pad_token_id is None else tokenizer.pad_token_id  # masked out: any id (Llama 3 has none)
-    rows = load_rows(cfg.dataset, cfg.dataset_split, cfg.prompt_column, cfg.answer_column, cfg.num_arithmetic_problems,
-                     cfg.seed, num_starts=NO_DATASET_STARTS)  # --dataset none: a seed per row
-    eval_rows = load_rows(cfg.eval_dataset or cfg.dataset, cfg.eval_split, cfg.prompt_column, cfg.answer_column,
-                          cfg.num_arithmetic_problems, cfg.seed, cfg.eval_num_prompts)[:cfg.eval_num_prompts] \
-        if cfg.evaluates() else []
+    # the tasks (mixture.py; one, for one dataset): their rows, rollouts (rows -> episodes through the server; tools
+    # and environments: tools.py) and reward functions. `rows`: every task's, one list; eval_rows: held out
+    mixture = load_mixture(cfg, tokenizer, processor)
+    rows, eval_rows, rollout_fn, first = mixture.rows, mixture.eval_rows, mixture.rollout, mixture.tasks[0]
     # through the chat template, with the image tokens (every image is read now: a bad one stops the run here)
-    longest = max(prompt_lengths(tokenizer, processor, rows + eval_rows, cfg.system_prompt, schemas))
+    longest = mixture.longest_prompt(tokenizer, processor)
     if longest > cfg.max_prompt_length:
         raise UsageError(f"the longest prompt has {longest} tokens > --max_prompt_length {cfg.max_prompt_length}: "
                          "raise it (and the server's --max-model-len) or drop the long prompts from the dataset")
@@ -386,12 +383,13 @@ def main(cfg: Config):
         raise UsageError(f"the longest prompt ({longest} tokens) + --max_completion_length {cfg.max_completion_length} "
                          f"exceeds the server's max model length {max_model_len}: lower them or restart the server "
                          "with a larger --max-model-len")
-    scorer = RewardScorer(cfg.reward_names(), list(rows[0]), device, cfg.max_steps,  # signatures checked now
-                          options=cfg.reward_options())
+    scorer = RewardScorer(mixture.functions, {name: mixture.columns_of(name) for name in mixture.functions}, device,
+                          cfg.max_steps, options=cfg.reward_options())  # signatures checked now
+    postprocess = load_callables(cfg.reward_postprocess, "--reward_postprocess")[0] if cfg.reward_postprocess \
+        else postprocess_rewards  # the reward matrix's hook
     sampling = dict(max_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                     min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty)
-    names = cfg.reward_names() + [env_reward] * bool(env_reward)  # k reward columns, (k,) weights
-    reward_weights = torch.tensor(cfg.reward_weight_list() + [1.0] * bool(env_reward))
+    names = mixture.names  # k reward columns: every task's functions, then each environment's get_reward()
 
     state = load_checkpoint(resume) if resume else {"step": 0}  # optimizer, scheduler, RNG, step
     policy = load_model(os.path.join(resume, "model") if resume and not cfg.use_peft else model_path, device, cfg.fsdp)
@@ -422,22 +420,23 @@ def main(cfg: Config):
                + "".join(f"; {change} (this run's flag applies)" for change in changed))
 
     # a fixed probe the server scores after pushes, to catch a sync that silently went wrong (a VLM's has an image)
-    answer, prompt = " Let me think. 12 + 7 = 19, so the answer is \\boxed{19}.", rows[0]["prompt"]
-    sync_probe = (Probe(probe_trajectory(tokenizer, prompt, cfg.system_prompt, schemas)) if schemas else
-                  vision_probe(processor, rows[0], cfg.system_prompt, answer) if processor else
-                  Probe(encode_prompt(tokenizer, prompt, cfg.system_prompt) + tokenizer(answer)["input_ids"]))
+    answer, prompt, system = " Let me think. 12 + 7 = 19, so the answer is \\boxed{19}.", rows[0]["prompt"], \
+        first.system_prompt
+    sync_probe = (Probe(probe_trajectory(tokenizer, prompt, system, first.schemas)) if first.schemas else
+                  vision_probe(processor, rows[0], system, answer) if processor else
+                  Probe(encode_prompt(tokenizer, prompt, system) + tokenizer(answer)["input_ids"]))
     exact = server_dtype == torch.float32 and not cfg.bf16
     sync_tolerance = cfg.sync_check_tolerance if cfg.sync_check_tolerance >= 0 else (1e-3 if exact else 0.5)
     # weights leave in the server's names and dtype, LoRA merged, FSDP2 shards gathered one tensor at a time;
     # every rank takes part (the gathers), rank 0 alone sends
     sync = WeightSync(client, ServerWeights(model, server_dtype), rank, cfg.vllm_group_host, cfg.vllm_group_port,
                       cfg.weight_sync_bucket_mb)
-    logger = MetricsLogger(cfg.output_dir, is_main, cfg.report_to, vars(cfg), cfg.wandb_project, cfg.run_name)
+    logger = MetricsLogger(cfg.output_dir, is_main, cfg.report_to, run_config, cfg.wandb_project, cfg.run_name)
     stop = StopRequest()  # SIGTERM / Ctrl-C: save a checkpoint, then stop
 
     def rows_of(step: int, extra_round: int = 0) -> list[int]:
         """This rank's rows (indices) of `step` (or of its extra sampling round, --dynamic_sampling), as on resume."""
-        indices = step_prompt_indices(step, len(rows), cfg.prompts_per_step, cfg.seed + 1_000_003 * extra_round)
+        indices = mixture.step_rows(step, cfg.prompts_per_step, cfg.seed + 1_000_003 * extra_round)  # by task weights
         return indices[rank * prompts_per_rank:(rank + 1) * prompts_per_rank]
 
     def rollout_call(step: int, extra_round: int = 0):
@@ -463,7 +462,7 @@ def main(cfg: Config):
         extra = ({"presampled": gather_lines([json.dumps(ahead and (ahead[0], episodes_to_json(ahead[1])))])}
                  if cfg.async_generation else {})
         path = save_checkpoint(cfg.output_dir, steps_done, model, optimizer, scheduler, processor or tokenizer,
-                               vars(cfg), is_main, cfg.save_total_limit,
+                               run_config, is_main, cfg.save_total_limit,
                                {**sum_over_ranks({"scorer_failures": scorer.failures}), **extra})
         print0(f"saved {path}")
         return path
@@ -481,20 +480,22 @@ def main(cfg: Config):
     parallel = "FSDP2" if cfg.fsdp else "DDP" if world_size > 1 else "single process"
     print0(f"nanogrpo | model {cfg.model} | {world_size} process(es) on {device.type} | {cfg.prompts_per_step} prompts "
            f"x G={G} = {cfg.prompts_per_step * G} completions per step ({prompts_per_rank * G} per rank) | "
-           f"rewards {names} x {reward_weights.tolist()} | loss {cfg.loss_type} | beta {cfg.beta} | bf16 {cfg.bf16} | "
+           f"{mixture.describe()} | loss {cfg.loss_type} | beta {cfg.beta} | bf16 {cfg.bf16} | "
            f"{parallel}{' + LoRA' if cfg.use_peft else ''}")
 
     def score(episodes: list) -> tuple[list[str], torch.Tensor, torch.Tensor]:
         """The completions' texts, each function's rewards (N, k) (NaN = not scored), their weighted sum (N,)."""
         texts = [tokenizer.decode(e.completion_ids, skip_special_tokens=True) for e in episodes]  # ([] -> [], not [""])
         completions = [text if e.messages is None else e.messages for e, text in zip(episodes, texts)]  # multi-turn
+        tasks = mixture.task_index([e.row for e in episodes])  # (N,) each one's task: its columns, its weights
         scores = scorer([e.row for e in episodes], completions, [e.completion_ids for e in episodes],
-                        scheduler.last_epoch)
-        if env_reward:  # each trajectory's get_reward(); an episode whose environment failed gets no reward at all
-            scores = environment_rewards(episodes, scores, scorer, env_reward)
-        reward_matrix = postprocess_rewards(torch.tensor(scores, dtype=torch.float32).T.reshape(len(texts), len(names)),
-                                            names)
-        return texts, reward_matrix, weighted_rewards(reward_matrix, reward_weights)  # NaN where nothing scored
+                        scheduler.last_epoch, mixture.own[tasks])  # each function scores its tasks' rows
+        if mixture.env_names:  # each trajectory's get_reward(); an episode whose environment failed gets no reward
+            scores = environment_rewards(episodes, scores, scorer, mixture.env_names,
+                                         [mixture.tasks[t].env_reward for t in tasks.tolist()])
+        reward_matrix = postprocessed(postprocess, torch.tensor(scores, dtype=torch.float32).T.reshape(
+            len(texts), len(names)), names, [mixture.tasks[t].name for t in tasks.tolist()])
+        return texts, reward_matrix, weighted_rewards(reward_matrix, mixture.weights[tasks], mixture.own[tasks])
 
     def evaluate() -> dict:
         """Mean rewards and pass@k on the evaluation prompts, through the server (each rank its share). The
@@ -504,24 +505,19 @@ def main(cfg: Config):
         ctx = RolloutContext(client, tokenizer, n, sampling, seed, cfg.system_prompt, processor)
         episodes = server.run(run_rollout, rollout_fn, [eval_rows[i] for i in mine], ctx)
         texts, matrix, rewards = score(episodes)
-        correct = (matrix[:, 0] >= 1).view(-1, n).sum(dim=1).tolist()  # per prompt: passed by the first function
         logger.log_rollouts(rollout_records(episodes, texts, matrix, names, rewards, tokenizer,
                                             [mine[i // n] for i in range(len(episodes))], split="eval",
                                             step=scheduler.last_epoch // updates_per_round,
                                             policy_version=scheduler.last_epoch, rank=rank))
-        t = sum_over_ranks({"n": len(texts), "prompts": len(mine), "reward": rewards.nansum(),
-                            "length": sum(len(e.completion_ids) for e in episodes),
-                            **{name: matrix[:, i].nan_to_num(0.0).sum() for i, name in enumerate(names)},
-                            **{f"pass@{k}": sum(pass_at_k(n, c, k) for c in correct) for k in cfg.pass_k()}})
-        return {"eval/reward": t["reward"] / t["n"], **{f"eval/rewards/{name}": t[name] / t["n"] for name in names},
-                **{f"eval/pass@{k}": t[f"pass@{k}"] / t["prompts"] for k in cfg.pass_k()},
-                "eval/completion_length": t["length"] / t["n"], "eval/num_prompts": t["prompts"]}
+        lengths = torch.tensor([len(e.completion_ids) for e in episodes], dtype=torch.float32)
+        # per prompt: passed if its task's first reward function gives >= 1; per task too, in a mixture
+        return mixture.eval_metrics([eval_rows[i] for i in mine], matrix, rewards, lengths, n, cfg.pass_k())
 
     def log_eval(step: int, metrics: dict):
         print0(f"eval at step {step} | reward {metrics['eval/reward']:.3f} | "
                + " ".join(f"pass@{k} {metrics[f'eval/pass@{k}']:.3f}" for k in cfg.pass_k()))
 
-    if cfg.evaluates() and state["step"] == 0:  # the starting point, to compare with
+    if eval_rows and state["step"] == 0:  # the starting point, to compare with
         metrics = {"step": 0, **evaluate()}
         logger.log(metrics)
         log_eval(0, metrics)
@@ -544,7 +540,7 @@ def main(cfg: Config):
 
         # ---------------------------------------------------------------------- score
         texts, reward_matrix, rewards = score(episodes)  # (N, k) per function, NaN = not scored; (N,) weighted sum
-        scoring.update(scorer.failed, rewards, step + 1)  # stops a run whose rewards stopped coming
+        scoring.update(scorer.failed, scorer.attempted, rewards, step + 1)  # stops a run whose rewards stopped coming
         dynamic = {}
         if cfg.dynamic_sampling:  # DAPO: groups whose rewards all agree make way for more, sampled now
             (episodes, texts, reward_matrix, rewards, mine), dynamic = keep_groups_with_signal(
@@ -626,16 +622,18 @@ def main(cfg: Config):
 
         # ---------------------------------------------------------------------- log
         metrics = {**mean_over_ranks(scorer.metrics), "step": step + 1,  # the reward functions' log_metric first
-                   **reward_metrics(rewards, reward_matrix, names, zero_std, scorer.failures),
+                   **reward_metrics(rewards, reward_matrix, names, zero_std, scorer.failures,
+                                    mixture.own[mixture.task_index([e.row for e in episodes])]),
+                   **mixture.metrics([e.row for e in episodes], rewards, reward_matrix, zero_std, G),
                    **training_metrics(sums, grad_norms, tokens["mask"].sum(dim=1).float(), truncated, diff, compared),
-                   **(trajectory_metrics(episodes, is_main) if cfg.tools or cfg.env else {}),
+                   **(trajectory_metrics(episodes, is_main) if mixture.multi_turn else {}),
                    **dynamic, **probe, "server_reconnects": server.reconnects, "lr": scheduler.get_last_lr()[0],
                    "optimizer_steps": scheduler.last_epoch,
                    "old_logprob_pass": int(off_policy or cfg.top_entropy_quantile < 1), **timer.metrics()}
         logger.log_rollouts(rollout_records(episodes, texts, reward_matrix, names, rewards, tokenizer,
                                             [mine[i // G] for i in range(len(episodes))], scorer.extra, advantages,
                                             step=step + 1, split="train", policy_version=version, rank=rank))
-        if cfg.evaluates() and ((step + 1) % cfg.eval_every() == 0 or step + 1 == cfg.max_steps):
+        if eval_rows and ((step + 1) % cfg.eval_every() == 0 or step + 1 == cfg.max_steps):
             t_eval = time.perf_counter()
             metrics |= evaluate()
             metrics["time/eval"] = time.perf_counter() - t_eval
@@ -661,7 +659,7 @@ def main(cfg: Config):
     logger.close()
     if is_main and (picture := plot_run(cfg.output_dir)):
         print0(f"plotted {picture}")
-    if is_main and (summary := eval_summary(cfg.output_dir, names, cfg.eval_num_generations)):
+    if is_main and (summary := eval_summary(cfg.output_dir, mixture.summary_names(), cfg.eval_num_generations)):
         print0(summary)  # the last line: what the run learned, on problems it never trained on
     scorer.close()
     if output_lock:

@@ -52,6 +52,21 @@ def arithmetic_problems(n: int, seed: int, split: str = "train") -> list[dict]:
     return [question(*rng.choice(easy if rng.random() < 0.5 else harder)) for _ in range(n)]
 
 
+def parity_problems(n: int, seed: int, split: str = "train") -> list[dict]:
+    """An embedded task to mix with arithmetic (README: Task mixtures): is a number from 1 to 999 even or odd, the
+    answer scored by rewards.choice (no \\boxed{}). The multiples of 11 are held out: "test" gives those (each once,
+    in a seeded order; `n` is ignored), "train" draws n of the others."""
+    def question(k):
+        return {"prompt": f"Is {k} even or odd?", "answer": "even" if k % 2 == 0 else "odd", "choices": ["even", "odd"]}
+    rng = random.Random(seed)
+    if split == "test":
+        held_out = [k for k in range(11, 1000, 11)]
+        rng.shuffle(held_out)
+        return [question(k) for k in held_out]
+    train = [k for k in range(1, 1000) if k % 11]
+    return [question(rng.choice(train)) for _ in range(n)]
+
+
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -76,6 +91,8 @@ def load_rows(dataset: str, split: str, prompt_column: str, answer_column: str, 
     the held-out ones ("test") with seeds no training row has."""
     if dataset == DEFAULT_DATASET:
         return arithmetic_problems(num_arithmetic, seed, "test" if split == "test" else "train")
+    if dataset == "parity":
+        return parity_problems(num_arithmetic, seed, "test" if split == "test" else "train")
     if dataset == "shapes":  # the embedded vision task
         from vision import shape_problems
         return shape_problems(num_arithmetic, seed, "test" if split == "test" else "train")
@@ -839,9 +856,9 @@ def save_model(model, tokenizer, output_dir: str, is_main: bool, merged: bool = 
 
 CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 
-RESUME_MUST_MATCH = ("model", "dataset", "dataset_split", "num_arithmetic_problems", "seed", "prompts_per_step",
-                     "num_generations", "use_peft", "freeze_vision_tower",  # what decides the weights and the order
-                                                                            # of the prompts
+RESUME_MUST_MATCH = ("model", "dataset", "tasks", "dataset_split", "num_arithmetic_problems", "seed",
+                     "prompts_per_step", "num_generations", "use_peft", "freeze_vision_tower",  # what decides the
+                     # weights and the order of the prompts ("tasks": a mixture's sources and weights, mixture.py)
                      "num_iterations", "steps_per_generation")  # how optimizer steps map to steps (the schedule)
 
 
@@ -1012,8 +1029,8 @@ def check_checkpoint(path: str, config: dict) -> int:
     """The step of a checkpoint, after checking that this run continues the one that wrote it."""
     with open(os.path.join(path, "checkpoint.json")) as f:
         saved = json.load(f)
-    changed = [f"--{k} {saved['config'].get(k)!r} -> {config[k]!r}" for k in RESUME_MUST_MATCH
-               if saved["config"].get(k) != config[k]]
+    changed = [f"--{k} {saved['config'].get(k)!r} -> {config.get(k)!r}" for k in RESUME_MUST_MATCH
+               if saved["config"].get(k) != config.get(k)]
     if changed:
         raise UsageError(f"cannot resume from {path} exactly: {', '.join(changed)}. Use the checkpoint's values "
                          "(see its checkpoint.json), or start a new run")
@@ -1232,17 +1249,21 @@ class MetricsLogger:
             self.wandb.finish()
 
 
-def eval_summary(output_dir: str, names: list[str], samples: int) -> str | None:
+def eval_summary(output_dir: str, groups: dict[str, list[str]], samples: int) -> str | None:
     """One line comparing the run's first and last evaluation in output_dir/metrics.jsonl (a resumed run's
     too), e.g. `held-out accuracy 0.18 -> 0.41, format 0.10 -> 0.80 (52 problems x 4 samples, steps 0 -> 12)`;
-    None with fewer than two evaluations."""
+    `groups`: the reward functions to show under each metric prefix ({"eval": names}, or in a mixture
+    {"eval/task/<name>": its functions}, each shown as `<name>: ...`); None with fewer than two evaluations."""
     evals = [r for r in read_jsonl(os.path.join(output_dir, "metrics.jsonl")) if "eval/reward" in r]
     if len(evals) < 2:
         return None
     first, last = evals[0], evals[-1]
-    change = ", ".join(f"{name} {first[f'eval/rewards/{name}']:.2f} -> {last[f'eval/rewards/{name}']:.2f}"
-                       for name in names)
-    return (f"held-out {change} ({int(last['eval/num_prompts'])} problems x {samples} samples, "
+    parts = []
+    for prefix, names in groups.items():
+        change = ", ".join(f"{name} {first[f'{prefix}/rewards/{name}']:.2f} -> {last[f'{prefix}/rewards/{name}']:.2f}"
+                           for name in names if f"{prefix}/rewards/{name}" in first)
+        parts.append(change if prefix == "eval" else f"{prefix.rsplit('/', 1)[-1]}: {change}")
+    return (f"held-out {'; '.join(parts)} ({int(last['eval/num_prompts'])} problems x {samples} samples, "
             f"steps {first['step']} -> {last['step']})")
 
 
@@ -1275,24 +1296,27 @@ def mean_and_std(total: float, squares: float, n: float) -> tuple[float, float]:
 
 
 def reward_metrics(rewards: torch.Tensor, reward_matrix: torch.Tensor, names: list[str], zero_std: torch.Tensor,
-                   failures: int) -> dict:
+                   failures: int, own: torch.Tensor | None = None) -> dict:
     """The step's rewards over all ranks: the weighted sum's mean and std over the completions that have one and
     the share that has none (`unscored_frac`: no function scored them), each function's mean and std over the
-    completions it scored and the share it did not score (NaN), the share of groups without signal (`zero_std`,
-    per completion), and the reward functions' failures so far."""
-    scored = ~reward_matrix.isnan()
-    r = reward_matrix.nan_to_num(0.0)
+    completions it scored and the share it did not score (NaN) of those it was to score (`own` (N, k): in a
+    mixture, the rows of its tasks; else all), the share of groups without signal (`zero_std`, per completion),
+    and the reward functions' failures so far."""
+    own = torch.ones_like(reward_matrix, dtype=torch.bool) if own is None else own
+    scored = ~reward_matrix.isnan() & own
+    r = reward_matrix.where(scored, 0.0)
     t = sum_over_ranks({"n": len(rewards), "scored": (~rewards.isnan()).sum(), "reward": rewards.nansum(),
                         "sq": rewards.pow(2).nansum(), "zero_std": zero_std.sum(), "failures": failures,
                         **{f"r/{name}": r[:, i].sum() for i, name in enumerate(names)},
                         **{f"sq/{name}": r[:, i].pow(2).sum() for i, name in enumerate(names)},
-                        **{f"n/{name}": scored[:, i].sum() for i, name in enumerate(names)}})
+                        **{f"n/{name}": scored[:, i].sum() for i, name in enumerate(names)},
+                        **{f"own/{name}": own[:, i].sum() for i, name in enumerate(names)}})
     metrics = dict(zip(("reward", "reward_std"), mean_and_std(t["reward"], t["sq"], t["scored"])))
     metrics["unscored_frac"] = 1 - t["scored"] / t["n"]
     for name in names:
         metrics[f"rewards/{name}"], metrics[f"rewards/{name}_std"] = mean_and_std(t[f"r/{name}"], t[f"sq/{name}"],
                                                                                    t[f"n/{name}"])
-        metrics[f"rewards/{name}_nan_frac"] = 1 - t[f"n/{name}"] / t["n"]
+        metrics[f"rewards/{name}_nan_frac"] = 1 - t[f"n/{name}"] / max(t[f"own/{name}"], 1.0)
     return {**metrics, "frac_zero_std_groups": t["zero_std"] / t["n"], "scorer_failures": t["failures"]}
 
 
@@ -1307,11 +1331,16 @@ class ScoringWatch:
     def __init__(self, names: list[str], limit: int):
         self.limit, self.streak, self.warned = limit, dict.fromkeys([*names, self.NOTHING], 0), set()
 
-    def update(self, failed: dict[str, int], rewards: torch.Tensor, step: int):
+    def update(self, failed: dict[str, int], attempted: dict[str, int], rewards: torch.Tensor, step: int):
+        """failed[name] of attempted[name] completions (those of its tasks) this step, on this rank."""
         t = sum_over_ranks({"n": len(rewards), f"down/{self.NOTHING}": rewards.isnan().sum(),
-                            **{f"down/{name}": failed[name] for name in self.streak if name != self.NOTHING}})
+                            f"of/{self.NOTHING}": len(rewards),
+                            **{f"down/{name}": failed[name] for name in self.streak if name != self.NOTHING},
+                            **{f"of/{name}": attempted[name] for name in self.streak if name != self.NOTHING}})
         for name in self.streak:
-            self.streak[name] = self.streak[name] + 1 if t[f"down/{name}"] == t["n"] else 0
+            if not t[f"of/{name}"]:  # no completion of its tasks this step: nothing to judge it by
+                continue
+            self.streak[name] = self.streak[name] + 1 if t[f"down/{name}"] == t[f"of/{name}"] else 0
             what = (f"reward function {name} failed on every completion" if name != self.NOTHING
                     else "no reward function scored any completion")
             if self.streak[name] and name not in self.warned:
@@ -1368,9 +1397,13 @@ def rollout_records(episodes, texts: list[str], reward_matrix: torch.Tensor, nam
 
 
 def console_line(metrics: dict, names: list[str], max_steps: int) -> str:
-    """step 3/12 | reward 0.412 ±0.301 | accuracy 0.25 format 0.16 | kl 0.0000 | len 31 | gen 16.1s score ..."""
+    """step 3/12 | reward 0.412 ±0.301 | accuracy 0.25 format 0.16 | kl 0.0000 | len 31 | gen 16.1s score ...;
+    in a mixture, each task's reward after the functions' (| arithmetic 0.41 parity 0.30)."""
+    tasks = [k.split("/")[1] for k in metrics if k.startswith("task/") and k.endswith("/prompts")]
     return (f"step {metrics['step']}/{max_steps} | reward {metrics['reward']:.3f} ±{metrics['reward_std']:.3f} | "
             + " ".join(f"{name} {metrics[f'rewards/{name}']:.2f}" for name in names)
+            + "".join(f"{' |' if i == 0 else ''} {t} {metrics.get(f'task/{t}/reward', math.nan):.2f}"
+                      for i, t in enumerate(tasks))
             + f" | kl {metrics['kl']:.4f} | len {metrics['completion_length']:.0f} | "
             + " ".join(f"{short} {metrics[f'time/{phase}']:.1f}s" for short, phase in (
                 ("gen", "generate"), ("score", "score"), ("logp", "old_ref"), ("train", "train"), ("sync", "sync"))))

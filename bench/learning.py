@@ -8,6 +8,7 @@ and tools) instead, also printing the tool calls per trajectory in the first and
     .venv/bin/python bench/learning.py                    # seeds 42, 43, 44: the default run 3 times
     .venv/bin/python bench/learning.py --env guess        # the embedded guess game, 3 times
     .venv/bin/python bench/learning.py -- --dataset shapes   # the embedded vision task (its VLM), 3 times
+    .venv/bin/python bench/learning.py -- --dataset arithmetic,parity   # a mixture: each task's rewards
     .venv/bin/python bench/learning.py --seeds 1 -- --learning_rate 1e-5   # after --: any train.py flags
 """
 import argparse
@@ -73,8 +74,10 @@ if __name__ == "__main__":
             evals, steps = [r for r in rows if "eval/reward" in r], [r for r in rows if "loss" in r]
             first, last = evals[0], evals[-1]
             line = []
-            for key in sorted(k for k in first if k.startswith("eval/rewards/")):
-                name = key.removeprefix("eval/rewards/")
+            per_task = any(k.startswith("eval/task/") for k in first)  # a mixture: each task's own rewards
+            for key in sorted(k for k in first if k.startswith("eval/task/" if per_task else "eval/rewards/")
+                              and "/rewards/" in k):
+                name = key.removeprefix("eval/task/" if per_task else "eval/rewards/").replace("/rewards/", "/")
                 results.setdefault(name, []).append((first[key], last[key]))
                 line.append(f"{name} {first[key]:.3f} -> {last[key]:.3f} ({last[key] - first[key]:+.3f})")
             if "tools/calls" in steps[0]:  # tool calls per trajectory, the first 3 training steps vs the last 3

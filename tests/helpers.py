@@ -182,3 +182,23 @@ class NoReset:
 
 def undocumented(x: int) -> int:
     return x
+
+
+def near_target(completions, target_len, **kwargs):
+    """1 for a completion of `target_len` characters (a column only one task of the mixture tests has), falling
+    by 1/40 per character away from it."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]  # chat prompts: messages
+    return [max(0.0, 1 - abs(len(text) - t) / 40) for text, t in zip(texts, target_len)]
+
+
+def stretch_near_target(matrix, names, tasks):
+    """A --reward_postprocess hook: near_target's column of the rows of task `hello` becomes 2 x - 1; each call
+    appends what it received (the names, the tasks, where the matrix is NaN) to NANOGRPO_TEST_HOOK_LOG."""
+    import json
+    with open(os.environ["NANOGRPO_TEST_HOOK_LOG"], "a") as f:
+        f.write(json.dumps({"names": names, "tasks": tasks, "nan": matrix.isnan().tolist()}) + "\n")
+    j = [n.endswith("near_target") for n in names].index(True)
+    for i, task in enumerate(tasks):
+        if task == "hello":
+            matrix[i, j] = 2 * matrix[i, j] - 1
+    return matrix

@@ -65,21 +65,28 @@ def test_scoring_watch_warns_once_and_stops_after_steps_in_a_row_with_a_function
     from utils import ScoringWatch
     watch = ScoringWatch(["accuracy", "judge"], limit=3)
     scored, unscored = torch.tensor([1.0, 0.0]), torch.tensor([math.nan, math.nan])
-    watch.update({"accuracy": 0, "judge": 2}, scored, 1)  # the judge failed on both completions
-    watch.update({"accuracy": 0, "judge": 0}, scored, 2)  # back: the count starts again
-    watch.update({"accuracy": 0, "judge": 2}, scored, 3)
-    watch.update({"accuracy": 0, "judge": 2}, scored, 4)
+    both = {"accuracy": 2, "judge": 2}  # the completions each was to score
+    watch.update({"accuracy": 0, "judge": 2}, both, scored, 1)  # the judge failed on both completions
+    watch.update({"accuracy": 0, "judge": 0}, both, scored, 2)  # back: the count starts again
+    watch.update({"accuracy": 0, "judge": 2}, both, scored, 3)
+    watch.update({"accuracy": 0, "judge": 0}, {"accuracy": 2, "judge": 0}, scored, 4)  # none of its task: no verdict
+    watch.update({"accuracy": 0, "judge": 2}, both, scored, 5)
     assert capsys.readouterr().out.count("warning: reward function judge failed on every completion of step 1") == 1
-    with pytest.raises(RunStopped, match="judge failed on every completion in 3 steps in a row \\(up to step 5\\)"):
-        watch.update({"accuracy": 0, "judge": 2}, scored, 5)
+    with pytest.raises(RunStopped, match="judge failed on every completion in 3 steps in a row \\(up to step 6\\)"):
+        watch.update({"accuracy": 0, "judge": 2}, both, scored, 6)
+    mixture = ScoringWatch(["accuracy", "judge"], limit=2)  # a mixture: the judge scores one of the two completions
+    mixture.update({"accuracy": 0, "judge": 1}, {"accuracy": 1, "judge": 1}, scored, 1)  # and fails on it
+    assert "judge failed on every completion of step 1" in capsys.readouterr().out
+    with pytest.raises(RunStopped, match="judge failed on every completion in 2 steps"):
+        mixture.update({"accuracy": 0, "judge": 1}, {"accuracy": 1, "judge": 1}, scored, 2)
     nothing = ScoringWatch(["accuracy"], limit=2)
-    nothing.update({"accuracy": 0}, unscored, 1)  # None for every completion: not a failure, but nothing learned
-    assert "no reward function scored any completion of step 1" in capsys.readouterr().out
+    nothing.update({"accuracy": 0}, {"accuracy": 2}, unscored, 1)  # None for every completion: not a failure, but
+    assert "no reward function scored any completion of step 1" in capsys.readouterr().out  # nothing learned
     with pytest.raises(RunStopped, match="no reward function scored any completion in 2 steps"):
-        nothing.update({"accuracy": 0}, unscored, 2)
+        nothing.update({"accuracy": 0}, {"accuracy": 2}, unscored, 2)
     never = ScoringWatch(["judge"], limit=0)
     for step in range(10):
-        never.update({"judge": 2}, scored, step)  # 0 = never stop
+        never.update({"judge": 2}, {"judge": 2}, scored, step)  # 0 = never stop
 
 
 def spec(**options) -> Config:

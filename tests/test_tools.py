@@ -210,7 +210,7 @@ def test_an_environment_that_raises_or_hangs_gives_its_trajectory_no_reward_and_
     assert episodes[4].extra["environment_error"] is None and episodes[4].extra["environment_reward"] == 1.0
     assert episodes[4].completion_ids == [2] and episodes[0].completion_ids == []
     scorer = RewardScorer([], ["prompt"])
-    scores = environment_rewards(episodes, [], scorer, "Flaky")
+    scores = environment_rewards(episodes, [], scorer, ["Flaky"], ["Flaky"] * len(episodes))
     assert [math.isnan(v) for v in scores[0]] == [True] * 4 + [False] * 2 and scorer.failures == 4
     assert scorer.failed["Flaky"] == 4 and "no game today" in capfd.readouterr().err
 
