@@ -30,13 +30,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from config import (DEFAULT_DATASET, EMBEDDED_ENVIRONMENTS, EMBEDDED_TASKS, NO_DATASET, NO_DATASET_STARTS, UsageError,
+from config import (EMBEDDED_ENVIRONMENTS, EMBEDDED_TASKS, NO_DATASET, NO_DATASET_STARTS, UsageError,
                     is_mixture_spec, split_weight)
 from rollout import load_rollout, run_rollout
 from utils import epoch_order, load_rows, step_prompt_indices, sum_over_ranks
-
-EMBEDDED_DATASETS = (DEFAULT_DATASET, NO_DATASET, *EMBEDDED_TASKS)  # held-out splits of their own
-
 
 @dataclass
 class Task:
@@ -96,11 +93,20 @@ def parse_tasks(cfg) -> list[Task]:
                 raise UsageError(f"--dataset {cfg.dataset}: an empty source between commas; give source[:weight],...")
             name, eq, spec = part.rpartition("=") if "=" in part else ("", "", part)
             source, weight = split_weight(spec)
+            if weight is None and ":" in spec and not os.path.exists(spec):  # a weight that is no number
+                source, _, weight = spec.rpartition(":")
             tasks.append(Task(**{**globals_, "name": name.strip() or source_name(source), "dataset": source.strip(),
                                  "weight": _parse_weight(weight or "1", source.strip())}))
     else:
         return [Task(**{**globals_, "name": source_name(cfg.dataset)})]
+    if cfg.eval_dataset and "=" not in cfg.env:
+        raise UsageError("--eval_dataset with a mixture of datasets: give each task its own eval_dataset in a "
+                         "mixture file (README: Task mixtures)")
     names = [t.name for t in tasks]
+    for name in names:
+        if not name or any(c in name for c in "/,:= "):
+            raise UsageError(f"task name {name!r}: a name is a word without / , : = or spaces (it names metrics, "
+                             "task/<name>/reward); name the task, e.g. gsm8k=./train.jsonl")
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise UsageError(f"two tasks are named {twice[0]!r}: name each, e.g. --dataset easy=./a.jsonl,hard=./b.jsonl "
@@ -393,9 +399,8 @@ def load_mixture(cfg, tokenizer, processor=None) -> Mixture:
                 raise UsageError(f"dataset {NO_DATASET}: only an env makes its own prompts; name a dataset, or the env")
             task.rows = _rows_of(task, load(task.dataset, task.dataset_split, task.prompt_column, task.answer_column,
                                             NO_DATASET_STARTS), mixed)
-            at_hand = task.dataset in EMBEDDED_DATASETS or bool(task.eval_dataset)
-            if cfg.eval_steps > 0 or (cfg.eval_steps == -1 and at_hand):
-                if not at_hand and os.path.isfile(task.dataset):
+            if dataclasses.replace(cfg, dataset=task.dataset, eval_dataset=task.eval_dataset, env="").evaluates():
+                if not task.eval_dataset and os.path.isfile(task.dataset):
                     raise UsageError(f"--eval_steps with a local dataset {task.dataset}: it has no held-out split; "
                                      "give its eval_dataset (a .jsonl/.json/.parquet file with the same columns)")
                 held_out = load(task.eval_dataset or task.dataset, task.eval_split, task.prompt_column,

@@ -43,7 +43,8 @@ def plot_run(output_dir: str) -> str | None:
     for task in tasks:  # a mixture: each task's reward (its own functions, its own weights), and its held-out one
         line, = ax.plot(*series(train, f"task/{task}/reward"), alpha=0.7, label=task)
         if evals:
-            ax.plot(*series(evals, f"eval/task/{task}/reward"), "o--", color=line.get_color(), label=f"{task} (held-out)")
+            ax.plot(*series(evals, f"eval/task/{task}/reward"), "o--", color=line.get_color(),
+                    label=f"{task} (held-out)")
     ax.set_title("reward" + (" (and each task's)" if tasks else ""))
     ax = axes[0, 1]
     for key in sorted(k for k in train[-1] if k.startswith("rewards/") and not k.endswith(("_std", "_nan_frac"))):

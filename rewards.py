@@ -177,7 +177,8 @@ def postprocessed(hook, matrix, names: list[str], tasks: list[str]):
     return out.float()
 
 
-REWARD_FUNCS = {"accuracy": accuracy, "format": format, "choice": choice, "tag_count": tag_count, "overlong_penalty": overlong_penalty}
+REWARD_FUNCS = {"accuracy": accuracy, "format": format, "choice": choice, "tag_count": tag_count,
+                "overlong_penalty": overlong_penalty}
 EXTRA_ARGUMENTS = ("trainer_state", "log_metric", "log_extra")  # TRL's, besides the dataset's columns
 
 
@@ -425,6 +426,7 @@ class RewardScorer:
         prompts = [r["prompt"] for r in rows]
         completions = [c if isinstance(p, str) or isinstance(c, list) else [{"role": "assistant", "content": c}]
                        for p, c in zip(prompts, completions)]  # a list: the messages of a multi-turn completion
+        own = own.tolist() if hasattr(own, "tolist") else own
         which = {name: [i for i in range(n) if own is None or own[i][j]] for j, name in enumerate(self.names)}
 
         def batch_of(name):  # the completions `name` scores, with their rows' columns

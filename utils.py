@@ -1313,10 +1313,11 @@ def reward_metrics(rewards: torch.Tensor, reward_matrix: torch.Tensor, names: li
                         **{f"own/{name}": own[:, i].sum() for i, name in enumerate(names)}})
     metrics = dict(zip(("reward", "reward_std"), mean_and_std(t["reward"], t["sq"], t["scored"])))
     metrics["unscored_frac"] = 1 - t["scored"] / t["n"]
-    for name in names:
+    for name in names:  # NaN for a function none of whose tasks' rows this step has (a mixture)
         metrics[f"rewards/{name}"], metrics[f"rewards/{name}_std"] = mean_and_std(t[f"r/{name}"], t[f"sq/{name}"],
-                                                                                   t[f"n/{name}"])
-        metrics[f"rewards/{name}_nan_frac"] = 1 - t[f"n/{name}"] / max(t[f"own/{name}"], 1.0)
+                                                                                   t[f"n/{name}"]) \
+            if t[f"own/{name}"] else (math.nan, math.nan)
+        metrics[f"rewards/{name}_nan_frac"] = 1 - t[f"n/{name}"] / t[f"own/{name}"] if t[f"own/{name}"] else math.nan
     return {**metrics, "frac_zero_std_groups": t["zero_std"] / t["n"], "scorer_failures": t["failures"]}
 
 

@@ -240,3 +240,16 @@ def test_trls_dict_of_environments_runs_each_row_in_the_environment_its_column_n
     for m in metrics:
         assert m["task/calc/prompts"] + m["task/game/prompts"] == 4 and m["rewards/Guess_nan_frac"] == 0
         assert "task/calc/rewards/Guess" not in m
+
+
+@pytest.mark.slow
+def test_a_mixture_mistake_stops_train_py_in_one_line_naming_the_task(tiny_model, tmp_path):
+    from tests.test_bad_input import offline_train_args, starts_fail
+    lines = starts_fail([offline_train_args(tiny_model, tmp_path / "a", "--dataset", "arithmetic:2,parity:zero"),
+                         offline_train_args(tiny_model, tmp_path / "b", "--dataset", "arithmetic,parity",
+                                            "--reward_funcs", "accuracy,nosuch")])
+    assert lines[0] == ("error: task parity: weight 'zero' is not a number; give a positive number, e.g. "
+                        "parity:0.5")
+    assert lines[1] == ("error: task arithmetic: unknown reward function 'nosuch' in --reward_funcs: use one of "
+                        "['accuracy', 'choice', 'format', 'overlong_penalty', 'tag_count'], your own as "
+                        "module:function, or a reward model folder as a path (./my_rm)")
