@@ -35,6 +35,7 @@ from config import (EMBEDDED_ENVIRONMENTS, EMBEDDED_TASKS, NO_DATASET, NO_DATASE
 from rollout import load_rollout, run_rollout
 from utils import epoch_order, load_rows, step_prompt_indices, sum_over_ranks
 
+
 @dataclass
 class Task:
     """One source of a mixture, as given (the keys of a mixture file), then loaded (load_mixture)."""
@@ -97,7 +98,7 @@ def parse_tasks(cfg) -> list[Task]:
                 source, _, weight = spec.rpartition(":")
             tasks.append(Task(**{**globals_, "name": name.strip() or source_name(source), "dataset": source.strip(),
                                  "weight": _parse_weight(weight or "1", source.strip())}))
-    else:
+    else:  # one dataset (an embedded task's flags are set by config.parse_config, unless given)
         return [Task(**{**globals_, "name": source_name(cfg.dataset)})]
     if cfg.eval_dataset and "=" not in cfg.env:
         raise UsageError("--eval_dataset with a mixture of datasets: give each task its own eval_dataset in a "

@@ -513,9 +513,12 @@ def main(cfg: Config):
         # per prompt: passed if its task's first reward function gives >= 1; per task too, in a mixture
         return mixture.eval_metrics([eval_rows[i] for i in mine], matrix, rewards, lengths, n, cfg.pass_k())
 
-    def log_eval(step: int, metrics: dict):
+    def log_eval(step: int, metrics: dict):  # a mixture's tasks too: | arithmetic reward 0.61 pass@1 0.08 ...
         print0(f"eval at step {step} | reward {metrics['eval/reward']:.3f} | "
-               + " ".join(f"pass@{k} {metrics[f'eval/pass@{k}']:.3f}" for k in cfg.pass_k()))
+               + " ".join(f"pass@{k} {metrics[f'eval/pass@{k}']:.3f}" for k in cfg.pass_k())
+               + "".join(f" | {t.name} reward {metrics[f'eval/task/{t.name}/reward']:.3f} pass@1 "
+                         f"{metrics[f'eval/task/{t.name}/pass@1']:.3f}" for t in mixture.tasks
+                         if f"eval/task/{t.name}/reward" in metrics))
 
     if eval_rows and state["step"] == 0:  # the starting point, to compare with
         metrics = {"step": 0, **evaluate()}
