@@ -7,6 +7,7 @@ heavy at import, so `python train.py --help` answers at once.
 import argparse
 import dataclasses
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -378,14 +379,24 @@ class Config:
 
 
 def is_mixture_spec(dataset: str) -> bool:
-    """Whether --dataset names a mixture of tasks (mixture.py): sources with a comma, a weight (source:0.5) or a
-    name (name=source), or a mixture file (.yaml/.yml, or .json holding an object with `tasks`)."""
+    """Whether --dataset names a mixture of tasks (mixture.py): a mixture file (.yaml/.yml, or a .json that holds
+    one object with `tasks`), or, when it is no file or folder, sources with a comma, a weight (source:0.5) or a
+    name (name=source)."""
     if dataset.endswith((".yaml", ".yml")):
         return True
-    if dataset.endswith(".json") and os.path.isfile(dataset):  # a mixture file, or a dataset of records
-        with open(dataset) as f:
-            head = f.read(1024).lstrip()
-        return head.startswith("{") and '"tasks"' in head
+    if os.path.exists(dataset):
+        if not (dataset.endswith(".json") and os.path.isfile(dataset)):
+            return False
+        with open(dataset) as f:  # a mixture file, or a dataset of records
+            if '"tasks"' not in f.read(1024):
+                return False
+            f.seek(0)
+            try:
+                spec = json.load(f)
+            except ValueError:  # JSON lines
+                return False
+        return isinstance(spec, dict) and isinstance(spec.get("tasks"), list) and all(
+            isinstance(task, dict) for task in spec["tasks"])
     return "," in dataset or "=" in dataset or split_weight(dataset)[1] is not None
 
 

@@ -86,17 +86,18 @@ def parse_tasks(cfg) -> list[Task]:
             tasks.append(Task(**{**globals_, "name": name.strip(), "env": factory.strip(),
                                  "environment": name.strip(), "weight": math.nan}))  # weight: its share of the rows
     elif is_mixture_spec(cfg.dataset) and cfg.dataset.endswith((".yaml", ".yml", ".json")):
-        tasks = [Task(**{**globals_, **entry}) for entry in _read_mixture_file(cfg.dataset)]
+        tasks = [Task(**{**globals_, **_task_defaults(entry), **entry}) for entry in _read_mixture_file(cfg.dataset)]
     elif is_mixture_spec(cfg.dataset):
         tasks = []
         for part in (p.strip() for p in cfg.dataset.split(",")):
             if not part:
                 raise UsageError(f"--dataset {cfg.dataset}: an empty source between commas; give source[:weight],...")
-            name, eq, spec = part.rpartition("=") if "=" in part else ("", "", part)
-            source, weight = split_weight(spec)
+            name, eq, spec = part.partition("=") if "=" in part and not os.path.exists(part) else ("", "", part)
+            source, weight = (spec, None) if os.path.exists(spec) else split_weight(spec)
             if weight is None and ":" in spec and not os.path.exists(spec):  # a weight that is no number
                 source, _, weight = spec.rpartition(":")
-            tasks.append(Task(**{**globals_, "name": name.strip() or source_name(source), "dataset": source.strip(),
+            tasks.append(Task(**{**globals_, **_task_defaults({"dataset": source.strip()}),
+                                 "name": name.strip() or source_name(source), "dataset": source.strip(),
                                  "weight": _parse_weight(weight or "1", source.strip())}))
     else:  # one dataset (an embedded task's flags are set by config.parse_config, unless given)
         return [Task(**{**globals_, "name": source_name(cfg.dataset)})]
@@ -113,11 +114,16 @@ def parse_tasks(cfg) -> list[Task]:
         raise UsageError(f"two tasks are named {twice[0]!r}: name each, e.g. --dataset easy=./a.jsonl,hard=./b.jsonl "
                          "or `name:` in a mixture file")
     for t in tasks:
-        if t.dataset in EMBEDDED_TASKS and t.reward_funcs == cfg.reward_funcs:  # an embedded task's own rewards
-            t.reward_funcs, t.reward_weights = EMBEDDED_TASKS[t.dataset].get("reward_funcs", t.reward_funcs), ""
         if t.env in EMBEDDED_ENVIRONMENTS:
             t.env = EMBEDDED_ENVIRONMENTS[t.env][0]
     return tasks
+
+
+def _task_defaults(entry: dict) -> dict:
+    """What a mixture file's task gets unless it says otherwise: an embedded task's or environment's own reward
+    functions (config.EMBEDDED_TASKS, EMBEDDED_ENVIRONMENTS)."""
+    preset = EMBEDDED_TASKS.get(entry.get("dataset"), {}) | EMBEDDED_ENVIRONMENTS.get(entry.get("env"), ("", {}))[1]
+    return {"reward_funcs": preset["reward_funcs"], "reward_weights": ""} if "reward_funcs" in preset else {}
 
 
 def source_name(dataset: str) -> str:
@@ -163,7 +169,7 @@ def _read_mixture_file(path: str) -> list[dict]:
             raise UsageError(f"{where}: unknown key {unknown[0]!r}; a task takes {', '.join(TASK_KEYS)}")
         if "dataset" not in entry and not entry.get("env"):
             raise UsageError(f"{where}: give its dataset (or an env, with dataset: none)")
-        entry = {k: ",".join(map(str, v)) if isinstance(v, list) else v for k, v in entry.items()}
+        entry = {k: ",".join(map(str, v)) if isinstance(v, list) else v for k, v in entry.items() if v is not None}
         entry.setdefault("dataset", NO_DATASET)
         entry = {k: v if k == "weight" else str(v) for k, v in entry.items()}
         entry["name"] = entry.get("name") or source_name(entry["dataset"])
@@ -189,6 +195,7 @@ class Mixture:
             for name, w in zip(_names(t.reward_funcs) + [t.env_reward] * bool(t.env_reward), _weights(t)):
                 self.own[i, self.names.index(name)] = True
                 self.weights[i, self.names.index(name)] = w
+        self.first = torch.tensor([self.names.index((_names(t.reward_funcs) + [t.env_reward])[0]) for t in tasks])
         self.rows = [row for t in tasks for row in t.rows]
         self.offsets = [sum(len(t.rows) for t in tasks[:i]) for i in range(len(tasks))]
         self.eval_rows = [row for t in tasks for row in t.eval_rows]
@@ -196,14 +203,26 @@ class Mixture:
         self.draw_weights = torch.tensor([share[i] if math.isnan(t.weight) else t.weight for i, t in enumerate(tasks)],
                                          dtype=torch.float64)
         self._counts = {}  # seed -> [(T,) prompts drawn of each task before step s, for s = 0, 1, ...]
+        self._orders = {}  # (task, seed) -> {epoch: its order}
 
     def task_index(self, rows: list[dict]) -> torch.Tensor:
         """(N,) the task of each row."""
         return torch.tensor([self.index_of[row["task"]] if self.mixed else 0 for row in rows], dtype=torch.long)
 
+    def names_of(self, tasks: torch.Tensor) -> list[str]:
+        return [self.tasks[t].name for t in tasks.tolist()]
+
+    def env_reward_of(self, tasks: torch.Tensor) -> list[str | None]:
+        return [self.tasks[t].env_reward for t in tasks.tolist()]
+
     @property
     def multi_turn(self) -> bool:
         return any(t.tools or t.env for t in self.tasks)
+
+    def multi_turn_only(self, episodes: list) -> list:
+        """The episodes of the tasks with tools or an environment (what tools.trajectory_metrics is about)."""
+        tasks = self.task_index([e.row for e in episodes]).tolist()
+        return [e for e, t in zip(episodes, tasks) if self.tasks[t].tools or self.tasks[t].env]
 
     def describe(self) -> str:
         """For the start line: `rewards ['accuracy', 'format'] x [1.0, 1.0]`, or each task's weight and rewards."""
@@ -244,9 +263,18 @@ class Mixture:
         for t in self._draw(step, prompts_per_step, seed).tolist():
             n = len(self.tasks[t].rows)
             epoch, pos = divmod(int(drawn[t]), n)
-            out.append(self.offsets[t] + epoch_order(n, seed + 7_919 * t, epoch)[pos])
+            out.append(self.offsets[t] + self._order(t, seed, epoch)[pos])
             drawn[t] += 1
         return out
+
+    def _order(self, t: int, seed: int, epoch: int) -> list[int]:
+        """Task t's shuffled order of its rows in `epoch` (utils.epoch_order), the last two of each task and seed
+        kept: a step takes prompts of every task, in turn."""
+        key = (t, seed)
+        if epoch not in self._orders.setdefault(key, {}):
+            self._orders[key] = {e: o for e, o in self._orders[key].items() if e == epoch - 1}
+            self._orders[key][epoch] = epoch_order(len(self.tasks[t].rows), seed + 7_919 * t, epoch)
+        return self._orders[key][epoch]
 
     def _draw(self, step: int, prompts_per_step: int, seed: int) -> torch.Tensor:
         """(prompts_per_step,) the task of each prompt of `step`."""
@@ -291,8 +319,7 @@ class Mixture:
         reward function >= 1) and the mean length; per task too (eval/task/<name>/...) in a mixture."""
         from utils import pass_at_k
         t = self.task_index(rows)  # (prompts,)
-        first = self.own.float().argmax(dim=1)  # (T,) each task's first column
-        correct = (matrix[torch.arange(len(matrix)), first[t.repeat_interleave(n)]] >= 1).view(-1, n).sum(dim=1)
+        correct = (matrix[torch.arange(len(matrix)), self.first[t.repeat_interleave(n)]] >= 1).view(-1, n).sum(dim=1)
         values = matrix.nan_to_num(0.0)
         sums = {"length": lengths.sum()}
         for i in range(len(self.tasks)):
@@ -359,6 +386,9 @@ def _weights(task: Task) -> list[float]:
     """The weights of a task's reward columns: its functions' (reward_weights, else 1.0 each), 1.0 for its
     environment's reward."""
     names = _names(task.reward_funcs)
+    if len(set(names)) < len(names):
+        raise UsageError(f"task {task.name}: reward_funcs {task.reward_funcs!r} names a function twice; give it once, "
+                         "with the sum of its weights")
     try:
         weights = [float(w) for w in task.reward_weights.split(",")] if task.reward_weights.strip() else \
             [1.0] * len(names)
@@ -398,15 +428,16 @@ def load_mixture(cfg, tokenizer, processor=None) -> Mixture:
                 raise UsageError("a rollout replaces the rollout that runs tools and an env: give one or the other")
             if task.dataset == NO_DATASET and not task.env:
                 raise UsageError(f"dataset {NO_DATASET}: only an env makes its own prompts; name a dataset, or the env")
-            task.rows = _rows_of(task, load(task.dataset, task.dataset_split, task.prompt_column, task.answer_column,
-                                            NO_DATASET_STARTS), mixed)
+            task.rows = _rows_of(task, task.dataset, load(task.dataset, task.dataset_split, task.prompt_column,
+                                                          task.answer_column, NO_DATASET_STARTS), mixed)
             if dataclasses.replace(cfg, dataset=task.dataset, eval_dataset=task.eval_dataset, env="").evaluates():
                 if not task.eval_dataset and os.path.isfile(task.dataset):
                     raise UsageError(f"--eval_steps with a local dataset {task.dataset}: it has no held-out split; "
-                                     "give its eval_dataset (a .jsonl/.json/.parquet file with the same columns)")
-                held_out = load(task.eval_dataset or task.dataset, task.eval_split, task.prompt_column,
-                                task.answer_column, cfg.eval_num_prompts)
-                task.eval_rows = _rows_of(task, held_out, mixed)[:cfg.eval_num_prompts]
+                                     "give its eval_dataset (a .jsonl/.json/.parquet file with the same columns; in a "
+                                     "mixture, a task's key in a mixture file)")
+                source = task.eval_dataset or task.dataset
+                rows = load(source, task.eval_split, task.prompt_column, task.answer_column, cfg.eval_num_prompts)
+                task.eval_rows = _rows_of(task, source, rows, mixed, held_out=True)[:cfg.eval_num_prompts]
             if mixed and len(task.rows) < cfg.prompts_per_step:
                 raise UsageError(f"{len(task.rows)} rows, fewer than one step takes (--prompts_per_step "
                                  f"{cfg.prompts_per_step}): a step drawn from it alone would repeat prompts; give "
@@ -422,24 +453,26 @@ def load_mixture(cfg, tokenizer, processor=None) -> Mixture:
             for name in _names(task.reward_funcs):
                 if not is_reward_model(name):
                     load_reward_func(name, list(task.rows[0]), cfg.reward_options())
-    if "=" in cfg.env:  # TRL's form: every row names one of the environments
+    if "=" in cfg.env:  # TRL's form: every row (held out too) names one of the environments
         known = [t.environment for t in tasks]
-        for i, row in enumerate(load(cfg.dataset, cfg.dataset_split, cfg.prompt_column, cfg.answer_column,
-                                     NO_DATASET_STARTS)):
-            if row.get("environment") not in known:
-                raise UsageError(f"dataset {cfg.dataset}, row {i}: environment {row.get('environment')!r} is not one "
-                                 f"of --env's {known}; each row's `environment` column names the environment it "
-                                 "runs in")
+        evaluated = [(cfg.eval_dataset or cfg.dataset, cfg.eval_split, cfg.eval_num_prompts)] \
+            if any(t.eval_rows for t in tasks) else []
+        for dataset, split, starts in [(cfg.dataset, cfg.dataset_split, NO_DATASET_STARTS), *evaluated]:
+            for i, row in enumerate(load(dataset, split, cfg.prompt_column, cfg.answer_column, starts)):
+                if row.get("environment") not in known:
+                    raise UsageError(f"dataset {dataset}, row {i}: environment {row.get('environment')!r} is not one "
+                                     f"of --env's {known}; each row's `environment` column names the environment it "
+                                     "runs in")
     return Mixture(tasks, mixed)
 
 
-def _rows_of(task: Task, rows: list[dict], mixed: bool) -> list[dict]:
-    """A task's rows of a loaded dataset: those whose `environment` is the task's (TRL's form), each with the
-    task's name in a `task` column (in a mixture)."""
+def _rows_of(task: Task, dataset: str, rows: list[dict], mixed: bool, held_out: bool = False) -> list[dict]:
+    """A task's rows of a loaded dataset: those whose `environment` is the task's (TRL's form; held-out rows need not
+    have every environment's), each with the task's name in a `task` column (in a mixture)."""
     if task.environment:
         rows = [row for row in rows if row.get("environment") == task.environment]
-        if not rows:
-            raise UsageError(f"no row of dataset {task.dataset} has environment {task.environment!r}")
+        if not rows and not held_out:
+            raise UsageError(f"no row of dataset {dataset} has environment {task.environment!r}")
     if not mixed:
         return rows
     if any("task" in row and row["task"] != task.name for row in rows):

@@ -162,9 +162,33 @@ def postprocess_rewards(matrix, names: list[str], tasks: list[str]):
     return matrix
 
 
+def load_postprocess(spec: str):
+    """The reward matrix's hook: postprocess_rewards, or --reward_postprocess module:function, checked to take
+    (matrix, names, tasks); UsageError saying what to change."""
+    if not spec:
+        return postprocess_rewards
+    module, _, name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise UsageError(f"--reward_postprocess {spec}: could not load it ({type(e).__name__}: {e}); give "
+                         "module:function with the module importable from the working folder") from None
+    try:
+        inspect.signature(fn).bind(None, [], [])
+    except TypeError as e:
+        raise UsageError(f"--reward_postprocess {spec}: {name}{inspect.signature(fn)} cannot be called as "
+                         f"f(matrix, names, tasks) ({e})") from None
+    except ValueError:  # no signature to inspect (a builtin)
+        pass
+    return fn
+
+
 def postprocessed(hook, matrix, names: list[str], tasks: list[str]):
     """hook(matrix, names, tasks) (postprocess_rewards, or --reward_postprocess), checked: RunStopped if it raises or
-    returns other than a float tensor of the matrix's shape."""
+    returns other than a float tensor of the matrix's shape. A batch without rows (a rank with nothing to score)
+    is not shown to it."""
+    if not len(matrix):
+        return matrix
     try:
         out = hook(matrix.clone(), names, tasks)
     except Exception as e:

@@ -44,9 +44,9 @@ import torch
 from config import Config, UsageError, native_bf16, parse_config, resolve_model
 from mixture import load_mixture, resume_signature
 from plot import plot_run
-from rewards import RewardScorer, postprocess_rewards, postprocessed, weighted_rewards
+from rewards import RewardScorer, load_postprocess, postprocessed, weighted_rewards
 from rollout import RolloutContext, collate, episodes_to_json, presampled_from_json, run_rollout
-from tools import environment_rewards, load_callables, probe_trajectory, read_chat_template, trajectory_metrics
+from tools import environment_rewards, probe_trajectory, read_chat_template, trajectory_metrics
 from utils import (MetricsLogger, Probe, ScoringWatch, ServerWeights, StepTimer, StopRequest, add_lora, barrier,
                    check_checkpoint, check_finite, check_sync, completion_logprobs, console_line, disable_dropout,
                    distribute, encode_prompt, eval_summary, extremes_over_ranks, find_checkpoint, full_tensor,
@@ -369,7 +369,7 @@ def main(cfg: Config):
     # the tasks (mixture.py; one, for one dataset): their rows, rollouts (rows -> episodes through the server; tools
     # and environments: tools.py) and reward functions. `rows`: every task's, one list; eval_rows: held out
     mixture = load_mixture(cfg, tokenizer, processor)
-    rows, eval_rows, rollout_fn, first = mixture.rows, mixture.eval_rows, mixture.rollout, mixture.tasks[0]
+    rows, eval_rows, rollout_fn = mixture.rows, mixture.eval_rows, mixture.rollout
     # through the chat template, with the image tokens (every image is read now: a bad one stops the run here)
     longest = mixture.longest_prompt(tokenizer, processor)
     if longest > cfg.max_prompt_length:
@@ -385,8 +385,7 @@ def main(cfg: Config):
                          "with a larger --max-model-len")
     scorer = RewardScorer(mixture.functions, {name: mixture.columns_of(name) for name in mixture.functions}, device,
                           cfg.max_steps, options=cfg.reward_options())  # signatures checked now
-    postprocess = load_callables(cfg.reward_postprocess, "--reward_postprocess")[0] if cfg.reward_postprocess \
-        else postprocess_rewards  # the reward matrix's hook
+    postprocess = load_postprocess(cfg.reward_postprocess)  # the reward matrix's hook (rewards.postprocess_rewards)
     sampling = dict(max_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                     min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty)
     names = mixture.names  # k reward columns: every task's functions, then each environment's get_reward()
@@ -419,12 +418,13 @@ def main(cfg: Config):
         print0(f"resuming from {resume} after step {state['step']}"
                + "".join(f"; {change} (this run's flag applies)" for change in changed))
 
-    # a fixed probe the server scores after pushes, to catch a sync that silently went wrong (a VLM's has an image)
-    answer, prompt, system = " Let me think. 12 + 7 = 19, so the answer is \\boxed{19}.", rows[0]["prompt"], \
-        first.system_prompt
-    sync_probe = (Probe(probe_trajectory(tokenizer, prompt, system, first.schemas)) if first.schemas else
-                  vision_probe(processor, rows[0], system, answer) if processor else
-                  Probe(encode_prompt(tokenizer, prompt, system) + tokenizer(answer)["input_ids"]))
+    # a fixed probe the server scores after pushes, to catch a sync that silently went wrong (a VLM's has an image);
+    # its prompt: the first task's first, with that task's system prompt and tools
+    first, prompt = mixture.tasks[0], rows[0]["prompt"]
+    answer = " Let me think. 12 + 7 = 19, so the answer is \\boxed{19}."
+    sync_probe = (Probe(probe_trajectory(tokenizer, prompt, first.system_prompt, first.schemas)) if first.schemas else
+                  vision_probe(processor, rows[0], first.system_prompt, answer) if processor else
+                  Probe(encode_prompt(tokenizer, prompt, first.system_prompt) + tokenizer(answer)["input_ids"]))
     exact = server_dtype == torch.float32 and not cfg.bf16
     sync_tolerance = cfg.sync_check_tolerance if cfg.sync_check_tolerance >= 0 else (1e-3 if exact else 0.5)
     # weights leave in the server's names and dtype, LoRA merged, FSDP2 shards gathered one tensor at a time;
@@ -491,10 +491,9 @@ def main(cfg: Config):
         scores = scorer([e.row for e in episodes], completions, [e.completion_ids for e in episodes],
                         scheduler.last_epoch, mixture.own[tasks])  # each function scores its tasks' rows
         if mixture.env_names:  # each trajectory's get_reward(); an episode whose environment failed gets no reward
-            scores = environment_rewards(episodes, scores, scorer, mixture.env_names,
-                                         [mixture.tasks[t].env_reward for t in tasks.tolist()])
-        reward_matrix = postprocessed(postprocess, torch.tensor(scores, dtype=torch.float32).T.reshape(
-            len(texts), len(names)), names, [mixture.tasks[t].name for t in tasks.tolist()])
+            scores = environment_rewards(episodes, scores, scorer, mixture.env_names, mixture.env_reward_of(tasks))
+        reward_matrix = torch.tensor(scores, dtype=torch.float32).T.reshape(len(texts), len(names))  # (N, k)
+        reward_matrix = postprocessed(postprocess, reward_matrix, names, mixture.names_of(tasks))  # the hook
         return texts, reward_matrix, weighted_rewards(reward_matrix, mixture.weights[tasks], mixture.own[tasks])
 
     def evaluate() -> dict:
@@ -629,7 +628,7 @@ def main(cfg: Config):
                                     mixture.own[mixture.task_index([e.row for e in episodes])]),
                    **mixture.metrics([e.row for e in episodes], rewards, reward_matrix, zero_std, G),
                    **training_metrics(sums, grad_norms, tokens["mask"].sum(dim=1).float(), truncated, diff, compared),
-                   **(trajectory_metrics(episodes, is_main) if mixture.multi_turn else {}),
+                   **(trajectory_metrics(mixture.multi_turn_only(episodes), is_main) if mixture.multi_turn else {}),
                    **dynamic, **probe, "server_reconnects": server.reconnects, "lr": scheduler.get_last_lr()[0],
                    "optimizer_steps": scheduler.last_epoch,
                    "old_logprob_pass": int(off_policy or cfg.top_entropy_quantile < 1), **timer.metrics()}

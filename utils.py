@@ -193,13 +193,16 @@ def step_prompt_indices(step: int, num_rows: int, prompts_per_step: int, seed: i
     out = []
     for k in range(step * prompts_per_step, (step + 1) * prompts_per_step):
         epoch, pos = divmod(k, num_rows)
-        out.append(epoch_order(num_rows, seed, epoch)[pos])
+        out.append(last_epoch_orders(num_rows, seed, epoch)[pos])
     return out
 
 
-@functools.lru_cache(maxsize=2)  # a step spans at most two epochs
 def epoch_order(num_rows: int, seed: int, epoch: int) -> list[int]:
+    """The rows' order in `epoch`: a permutation seeded by seed + epoch."""
     return torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+
+last_epoch_orders = functools.lru_cache(maxsize=2)(epoch_order)  # a step spans at most two epochs
 
 
 # -----------------------------------------------------------------------------

@@ -253,3 +253,83 @@ def test_a_mixture_mistake_stops_train_py_in_one_line_naming_the_task(tiny_model
     assert lines[1] == ("error: task arithmetic: unknown reward function 'nosuch' in --reward_funcs: use one of "
                         "['accuracy', 'choice', 'format', 'overlong_penalty', 'tag_count'], your own as "
                         "module:function, or a reward model folder as a path (./my_rm)")
+
+
+def test_a_file_or_folder_whose_name_has_a_comma_colon_or_equals_is_one_dataset(tmp_path):
+    from config import is_mixture_spec
+    folder = tmp_path / "split=train"
+    folder.mkdir()
+    odd = write_jsonl(folder / "a,b:1.jsonl", [{"prompt": "hi"}])
+    records = write_jsonl(tmp_path / "records.json", [{"prompt": "hi", "tasks": ["a"]}])  # JSON lines, a tasks column
+    (tmp_path / "mix.json").write_text(json.dumps({"tasks": [{"dataset": "arithmetic"}]}))
+    assert not is_mixture_spec(odd) and not is_mixture_spec(str(folder)) and not is_mixture_spec(records)
+    assert is_mixture_spec(str(tmp_path / "mix.json")) and is_mixture_spec("a.jsonl:2") and is_mixture_spec("x=a.jsonl")
+
+
+def test_a_mixture_file_keeps_what_it_says_and_leaves_out_what_it_leaves_empty(tmp_path):
+    from mixture import parse_tasks
+    (tmp_path / "m.yaml").write_text("tasks:\n  - dataset: parity\n    system_prompt:\n"
+                                     "  - dataset: parity\n    name: p2\n    reward_funcs: [accuracy, format]\n"
+                                     "  - name: game\n    env: guess\n")
+    first, second, game = parse_tasks(parse_config(["--dataset", str(tmp_path / "m.yaml")]))
+    assert (first.name, first.reward_funcs, first.system_prompt) == ("parity", "choice", "")  # its own; no "None"
+    assert second.reward_funcs == "accuracy,format"  # what the file says, though parity has its own
+    assert (game.dataset, game.env, game.reward_funcs) == ("none", "environments:Guess", "")  # guess: its reward only
+    with pytest.raises(UsageError, match="task a: reward_funcs 'accuracy,accuracy' names a function twice"):
+        from mixture import _weights, Task
+        _weights(Task(name="a", dataset="arithmetic", reward_funcs="accuracy,accuracy"))
+
+
+def fake_mixture():
+    """Two tasks without loading anything: `a` scored by format then tag_count, `b` by accuracy then format."""
+    from mixture import Mixture, Task
+    a = Task(name="a", dataset="x", reward_funcs="format,tag_count", rows=[{"prompt": "p", "task": "a"}] * 3,
+             eval_rows=[{"prompt": "p", "task": "a"}])
+    b = Task(name="b", dataset="y", reward_funcs="accuracy,format", rows=[{"prompt": "q", "task": "b"}] * 3,
+             eval_rows=[{"prompt": "q", "task": "b"}])
+    return Mixture([a, b], mixed=True)
+
+
+def test_per_task_metrics_and_pass_at_k_equal_a_loop_over_each_tasks_rows():
+    from utils import pass_at_k
+    mixture = fake_mixture()
+    assert mixture.names == ["format", "tag_count", "accuracy"] and mixture.first.tolist() == [0, 2]
+    nan = math.nan
+    rows = [{"task": "a"}, {"task": "b"}, {"task": "a"}]  # 3 prompts x n=2 completions
+    matrix = torch.tensor([[1.0, 0.5, nan], [0.0, nan, nan], [1.0, nan, 0.0], [1.0, nan, 1.0],
+                           [0.0, 0.25, nan], [1.0, 1.0, nan]])
+    rewards = torch.tensor([1.5, 0.0, 1.0, 1.0, 0.25, 2.0])
+    out = mixture.eval_metrics(rows, matrix, rewards, torch.tensor([3.0, 4, 5, 6, 7, 8]), 2, [1, 2])
+    correct = {"a": [], "b": []}  # per prompt: completions whose task's first function gives >= 1
+    for p, row in enumerate(rows):
+        first = 0 if row["task"] == "a" else 2
+        correct[row["task"]].append(sum(matrix[2 * p + i, first] >= 1 for i in range(2)))
+    for task in ("a", "b"):
+        for k in (1, 2):
+            expected = sum(pass_at_k(2, int(c), k) for c in correct[task]) / len(correct[task])
+            assert out[f"eval/task/{task}/pass@{k}"] == pytest.approx(expected)
+    assert out["eval/task/b/pass@1"] == 0.5  # b is judged by accuracy (1 of 2), not by format (2 of 2)
+    assert out["eval/task/a/pass@1"] == 0.5 and out["eval/task/a/rewards/tag_count"] == pytest.approx(1.75 / 4)
+    assert "eval/task/a/rewards/accuracy" not in out and out["eval/rewards/accuracy"] == 0.5  # b's rows only
+    assert out["eval/rewards/format"] == pytest.approx(4 / 6) and out["eval/completion_length"] == 5.5
+    zero_std = torch.tensor([False, False, True, True, False, False])
+    step = mixture.metrics(rows[0:1] * 2 + rows[1:2] * 2 + rows[2:3] * 2, rewards, matrix, zero_std, G=2)
+    assert step["task/a/prompts"] == 2 and step["task/b/prompts"] == 1
+    assert step["task/a/reward"] == pytest.approx((1.5 + 0.0 + 0.25 + 2.0) / 4)
+    assert step["task/b/rewards/accuracy"] == 0.5 and step["task/a/frac_zero_std_groups"] == 0
+    assert step["task/b/frac_zero_std_groups"] == 1 and "task/a/rewards/accuracy" not in step
+
+
+def test_the_postprocess_hook_is_checked_at_start_and_not_shown_an_empty_batch():
+    from rewards import load_postprocess, postprocess_rewards, postprocessed
+    assert load_postprocess("") is postprocess_rewards
+    assert load_postprocess("tests.helpers:stretch_near_target").__name__ == "stretch_near_target"
+    with pytest.raises(UsageError, match="cannot be called as f\\(matrix, names, tasks\\)"):
+        load_postprocess("tests.helpers:brevity")  # (completions, **kwargs): no
+    with pytest.raises(UsageError, match="could not load it"):
+        load_postprocess("tests.helpers:nothing_here")
+    empty = torch.zeros(0, 2)
+    assert postprocessed(lambda m, n, t: 1 / 0, empty, ["a", "b"], []) is empty
+    from config import RunStopped
+    with pytest.raises(RunStopped, match="returned Tensor \\(1,\\) for a float matrix of shape \\(2, 2\\)"):
+        postprocessed(lambda m, n, t: m[0, :1], torch.zeros(2, 2), ["a", "b"], ["x", "y"])
