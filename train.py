@@ -659,7 +659,7 @@ def main(cfg: Config):
                            cfg.save_merged_model or not cfg.use_peft)
         print0(f"saved {', '.join(saved)}")
     logger.close()
-    if is_main and (picture := plot_run(cfg.output_dir)):
+    if is_main and (picture := plot_run(cfg.output_dir, reference=cfg.beta > 0)):
         print0(f"plotted {picture}")
     if is_main and (summary := eval_summary(cfg.output_dir, mixture.summary_names(), cfg.eval_num_generations)):
         print0(summary)  # the last line: what the run learned, on problems it never trained on

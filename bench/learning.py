@@ -9,6 +9,8 @@ and tools) instead, also printing the tool calls per trajectory in the first and
     .venv/bin/python bench/learning.py --env guess        # the embedded guess game, 3 times
     .venv/bin/python bench/learning.py -- --dataset shapes   # the embedded vision task (its VLM), 3 times
     .venv/bin/python bench/learning.py -- --dataset arithmetic,parity   # a mixture: each task's rewards
+    .venv/bin/python bench/learning.py --seeds 5                   # seeds 42 to 46
+    .venv/bin/python bench/learning.py --seeds 42 42 42            # one seed 3 times: how much a run repeats
     .venv/bin/python bench/learning.py --seeds 1 -- --learning_rate 1e-5   # after --: any train.py flags
 """
 import argparse
@@ -53,7 +55,8 @@ def spread(values: list[float]) -> str:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seeds", type=int, default=3, help="runs, with seeds 42, 43, ...")
+    p.add_argument("--seeds", type=int, nargs="+", default=[3],
+                   help="one number: that many runs, with seeds 42, 43, ...; several: those seeds, repeats allowed")
     p.add_argument("--model", default="", help="default: the model the flags run (the embedded one)")
     p.add_argument("--keep", default="", help="a folder to keep the runs in (logs, metrics, rollouts); default: none")
     p.add_argument("--env", default="", help="an embedded environment (calculator, guess) or module:factory")
@@ -68,9 +71,10 @@ if __name__ == "__main__":
         os.makedirs(args.keep, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp, serving(resolve_model(model), args.keep or tmp) as server:
         work = args.keep or tmp
-        print(f"train.py defaults + {shlex.join(flags)}, {args.seeds} seed(s)")
-        for seed in range(42, 42 + args.seeds):
-            rows, seconds = run(server["port"], os.path.join(work, f"seed{seed}"), seed, flags)
+        seeds = list(range(42, 42 + args.seeds[0])) if len(args.seeds) == 1 else args.seeds
+        print(f"train.py defaults + {shlex.join(flags)}, seeds {seeds}")
+        for i, seed in enumerate(seeds):
+            rows, seconds = run(server["port"], os.path.join(work, f"run{i + 1}-seed{seed}"), seed, flags)
             evals, steps = [r for r in rows if "eval/reward" in r], [r for r in rows if "loss" in r]
             first, last = evals[0], evals[-1]
             line = []

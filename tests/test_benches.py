@@ -44,10 +44,11 @@ def test_scaling(model, shared):
 
 
 def test_learning(model, shared):
-    out = bench("learning.py", "--model", model, "--seeds", "1", "--env", "calculator", "--", "--max_steps", "1",
-                "--prompts_per_step", "2", "--num_generations", "2", "--max_completion_length", "32",
+    out = bench("learning.py", "--model", model, "--seeds", "42", "42", "--env", "calculator", "--", "--max_steps",
+                "1", "--prompts_per_step", "2", "--num_generations", "2", "--max_completion_length", "32",
                 "--eval_num_prompts", "2", env=shared)  # room for the opened call and a few tokens of the model's
-    assert "seed 42: accuracy" in out and re.search(r"tool calls \d\.\d\d -> \d\.\d\d", out) and "improved in" in out
+    assert out.count("seed 42: accuracy") == 2 and re.search(r"tool calls \d\.\d\d -> \d\.\d\d", out)
+    assert "improved in" in out and "of 2 seeds" in out  # one seed twice: how much a run repeats
 
 
 def test_multi_turn(model, shared):
