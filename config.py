@@ -6,6 +6,7 @@ heavy at import, so `python train.py --help` answers at once.
 """
 import argparse
 import dataclasses
+import functools
 import glob
 import json
 import os
@@ -378,6 +379,7 @@ class Config:
                              "invalid configuration:\n  - " + "\n  - ".join(errors))
 
 
+@functools.lru_cache(maxsize=8)  # read once at start (validate, evaluates and mixture.py all ask)
 def is_mixture_spec(dataset: str) -> bool:
     """Whether --dataset names a mixture of tasks (mixture.py): a mixture file (.yaml/.yml, or a .json that holds
     one object with `tasks`), or, when it is no file or folder, sources with a comma, a weight (source:0.5) or a
