@@ -65,7 +65,7 @@ class Config:
     model: str = DEFAULT_MODEL  # "smollm2-135m" (embedded), a Hugging Face model id, or a local folder
     dataset: str = DEFAULT_DATASET  # "arithmetic" (embedded), a hub dataset name, or a local .json/.jsonl/.parquet file;
                                     # "none" with an --env that makes its prompts; "parity", "shapes": embedded
-                                    # tasks (they set the flags of EMBEDDED_TASKS not given); a mixture of several:
+                                    # tasks (each sets the flags of EMBEDDED_TASKS not given); a mixture of several:
                                     # source[:weight],... or a mixture file, .yaml/.json (README: Task mixtures)
     dataset_split: str = "train"  # split of a hub dataset
     prompt_column: str = ""  # column with the prompt: text or chat messages; "" = "prompt", else "question"
@@ -136,7 +136,7 @@ class Config:
     max_unscored_steps: int = 5  # stop after this many steps in a row in which a reward function failed on every
                                  # completion, or none was scored; 0 = never
     # optimization
-    max_steps: int = 16  # optimizer steps (= generation rounds); tuned*
+    max_steps: int = 24  # optimizer steps (= generation rounds); tuned*
     learning_rate: float = 5e-5  # peak AdamW learning rate; tuned* (TRL's default is 1e-6, for larger models)
     lr_scheduler_type: str = "constant"  # constant | linear | cosine (decay to 0 at max_steps)
     warmup_steps: int = 0  # linear warmup from 0
@@ -458,9 +458,12 @@ def parse_config(argv: list[str] | None = None) -> Config:
     flags = {}  # an embedded environment's or task's flags, where they are not given
     if args["env"] in EMBEDDED_ENVIRONMENTS:  # its factory, and the flags it runs with
         args["env"], flags = EMBEDDED_ENVIRONMENTS[args["env"]]
-    flags = flags | EMBEDDED_TASKS.get(args["dataset"], {})
+    if not args["env"]:  # an environment makes its own conversation
+        flags = flags | EMBEDDED_TASKS.get(args["dataset"], {})
     if flags:
         given = vars(_parser(defaults=False).parse_args(argv))  # (abbreviated too, as argparse takes them)
+        if "reward_funcs" in given:  # a preset's weights are for its own functions
+            flags = {name: value for name, value in flags.items() if name != "reward_weights"}
         args |= {name: value for name, value in flags.items() if name not in given}
     return Config(**args)
 
@@ -491,8 +494,15 @@ EMBEDDED_ENVIRONMENTS = {
     "guess": ("environments:Guess", {"dataset": NO_DATASET, "reward_funcs": "", "max_completion_length": 160}),
 }
 
-# The embedded tasks besides arithmetic: --dataset NAME runs with these flags, unless they are given.
+# The embedded tasks: --dataset NAME runs with these flags, unless they are given (not with an --env, which makes
+# its own conversation and is scored by its own rewards).
 EMBEDDED_TASKS = {
+    # sums (utils.arithmetic_problems), in \boxed{} after the sum is written out, as the system prompt shows (the
+    # model adds far better after "13 + 14 = " than right after "\boxed{"). A right answer earns 1, and 1 more in the
+    # box; a wrong one, boxed or not, earns nothing; format is reported beside them (README: The default run)
+    DEFAULT_DATASET: {"system_prompt": "Write the sum first, then the answer in \\boxed{}, like this: 12 + 9 = 21, so "
+                                       "the answer is \\boxed{21}.",
+                      "reward_funcs": "boxed_accuracy,format,accuracy", "reward_weights": "1,0,1"},
     # is a number even or odd (utils.parity_problems), scored by the first of the two words the answer says
     "parity": {"reward_funcs": "choice"},
     # the embedded vision task (vision.py): a small VLM learns to name the colour of a shape in a picture

@@ -25,7 +25,8 @@ def call_opening(name: str, argument: str) -> str:
 
 class Calculator:
     """The embedded arithmetic task ("What is 13 + 14? ...") with a calculator the model may call before it
-    answers in \\boxed{}; scored by the task's own rewards (accuracy, format). Its first turn starts with a call
+    answers in \\boxed{}; scored by --reward_funcs (accuracy, format: an environment's conversation is its own, so the
+    embedded task's system prompt and rewards do not apply). Its first turn starts with a call
     of calculate, up to the expression's opening quote."""
     prefill = True
 

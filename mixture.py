@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from config import (EMBEDDED_ENVIRONMENTS, EMBEDDED_TASKS, NO_DATASET, NO_DATASET_STARTS, UsageError,
+from config import (EMBEDDED_ENVIRONMENTS, EMBEDDED_TASKS, NO_DATASET, NO_DATASET_STARTS, Config, UsageError,
                     is_mixture_spec, split_weight)
 from rollout import load_rollout, run_rollout
 from utils import epoch_order, load_rows, step_prompt_indices, sum_over_ranks
@@ -113,6 +113,10 @@ def parse_tasks(cfg) -> list[Task]:
     if twice:
         raise UsageError(f"two tasks are named {twice[0]!r}: name each, e.g. --dataset easy=./a.jsonl,hard=./b.jsonl "
                          "or `name:` in a mixture file")
+    if cfg.reward_funcs != Config.reward_funcs and all(t.reward_funcs != cfg.reward_funcs for t in tasks):
+        raise UsageError(f"--reward_funcs {cfg.reward_funcs} scores none of the tasks: each has its own "
+                         f"({', '.join(f'{t.name}: {t.reward_funcs}' for t in tasks)}); to change a task's, give it "
+                         "reward_funcs in a mixture file (README: Task mixtures)")
     for t in tasks:
         if t.env in EMBEDDED_ENVIRONMENTS:
             t.env = EMBEDDED_ENVIRONMENTS[t.env][0]
@@ -120,10 +124,17 @@ def parse_tasks(cfg) -> list[Task]:
 
 
 def _task_defaults(entry: dict) -> dict:
-    """What a mixture file's task gets unless it says otherwise: an embedded task's or environment's own reward
-    functions (config.EMBEDDED_TASKS, EMBEDDED_ENVIRONMENTS)."""
-    preset = EMBEDDED_TASKS.get(entry.get("dataset"), {}) | EMBEDDED_ENVIRONMENTS.get(entry.get("env"), ("", {}))[1]
-    return {"reward_funcs": preset["reward_funcs"], "reward_weights": ""} if "reward_funcs" in preset else {}
+    """What a mixture's task gets unless its entry says otherwise: an embedded environment's own reward functions,
+    or (without an env) an embedded task's own rewards and system prompt (config.EMBEDDED_ENVIRONMENTS,
+    EMBEDDED_TASKS). A preset's reward weights go with its functions only."""
+    if entry.get("env"):
+        preset = EMBEDDED_ENVIRONMENTS.get(entry["env"], ("", {}))[1]
+    else:
+        preset = EMBEDDED_TASKS.get(entry.get("dataset"), {})
+    out = {key: preset[key] for key in ("system_prompt",) if key in preset}
+    if "reward_funcs" in preset and "reward_funcs" not in entry:
+        out |= {"reward_funcs": preset["reward_funcs"], "reward_weights": preset.get("reward_weights", "")}
+    return out
 
 
 def source_name(dataset: str) -> str:
@@ -225,9 +236,11 @@ class Mixture:
         return [e for e, t in zip(episodes, tasks) if self.tasks[t].tools or self.tasks[t].env]
 
     def describe(self) -> str:
-        """For the start line: `rewards ['accuracy', 'format'] x [1.0, 1.0]`, or each task's weight and rewards."""
+        """For the start line: `rewards ['accuracy', 'format'] x [1.0, 1.0]` (and the system prompt, if there is
+        one), or each task's weight and rewards."""
         if not self.mixed:
-            return f"rewards {self.names} x {self.weights[0].tolist()}"
+            system = self.tasks[0].system_prompt
+            return f"rewards {self.names} x {self.weights[0].tolist()}" + (f" | system {system!r}" if system else "")
         share = (self.draw_weights / self.draw_weights.sum()).tolist()
         return "tasks " + ", ".join(f"{t.name} {p:.2f} {[n for n, o in zip(self.names, self.own[i]) if o]}"
                                     for i, (t, p) in enumerate(zip(self.tasks, share)))

@@ -41,7 +41,7 @@ from types import SimpleNamespace
 from config import RunStopped, UsageError
 
 MATH_TIMEOUT = 2  # seconds math-verify may spend parsing or comparing one completion (pathological input)
-BOXED_NUMBER = re.compile(r"\\boxed\{\s*-?[\d,]*\.?\d+\s*\}")
+BOXED_NUMBER = re.compile(r"\\boxed\{\s*-?[\d,]*\.?\d+\.?\s*\}")  # a full stop after it too, as accuracy reads it
 
 
 def completion_text(completion) -> str:
@@ -89,12 +89,20 @@ def accuracy(completions, answer, **kwargs) -> list[float]:
             for completion, refs in zip(completions, answer)]
 
 
+def boxed_accuracy(completions, answer, **kwargs) -> list[float]:
+    """accuracy, counted only for an answer given in \\boxed{} (a plain last number earns nothing): the reward of
+    a task whose prompt asks for the box (the embedded one), so that answering plainly is never worth learning.
+    Unlike accuracy + format, it never rewards a wrong answer for its box (README: The default run)."""
+    return [score if "\\boxed{" in completion_text(completion) else 0.0
+            for score, completion in zip(accuracy(completions, answer), completions)]
+
+
 def _matches(text: str, ref: str) -> bool:
     """Whether a completion's final answer equals one reference answer (math-verify, with its timeouts)."""
     from math_verify import parse, verify
     gold = parse(ref if "$" in ref or "\\boxed" in ref else f"${ref}$", parsing_timeout=MATH_TIMEOUT)
     if NUMBER.fullmatch(ref):
-        number = final_answer(text).strip("$ .").replace(",", "")
+        number = final_answer(text).strip("$ ").rstrip(".").replace(",", "")  # "12." is 12; ".5" is not 5
         if not NUMBER.fullmatch(number):
             return False
         text = f"${number}$"
@@ -102,7 +110,8 @@ def _matches(text: str, ref: str) -> bool:
 
 
 def format(completions, **kwargs) -> list[float]:  # noqa: A001 - TRL's name for it
-    """1.0 if the completion gives a number in \\boxed{} exactly once."""
+    """1.0 if the completion gives a number in \\boxed{} exactly once ("\\boxed{12}"; "\\boxed{12.}" too, which
+    accuracy reads as 12)."""
     return [float(len(BOXED_NUMBER.findall(completion_text(c))) == 1) for c in completions]
 
 
@@ -201,8 +210,8 @@ def postprocessed(hook, matrix, names: list[str], tasks: list[str]):
     return out.float()
 
 
-REWARD_FUNCS = {"accuracy": accuracy, "format": format, "choice": choice, "tag_count": tag_count,
-                "overlong_penalty": overlong_penalty}
+REWARD_FUNCS = {"accuracy": accuracy, "boxed_accuracy": boxed_accuracy, "format": format, "choice": choice,
+                "tag_count": tag_count, "overlong_penalty": overlong_penalty}
 EXTRA_ARGUMENTS = ("trainer_state", "log_metric", "log_extra")  # TRL's, besides the dataset's columns
 
 

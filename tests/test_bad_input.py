@@ -19,7 +19,7 @@ GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
 
 @pytest.mark.parametrize("args, message", [
     (["--num_generations", "1"], "needs at least 2 completions"),
-    (["--reward_weights", "1,2,3"], "one weight per function"),
+    (["--reward_weights", "1,2"], "one weight per function"),
     (["--reward_weights", "a,b"], "comma-separated numbers"),
     (["--reward_funcs", ""], "name at least one reward function"),
     (["--temperature", "0"], "--temperature must be > 0"),

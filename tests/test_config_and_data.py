@@ -17,7 +17,21 @@ def test_cli_sets_every_kind_of_field():
     assert (cfg.beta, cfg.bf16, cfg.model, cfg.num_generations, cfg.top_p) == (0.04, False, "x/y", 4, 0.9)
     assert parse_config(["--no_save_model"]).save_model is False
     assert parse_config(["--save_model"]).save_model is True
-    assert parse_config([]) == Config()  # defaults survive the parser unchanged (no None -> 'None', no inverted bools)
+    # defaults survive the parser unchanged (no None -> 'None', no inverted bools), with the embedded task's own
+    assert parse_config([]) == Config(**config.EMBEDDED_TASKS["arithmetic"])
+
+
+def test_an_embedded_task_sets_its_flags_unless_they_are_given():
+    sums = config.EMBEDDED_TASKS["arithmetic"]
+    assert (sums["reward_funcs"], sums["reward_weights"]) == ("boxed_accuracy,format,accuracy", "1,0,1")
+    assert "\\boxed{" in sums["system_prompt"]  # the prompt and the reward ask for the same answer
+    mine = parse_config(["--reward_funcs", "accuracy", "--system_prompt", "Be brief."])
+    assert (mine.reward_funcs, mine.reward_weights, mine.system_prompt) == ("accuracy", "", "Be brief.")  # its weights
+    assert parse_config(["--reward_weights", "1,0.5,0"]).reward_weights == "1,0.5,0"  # go with its functions
+    own = parse_config(["--dataset", "train.jsonl"])
+    assert (own.reward_funcs, own.reward_weights, own.system_prompt) == ("accuracy,format", "", "")
+    calc = parse_config(["--env", "calculator"])  # an environment's conversation is its own
+    assert (calc.reward_funcs, calc.system_prompt, calc.max_completion_length) == ("accuracy,format", "", 96)
 
 
 def test_bf16_is_auto_unless_told():

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from config import UsageError, parse_config
+from config import EMBEDDED_TASKS, UsageError, parse_config
 from conftest import ROOT, run_train
 from tests.helpers import near_target
 
@@ -59,9 +59,15 @@ def test_sources_on_the_command_line_get_names_weights_and_their_own_rewards():
     tasks = parse_tasks(parse_config(["--dataset", "arithmetic:0.7,sums=./data/x.jsonl,parity:2"]))
     assert [(t.name, t.dataset, t.weight) for t in tasks] == [("arithmetic", "arithmetic", 0.7),
                                                               ("sums", "./data/x.jsonl", 1.0), ("parity", "parity", 2.0)]
-    assert [t.reward_funcs for t in tasks] == ["accuracy,format", "accuracy,format", "choice"]  # an embedded one's own
+    arithmetic = ("boxed_accuracy,format,accuracy", "1,0,1", EMBEDDED_TASKS["arithmetic"]["system_prompt"])
+    assert [(t.reward_funcs, t.reward_weights, t.system_prompt) for t in tasks] == [
+        arithmetic, ("accuracy,format", "", ""), ("choice", "", "")]  # an embedded task's own, a file: the flags'
+    with pytest.raises(UsageError, match=r"--reward_funcs accuracy scores none of the tasks: each has its own "
+                                         r"\(arithmetic: boxed_accuracy,format,accuracy, parity: choice\)"):
+        parse_tasks(parse_config(["--dataset", "arithmetic,parity", "--reward_funcs", "accuracy"]))  # not silently
     one, = parse_tasks(parse_config(["--dataset", "arithmetic"]))  # one dataset: a mixture of one, as before
-    assert (one.name, one.weight, one.reward_funcs) == ("arithmetic", 1.0, "accuracy,format")
+    assert (one.name, one.weight, one.reward_funcs, one.reward_weights, one.system_prompt) == ("arithmetic", 1.0,
+                                                                                               *arithmetic)
     trl = parse_tasks(parse_config(["--env", "calc=calculator,game=environments:Guess", "--dataset", "x.jsonl"]))
     assert [(t.name, t.env, t.environment) for t in trl] == [("calc", "environments:Calculator", "calc"),
                                                             ("game", "environments:Guess", "game")]
@@ -97,10 +103,10 @@ def test_a_source_that_cannot_load_or_score_or_fill_a_step_is_named(tmp_path, to
     cases = [(["--dataset", f"arithmetic,{tmp_path}/nope.jsonl"], "task nope: --dataset .*nope.jsonl: no such file"),
              (["--dataset", f"arithmetic,few={few}", "--prompts_per_step", "4"],
               "task few: 3 rows, fewer than one step takes"),
-             (["--dataset", "arithmetic,parity", "--reward_funcs", "accuracy,nosuch"],
-              "task arithmetic: unknown reward function 'nosuch'"),
+             (["--dataset", f"few={few},parity", "--prompts_per_step", "2", "--reward_funcs", "accuracy,nosuch"],
+              "task few: unknown reward function 'nosuch'"),  # (the embedded tasks have their own)
              (["--dataset", f"arithmetic,few={few}", "--prompts_per_step", "2", "--reward_funcs",
-               "tests.helpers:near_target"], "task arithmetic: .*near_target.* cannot be called")]
+               "tests.helpers:near_target"], "task few: .*near_target.* cannot be called")]
     for flags, message in cases:
         with pytest.raises(UsageError, match=message):
             load_mixture(parse_config(flags), tokenizer)
@@ -245,13 +251,15 @@ def test_trls_dict_of_environments_runs_each_row_in_the_environment_its_column_n
 @pytest.mark.slow
 def test_a_mixture_mistake_stops_train_py_in_one_line_naming_the_task(tiny_model, tmp_path):
     from tests.test_bad_input import offline_train_args, starts_fail
+    sums = write_jsonl(tmp_path / "sums.jsonl", [{"prompt": f"{i} + 1?", "answer": str(i + 1)} for i in range(8)])
     lines = starts_fail([offline_train_args(tiny_model, tmp_path / "a", "--dataset", "arithmetic:2,parity:zero"),
-                         offline_train_args(tiny_model, tmp_path / "b", "--dataset", "arithmetic,parity",
+                         offline_train_args(tiny_model, tmp_path / "b", "--dataset", f"sums={sums},parity",
                                             "--reward_funcs", "accuracy,nosuch")])
     assert lines[0] == ("error: task parity: weight 'zero' is not a number; give a positive number, e.g. "
                         "parity:0.5")
-    assert lines[1] == ("error: task arithmetic: unknown reward function 'nosuch' in --reward_funcs: use one of "
-                        "['accuracy', 'choice', 'format', 'overlong_penalty', 'tag_count'], your own as "
+    assert lines[1] == ("error: task sums: unknown reward function 'nosuch' in --reward_funcs: use one of "
+                        "['accuracy', 'boxed_accuracy', 'choice', 'format', 'overlong_penalty', 'tag_count'], "
+                        "your own as "
                         "module:function, or a reward model folder as a path (./my_rm)")
 
 
@@ -270,8 +278,10 @@ def test_a_mixture_file_keeps_what_it_says_and_leaves_out_what_it_leaves_empty(t
     from mixture import parse_tasks
     (tmp_path / "m.yaml").write_text("tasks:\n  - dataset: parity\n    system_prompt:\n"
                                      "  - dataset: parity\n    name: p2\n    reward_funcs: [accuracy, format]\n"
-                                     "  - name: game\n    env: guess\n")
-    first, second, game = parse_tasks(parse_config(["--dataset", str(tmp_path / "m.yaml")]))
+                                     "  - name: game\n    env: guess\n"
+                                     "  - dataset: arithmetic\n    reward_funcs: accuracy\n")
+    first, second, game, sums = parse_tasks(parse_config(["--dataset", str(tmp_path / "m.yaml")]))
+    assert (sums.reward_funcs, sums.reward_weights) == ("accuracy", "")  # a preset's weights go with its functions
     assert (first.name, first.reward_funcs, first.system_prompt) == ("parity", "choice", "")  # its own; no "None"
     assert second.reward_funcs == "accuracy,format"  # what the file says, though parity has its own
     assert (game.dataset, game.env, game.reward_funcs) == ("none", "environments:Guess", "")  # guess: its reward only

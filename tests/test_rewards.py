@@ -1,7 +1,7 @@
 import time
 
 
-from rewards import accuracy, final_answer, format, tag_count
+from rewards import accuracy, boxed_accuracy, final_answer, format, tag_count
 
 
 def test_accuracy_uses_math_verify_on_the_final_answer():
@@ -38,9 +38,20 @@ def test_accuracy_survives_pathological_input_in_bounded_time():
     assert accuracy(["so it is \\boxed{27}"], ["27"]) == [1.0]  # and it still scores normal input
 
 
+def test_boxed_accuracy_counts_only_a_right_answer_in_the_box():
+    """The embedded task's reward: a plain right sum, a wrong boxed one and a box never closed earn nothing."""
+    completions = ["13 + 14 = 27, so the answer is \\boxed{27}.", "13 + 14 = 27", "13 + 14 = 27, so \\boxed{26}",
+                   "\\boxed{27", "27 \\boxed{27} \\boxed{27}", [{"role": "assistant", "content": "\\boxed{27}"}]]
+    assert boxed_accuracy(completions, ["27"] * len(completions)) == [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    assert accuracy(completions[:2], ["27", "27"]) == [1.0, 1.0]  # where plain accuracy takes the last number
+
+
 def test_format_wants_exactly_one_boxed_number():
     assert format(["\\boxed{12}", "\\boxed{ -3.5 }", "12", "\\boxed{1} \\boxed{2}", "\\boxed{x}"]) == [1, 1, 0, 0, 0]
     assert format([[{"role": "assistant", "content": "\\boxed{12}"}]]) == [1]  # a chat completion: its message
+    # a full stop inside the box: a number to both rewards (a run's answers settled on "\boxed{12.}" once)
+    assert format(["so the answer is \\boxed{12.}"]) == [1] and accuracy(["\\boxed{12.}"], ["12"]) == [1]
+    assert accuracy(["\\boxed{.5}", "\\boxed{0.5}"], ["5", "0.5"]) == [0, 1]  # but a leading point is the number's
 
 
 def test_tag_count():
