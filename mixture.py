@@ -240,7 +240,7 @@ class Mixture:
         one), or each task's weight and rewards."""
         if not self.mixed:
             system = self.tasks[0].system_prompt
-            return f"rewards {self.names} x {self.weights[0].tolist()}" + (f" | system {system!r}" if system else "")
+            return f"rewards {self.names} x {self.weights[0].tolist()}" + (f' | system "{system}"' if system else "")
         share = (self.draw_weights / self.draw_weights.sum()).tolist()
         return "tasks " + ", ".join(f"{t.name} {p:.2f} {[n for n, o in zip(self.names, self.own[i]) if o]}"
                                     for i, (t, p) in enumerate(zip(self.tasks, share)))
