@@ -86,7 +86,8 @@ def parse_tasks(cfg) -> list[Task]:
             tasks.append(Task(**{**globals_, "name": name.strip(), "env": factory.strip(),
                                  "environment": name.strip(), "weight": math.nan}))  # weight: its share of the rows
     elif is_mixture_spec(cfg.dataset) and cfg.dataset.endswith((".yaml", ".yml", ".json")):
-        tasks = [Task(**{**globals_, **_task_defaults(entry), **entry}) for entry in _read_mixture_file(cfg.dataset)]
+        tasks = [Task(**{**globals_, **_task_defaults(entry, cfg), **entry})
+                 for entry in _read_mixture_file(cfg.dataset)]
     elif is_mixture_spec(cfg.dataset):
         tasks = []
         for part in (p.strip() for p in cfg.dataset.split(",")):
@@ -96,7 +97,7 @@ def parse_tasks(cfg) -> list[Task]:
             source, weight = (spec, None) if os.path.exists(spec) else split_weight(spec)
             if weight is None and ":" in spec and not os.path.exists(spec):  # a weight that is no number
                 source, _, weight = spec.rpartition(":")
-            tasks.append(Task(**{**globals_, **_task_defaults({"dataset": source.strip()}),
+            tasks.append(Task(**{**globals_, **_task_defaults({"dataset": source.strip()}, cfg),
                                  "name": name.strip() or source_name(source), "dataset": source.strip(),
                                  "weight": _parse_weight(weight or "1", source.strip())}))
     else:  # one dataset (an embedded task's flags are set by config.parse_config, unless given)
@@ -123,15 +124,15 @@ def parse_tasks(cfg) -> list[Task]:
     return tasks
 
 
-def _task_defaults(entry: dict) -> dict:
+def _task_defaults(entry: dict, cfg) -> dict:
     """What a mixture's task gets unless its entry says otherwise: an embedded environment's own reward functions,
-    or (without an env) an embedded task's own rewards and system prompt (config.EMBEDDED_ENVIRONMENTS,
-    EMBEDDED_TASKS). A preset's reward weights go with its functions only."""
+    or (without an env) an embedded task's own rewards and, unless --system_prompt is given, its system prompt
+    (config.EMBEDDED_ENVIRONMENTS, EMBEDDED_TASKS). A preset's reward weights go with its functions only."""
     if entry.get("env"):
         preset = EMBEDDED_ENVIRONMENTS.get(entry["env"], ("", {}))[1]
     else:
         preset = EMBEDDED_TASKS.get(entry.get("dataset"), {})
-    out = {key: preset[key] for key in ("system_prompt",) if key in preset}
+    out = {"system_prompt": preset["system_prompt"]} if "system_prompt" in preset and not cfg.system_prompt else {}
     if "reward_funcs" in preset and "reward_funcs" not in entry:
         out |= {"reward_funcs": preset["reward_funcs"], "reward_weights": preset.get("reward_weights", "")}
     return out

@@ -62,6 +62,8 @@ if __name__ == "__main__":
     p.add_argument("--env", default="", help="an embedded environment (calculator, guess) or module:factory")
     p.add_argument("flags", nargs="*", help="train.py flags, after --")
     args = p.parse_args()
+    if args.seeds[0] < 1 if len(args.seeds) == 1 else min(args.seeds) < 0:
+        p.error(f"--seeds {' '.join(map(str, args.seeds))}: give a number of runs (1 or more) or the seeds (each >= 0)")
     from config import parse_config, resolve_model
     flags = [*(["--env", args.env] if args.env else []), *args.flags]
     model = args.model or parse_config(flags).model  # e.g. the embedded VLM for --dataset shapes

@@ -65,6 +65,8 @@ def test_sources_on_the_command_line_get_names_weights_and_their_own_rewards():
     with pytest.raises(UsageError, match=r"--reward_funcs accuracy scores none of the tasks: each has its own "
                                          r"\(arithmetic: boxed_accuracy,format,accuracy, parity: choice\)"):
         parse_tasks(parse_config(["--dataset", "arithmetic,parity", "--reward_funcs", "accuracy"]))  # not silently
+    mine = parse_tasks(parse_config(["--dataset", "arithmetic,parity", "--system_prompt", "Be brief."]))
+    assert [t.system_prompt for t in mine] == ["Be brief.", "Be brief."]  # a system prompt given wins, as alone
     one, = parse_tasks(parse_config(["--dataset", "arithmetic"]))  # one dataset: a mixture of one, as before
     assert (one.name, one.weight, one.reward_funcs, one.reward_weights, one.system_prompt) == ("arithmetic", 1.0,
                                                                                                *arithmetic)
