@@ -125,7 +125,9 @@ class Config:
     dynamic_sampling: bool = False  # DAPO: replace groups whose rewards all agree by more, sampled until the batch
                                     # is filled with groups whose rewards differ
     dynamic_sampling_max_rounds: int = 3  # ... at most this many extra sampling rounds per step
-    drop_zero_std_groups: bool = False  # skip the forward/backward of groups with equal rewards (exact when beta = 0)
+    drop_zero_std_groups: bool | str = "auto"  # skip the forward/backward of groups with equal rewards: true | false
+                                              # | auto = where the gradient stays exactly the same (beta 0, no
+                                              # entropy bonus, not bnpo)
     mask_truncated_completions: bool = False  # completions cut at max_completion_length get no loss (DAPO)
     reward_funcs: str = "accuracy,format"  # comma-separated names from rewards.py
     reward_weights: str = ""  # comma-separated floats, one per reward function; "" = all 1.0
@@ -136,7 +138,7 @@ class Config:
     max_unscored_steps: int = 5  # stop after this many steps in a row in which a reward function failed on every
                                  # completion, or none was scored; 0 = never
     # optimization
-    max_steps: int = 24  # optimizer steps (= generation rounds); tuned*
+    max_steps: int = 36  # optimizer steps (= generation rounds); tuned*
     learning_rate: float = 5e-5  # peak AdamW learning rate; tuned* (TRL's default is 1e-6, for larger models)
     lr_scheduler_type: str = "constant"  # constant | linear | cosine (decay to 0 at max_steps)
     warmup_steps: int = 0  # linear warmup from 0
@@ -219,6 +221,14 @@ class Config:
         """Evaluate after every this many steps (and always after the last)."""
         return self.eval_steps if self.eval_steps > 0 else self.max_steps
 
+    def drops_zero_std_groups(self) -> bool:
+        """--drop_zero_std_groups, auto resolved: on where it changes nothing in the gradient. A group whose rewards
+        agree has zero advantages, so its policy term is 0; but not its KL term (beta > 0) or entropy bonus, and
+        bnpo normalises per micro-batch, which dropping rows reshapes."""
+        if self.drop_zero_std_groups == "auto":
+            return self.beta == 0 and self.entropy_coef == 0 and self.loss_type != "bnpo"
+        return self.drop_zero_std_groups
+
     def reward_options(self) -> dict:
         """The settings of built-in reward functions, by name (bound as keyword arguments)."""
         longest = self.overlong_max_length or self.max_completion_length
@@ -270,7 +280,7 @@ class Config:
             errors.append("--dynamic_sampling_max_rounds must be at least 1")
         if not 0 < self.top_entropy_quantile <= 1:
             errors.append(f"--top_entropy_quantile {self.top_entropy_quantile:g} must be in (0, 1] (1 = every token)")
-        if self.entropy_coef != 0 and self.drop_zero_std_groups:
+        if self.entropy_coef != 0 and self.drop_zero_std_groups is True:
             errors.append("--drop_zero_std_groups skips groups whose loss has no gradient, but the entropy bonus "
                           "gives them one: drop one of them")
         if self.loss_type == "cispo" and self.eps_high <= 1:

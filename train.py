@@ -350,12 +350,13 @@ def main(cfg: Config):
     rank, local_rank, world_size, device, is_main = setup_distributed()
     cfg.validate(world_size)
     cfg.bf16 = native_bf16(device) if cfg.bf16 == "auto" else cfg.bf16  # fp32 where bf16 is emulated (slow)
+    cfg.drop_zero_std_groups = cfg.drops_zero_std_groups()  # auto: where the gradient stays the same
     torch.manual_seed(cfg.seed + rank)
     G = cfg.num_generations
     prompts_per_rank = cfg.prompts_per_step // world_size
     resume = find_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir) if cfg.resume_from_checkpoint else None
     run_config = vars(cfg) | resume_signature(cfg)  # as checkpoints keep it (with a mixture's tasks and weights)
-    resume_step = check_checkpoint(resume, run_config) if resume else 0  # a run that would continue it exactly
+    resume_step, changed_flags = check_checkpoint(resume, run_config) if resume else (0, [])  # continues it exactly
     # writable, ours alone (locked), no earlier run's output to mix with: said now, not at the first save
     output_lock = prepare_output_dir(cfg.output_dir, resume, resume_step) if is_main else None
 
@@ -416,7 +417,7 @@ def main(cfg: Config):
         changed = restore_training_state(state, model, optimizer, scheduler, rank, world_size)
         scorer.failures = state["scorer_failures"] if is_main else 0  # the sum over the ranks that wrote it
         print0(f"resuming from {resume} after step {state['step']}"
-               + "".join(f"; {change} (this run's flag applies)" for change in changed))
+               + "".join(f"; {change} (this run's flag applies)" for change in changed + changed_flags))
 
     # a fixed probe the server scores after pushes, to catch a sync that silently went wrong (a VLM's has an image);
     # its prompt: the first task's first, with that task's system prompt and tools

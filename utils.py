@@ -1028,8 +1028,14 @@ def prune_checkpoints(output_dir: str, keep: int):
                   "checkpoint is complete. Delete it by hand", flush=True)
 
 
-def check_checkpoint(path: str, config: dict) -> int:
-    """The step of a checkpoint, after checking that this run continues the one that wrote it."""
+RESUME_MAY_MOVE = ("resume_from_checkpoint", "output_dir", "vllm_server_host", "vllm_server_port", "vllm_group_host",
+                   "vllm_group_port", "learning_rate", "vision_learning_rate", "adam_beta1", "adam_beta2",
+                   "weight_decay")  # where the run is, and what restore_training_state reports itself
+
+
+def check_checkpoint(path: str, config: dict) -> tuple[int, list[str]]:
+    """The step of a checkpoint, after checking that this run continues the one that wrote it, and the other
+    flags this run changes (e.g. ["--max_steps 24 -> 48"]), to be said: they apply from the next step."""
     with open(os.path.join(path, "checkpoint.json")) as f:
         saved = json.load(f)
     changed = [f"--{k} {saved['config'].get(k)!r} -> {config.get(k)!r}" for k in RESUME_MUST_MATCH
@@ -1037,7 +1043,8 @@ def check_checkpoint(path: str, config: dict) -> int:
     if changed:
         raise UsageError(f"cannot resume from {path} exactly: {', '.join(changed)}. Use the checkpoint's values "
                          "(see its checkpoint.json), or start a new run")
-    return saved["step"]
+    return saved["step"], [f"--{k} {saved['config'][k]!r} -> {v!r}" for k, v in config.items()
+                           if k in saved["config"] and saved["config"][k] != v and k not in RESUME_MAY_MOVE]
 
 
 def load_checkpoint(path: str) -> dict:
@@ -1369,16 +1376,17 @@ def training_metrics(sums: dict, grad_norms: list[torch.Tensor], lengths: torch.
                                **{k: sums.pop(k) for k in ("is_ratio_min", "is_ratio_max") if k in sums}})
     t = sum_over_ranks({"n": len(lengths), "length": lengths.sum(), "truncated": truncated.sum(), "diff": diff.sum(),
                         "compared": compared.sum(), **sums})
-    N, T, norms = t["n"], max(t.get("tokens", 0.0), 1.0), [g.item() for g in grad_norms]
+    N, T, norms = t["n"], t.get("tokens", 0.0), [g.item() for g in grad_norms]
+    per_token = lambda k: t.get(k, 0.0) / T if T else math.nan  # nan: no token trained (every group dropped)
     metrics = {"completion_length": t["length"] / N, "completion_length_min": ext["length_min"],
                "completion_length_max": ext["length_max"], "truncated_frac": t["truncated"] / N,
-               **{k: t.get(k, 0.0) / T for k in ("kl", "entropy")},
-               **{f"clip_ratio/{k}": t.get(f"clip_{k}", 0.0) / T for k in ("low", "high", "region")},
-               "policy_masked_frac": t.get("policy_masked", 0.0) / T,  # off-policy and high-entropy masks
+               **{k: per_token(k) for k in ("kl", "entropy")},
+               **{f"clip_ratio/{k}": per_token(f"clip_{k}") for k in ("low", "high", "region")},
+               "policy_masked_frac": per_token("policy_masked"),  # off-policy and high-entropy masks
                "loss": t.get("loss", 0.0) / len(norms), "grad_norm": sum(norms) / len(norms),
                "skipped_updates": sum(not math.isfinite(g) for g in norms),
-               "sampler_logprob_diff_mean": t["diff"] / max(t["compared"], 1.0),
-               "sampler_logprob_diff_max": ext["diff_max"]}
+               "sampler_logprob_diff_mean": t["diff"] / t["compared"] if t["compared"] else math.nan,
+               "sampler_logprob_diff_max": ext["diff_max"] if t["compared"] else math.nan}
     if "is_ratio" in t and t["tokens"] > 0:
         metrics |= {"is_ratio/mean": t["is_ratio"] / T, "is_ratio/min": ext["is_ratio_min"],
                     "is_ratio/max": ext["is_ratio_max"], "is_ratio/dropped_frac": t["is_dropped"] / T}

@@ -74,6 +74,13 @@ def test_request_latency(shared):
     assert "2 requests" in out and "1 pushes" in out and "idle server, CPU" in out
 
 
+def test_server_repeat(model, shared):
+    out = bench("server_repeat.py", "--model", model, "--repeats", "1", "--prompts", "2", "--G", "2", "--length", "8",
+                env=shared)
+    assert re.search(r"alone, again \(1\): +same tokens +\d/4 +same log-probs +\d/\d", out), out
+    assert "next to another request (1):" in out
+
+
 def test_vs_trl_runs_trl_and_nanogrpo(model, shared):
     out = bench("vs_trl.py", "--model", model, *SMALL, "--trl_gradient_checkpointing", "true", "--nanogrpo", "",
                 timeout=1200, env=shared)

@@ -40,6 +40,13 @@ def test_bf16_is_auto_unless_told():
     assert [parse_config(argv).bf16 for argv in told] == [True, "auto", False, False, True]
 
 
+def test_zero_std_groups_are_dropped_by_default_only_where_the_gradient_stays_the_same():
+    drops = lambda *argv: parse_config(list(argv)).drops_zero_std_groups()
+    assert Config().drop_zero_std_groups == "auto" and drops()  # beta 0: their loss is 0, and so is its gradient
+    assert not drops("--beta", "0.04") and not drops("--entropy_coef", "0.01") and not drops("--loss_type", "bnpo")
+    assert drops("--beta", "0.04", "--drop_zero_std_groups") and not drops("--no_drop_zero_std_groups")
+
+
 def test_cpu_server_computes_in_bf16_only_where_the_cpu_has_it():
     """vLLM's own default would be bf16 on any x86 CPU (emulated, ~100x slower than fp32 without avx512_bf16)."""
     import torch

@@ -11,7 +11,7 @@ import pytest
 
 from config import UsageError
 from conftest import ROOT
-from utils import find_checkpoint, prepare_output_dir
+from utils import check_checkpoint, find_checkpoint, prepare_output_dir
 
 
 def fake_checkpoint(out, step: int):
@@ -101,3 +101,23 @@ def test_resuming_another_folders_checkpoint_starts_this_folder_with_its_logs(tm
     with pytest.raises(UsageError, match=r"\(checkpoint-9\): choose another --output_dir, or delete them"):
         prepare_output_dir(str(c), str(a / "checkpoint-2"), 2)
     assert visible(c) == ["checkpoint-9"]
+
+
+def test_a_resume_names_every_flag_it_changes_and_refuses_one_that_breaks_the_run(tmp_path):
+    """A resumed run's own flags apply from the next step; the ones it changed are said (a new default, such as
+    the embedded task's rewards, changes under a checkpoint too), not taken silently. The run's address and the
+    optimizer's settings (said where the optimizer is restored) are not listed."""
+    from dataclasses import asdict
+
+    from config import Config, parse_config
+    saved = asdict(Config(system_prompt="", reward_funcs="accuracy,format", max_steps=16))
+    os.makedirs(tmp_path / "checkpoint-8")
+    (tmp_path / "checkpoint-8" / "checkpoint.json").write_text(json.dumps({"step": 8, "config": saved}))
+    now = asdict(parse_config(["--max_steps", "16", "--vllm_server_port", "9999", "--learning_rate", "1e-5"]))
+    step, changed = check_checkpoint(str(tmp_path / "checkpoint-8"), now)
+    assert step == 8 and changed == [f"--system_prompt '' -> {now['system_prompt']!r}",
+                                     f"--reward_funcs 'accuracy,format' -> {now['reward_funcs']!r}",
+                                     f"--reward_weights '' -> {now['reward_weights']!r}"]
+    assert check_checkpoint(str(tmp_path / "checkpoint-8"), saved) == (8, [])
+    with pytest.raises(UsageError, match="cannot resume from .* exactly: --seed 42 -> 7"):
+        check_checkpoint(str(tmp_path / "checkpoint-8"), saved | {"seed": 7})
