@@ -62,11 +62,17 @@ from vllm_server import InThread, ServerGuard, VLLMClient, WeightSync
 
 def group_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """(N,) rewards of N / G consecutive groups (NaN = not scored) -> (N/G,) each group's unbiased std over its
-    scored completions (as TRL), 0 for a group with fewer than two."""
+    scored completions (as TRL), 0 for a group with fewer than two; NaN for a group with an infinite reward."""
     grouped = rewards.view(-1, group_size)  # (N/G, G)
-    n = (~grouped.isnan()).sum(dim=1)
-    squares = (grouped - grouped.nanmean(dim=1, keepdim=True)).pow(2).nansum(dim=1)
-    return (squares / (n - 1).clamp(min=1)).sqrt()
+    scored = ~grouped.isnan()
+    squares = (grouped - grouped.nanmean(dim=1, keepdim=True)).where(scored, 0.0).pow(2).sum(dim=1)
+    return (squares / (scored.sum(dim=1) - 1).clamp(min=1)).sqrt()
+
+
+def without_signal(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(N/G,) whether each group's rewards all agree (their advantages are 0). A group with an infinite reward has
+    a NaN std: it is not one of them, so it reaches the loss, and the loss's non-finite check stops the run."""
+    return group_std(rewards, group_size) < 1e-6
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", batch_std: float = 1.0,
@@ -92,15 +98,15 @@ def keep_groups_with_signal(batch: tuple, draw, G: int, max_rounds: int) -> tupl
     groups with signal as it started with, or after max_rounds rounds. Returns that many groups, those with
     signal first (in the order drawn), any shortfall filled with groups without, and the rounds' metrics."""
     want, rounds, parts = len(batch[0]) // G, 0, [batch]
-    have = int((group_std(batch[3], G) > 1e-6).sum())
+    have = int((~without_signal(batch[3], G)).sum())
     while rounds < max_rounds and sum_over_ranks({"short": max(want - have, 0)})["short"] > 0:
         rounds += 1
         parts.append(draw(rounds, have < want))
-        have += int((group_std(parts[-1][3], G) > 1e-6).sum())
+        have += int((~without_signal(parts[-1][3], G)).sum())
     episodes, texts, matrix, rewards, rows = (sum((b[0] for b in parts), []), sum((b[1] for b in parts), []),
                                               torch.cat([b[2] for b in parts]), torch.cat([b[3] for b in parts]),
                                               sum((b[4] for b in parts), []))
-    signal = group_std(rewards, G) > 1e-6  # (groups,)
+    signal = ~without_signal(rewards, G)  # (groups,)
     groups = (signal.nonzero().flatten().tolist() + (~signal).nonzero().flatten().tolist())[:want]
     kept = [g * G + i for g in groups for i in range(G)]
     t = sum_over_ranks({"drawn": len(rows), "without_signal": sum(not signal[g] for g in groups)})
@@ -561,7 +567,7 @@ def main(cfg: Config):
         r = sum_over_ranks({"n": (~rewards.isnan()).sum(), "sum": rewards.nansum(), "sq": rewards.pow(2).nansum()})
         batch_std = math.sqrt(max(r["sq"] - r["sum"] ** 2 / max(r["n"], 1), 0.0) / max(r["n"] - 1, 1))  # all ranks
         advantages = group_advantages(rewards, G, cfg.scale_rewards, batch_std)  # (N,), 0 where not scored
-        zero_std = (group_std(rewards, G) < 1e-6).repeat_interleave(G)  # (N,) groups with no signal
+        zero_std = without_signal(rewards, G).repeat_interleave(G)  # (N,) groups with no signal
 
         # ---------------------------------------------------------------------- old / ref log-probs
         inputs, tokens = collate(episodes, pad_id)  # the model's inputs; (N, C) mask, sampled, logp

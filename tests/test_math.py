@@ -58,6 +58,11 @@ def test_unscored_completions_stay_out_of_their_group_and_get_advantage_zero():
     assert group_std(rewards, G)[2] == 0  # one scored completion: no signal (drop_zero_std_groups drops it)
     inf = torch.tensor([1.0, math.inf, 0.0, 1.0])  # a reward bug stays visible: the loss goes NaN, not zero
     assert group_advantages(inf, 4).isnan().any()
+    # ... also when every reward of a group is inf: it is not a group without signal, which would be dropped
+    # (--drop_zero_std_groups) or replaced (--dynamic_sampling) without a word
+    from train import without_signal
+    all_inf = torch.tensor([math.inf] * 4 + [2.0] * 4 + [1.0, math.nan, math.nan, math.nan])
+    assert without_signal(all_inf, 4).tolist() == [False, True, True] and group_std(all_inf, 4)[0].isnan()
 
 
 def test_scoring_watch_warns_once_and_stops_after_steps_in_a_row_with_a_function_down(capsys):
