@@ -2,6 +2,7 @@
 or a full disk never blocks a resume or the plot, and a write that does not fit leaves no half record behind; a
 checkpoint is on the disk before older ones are pruned, and one that cannot be pruned does not stop the run."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -39,8 +40,11 @@ def test_the_plot_says_there_is_no_kl_without_a_reference_model(tmp_path):
     from plot import had_reference
     without = [{"step": s, "reward": 0.5, "kl": 0.0, "entropy": 1.0} for s in (1, 2, 3)]
     assert not had_reference(without) and had_reference(without[:1] + [{"step": 2, "kl": 1e-4}])
-    # a step that trained no token (every group's rewards agreed, and were dropped) measured no KL: nan
-    assert not had_reference(without + [{"step": 4, "kl": float("nan"), "entropy": float("nan")}])
+    # a step that trained no token (every group's rewards agreed, and were dropped) measured no KL or entropy: nan,
+    # which metrics.jsonl holds as null
+    from utils import finite_json
+    without.append(json.loads(finite_json({"step": 4, "reward": 0.5, "kl": math.nan, "entropy": math.nan})))
+    assert without[-1]["kl"] is None and not had_reference(without)
     write_lines = "".join(json.dumps(r) + "\n" for r in without)
     (tmp_path / "metrics.jsonl").write_text(write_lines)
     assert plot_run(str(tmp_path)) == plot_run(str(tmp_path), reference=False) == str(tmp_path / "metrics.png")

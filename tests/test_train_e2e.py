@@ -89,6 +89,33 @@ def test_dynamic_sampling_fills_the_batch_with_groups_whose_rewards_differ(serve
     assert all(math.isfinite(m["loss"]) and m["grad_norm"] > 0 for m in metrics)
 
 
+def test_dropping_groups_without_signal_by_default_changes_no_update_also_for_a_rank_left_without_rows(server,
+                                                                                                        tmp_path):
+    """--drop_zero_std_groups auto (the default, beta 0) skips the groups whose rewards agree: under FSDP2 on two
+    ranks, where some step leaves a rank no group with signal (it joins the other's micro-batches with weight 0),
+    the updates are those of the run that computes every group. A run in which no group ever has signal trains no
+    token: its per-token metrics are nan, not 0."""
+    run = ["--fsdp", "--reward_funcs", "tests.helpers:brevity_on_some_prompts", "--num_generations", "4",
+           "--prompts_per_step", "4", "--max_completion_length", "8", "--max_steps", "4", "--learning_rate", "1e-3",
+           "--bf16", "false", "--no_save_model", "--dataset", GSM8K]
+    _, dropped = run_train(server, tmp_path / "auto", *run)
+    _, every = run_train(server, tmp_path / "all", *run, "--drop_zero_std_groups", "false")
+    records = [json.loads(line) for line in open(tmp_path / "auto" / "rollouts.jsonl")]
+    groups = {}
+    for r in records:
+        groups.setdefault((r["step"], r["rank"]), {}).setdefault(r["prompt_index"], set()).add(r["reward"])
+    idle = {step for (step, rank), g in groups.items() if all(len(v) == 1 for v in g.values())}
+    assert idle and idle != {1, 2, 3, 4}, groups  # a rank had nothing to train in some steps, not in all
+    for a, b in zip(dropped, every):
+        for key in ("reward", "loss", "grad_norm", "completion_length"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key, a[key], b[key])
+    assert all(m["grad_norm"] > 0 for m in dropped)
+    _, none = run_train(server, tmp_path / "none", *run, "--reward_funcs", "format", "--max_steps", "2")  # the tiny
+    # model never boxes a number: every group's rewards are 0
+    assert all(m["frac_zero_std_groups"] == 1 and m["grad_norm"] == 0 and m["loss"] == 0 for m in none)
+    assert all(m["entropy"] is None and m["sampler_logprob_diff_mean"] is None for m in none)  # nan: null in JSON
+
+
 def test_off_policy_updates_freeze_old_logprobs_and_clip(server, tmp_path):
     # two passes over each batch at a large learning rate: the second pass sees ratios away from 1
     _, metrics = run_train(server, tmp_path / "mu2", "--num_iterations", "2", "--steps_per_generation", "2",
