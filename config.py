@@ -197,6 +197,13 @@ class Config:
     report_to: str = "none"  # none | wandb
     wandb_project: str = "nanogrpo"  # with --report_to wandb
     run_name: str = ""  # wandb run name; "" = wandb's default
+    # (not a flag) the flags given on the command line, set by parse_config
+    given: typing.ClassVar[frozenset] = frozenset()
+
+    def gives(self, name: str) -> bool:
+        """Whether flag `name` was given on the command line, or, in a Config made in code, differs from its default
+        (--reward_funcs accuracy,format, the default's value, given to tasks with rewards of their own is refused)."""
+        return name in self.given or getattr(self, name) != getattr(Config, name)
 
     @property
     def eps_high(self) -> float:
@@ -465,17 +472,18 @@ def parse_config(argv: list[str] | None = None) -> Config:
     """Config from the command line: `--name value` for every field; bools take `--bf16 false` or `--no_bf16`."""
     argv = sys.argv[1:] if argv is None else argv
     args = vars(_parser().parse_args(argv))
+    given = vars(_parser(defaults=False).parse_args(argv))  # (abbreviated too, as argparse takes them)
     flags = {}  # an embedded environment's or task's flags, where they are not given
     if args["env"] in EMBEDDED_ENVIRONMENTS:  # its factory, and the flags it runs with
         args["env"], flags = EMBEDDED_ENVIRONMENTS[args["env"]]
     if not args["env"]:  # an environment makes its own conversation
         flags = flags | EMBEDDED_TASKS.get(args["dataset"], {})
-    if flags:
-        given = vars(_parser(defaults=False).parse_args(argv))  # (abbreviated too, as argparse takes them)
-        if "reward_funcs" in given:  # a preset's weights are for its own functions
-            flags = {name: value for name, value in flags.items() if name != "reward_weights"}
-        args |= {name: value for name, value in flags.items() if name not in given}
-    return Config(**args)
+    if "reward_funcs" in given:  # a preset's weights are for its own functions
+        flags = {name: value for name, value in flags.items() if name != "reward_weights"}
+    args |= {name: value for name, value in flags.items() if name not in given}
+    cfg = Config(**args)
+    cfg.given = frozenset(given)
+    return cfg
 
 
 def _parser(defaults: bool = True) -> argparse.ArgumentParser:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from config import (EMBEDDED_ENVIRONMENTS, EMBEDDED_TASKS, NO_DATASET, NO_DATASET_STARTS, Config, UsageError,
+from config import (EMBEDDED_ENVIRONMENTS, EMBEDDED_TASKS, NO_DATASET, NO_DATASET_STARTS, UsageError,
                     is_mixture_spec, split_weight)
 from rollout import load_rollout, run_rollout
 from utils import epoch_order, load_rows, step_prompt_indices, sum_over_ranks
@@ -77,7 +77,7 @@ def parse_tasks(cfg) -> list[Task]:
     is not positive, two tasks of one name, an unknown key in a mixture file."""
     globals_ = {k: getattr(cfg, k) for k in TASK_KEYS if hasattr(cfg, k)}
     if "=" in cfg.env:  # TRL's form: a dict of environments, the dataset's `environment` column picks one
-        tasks = []
+        tasks, own = [], []  # (each scored by the flags' rewards)
         for part in (p.strip() for p in cfg.env.split(",") if p.strip()):
             name, eq, factory = part.partition("=")
             if not eq or not name.strip() or not factory.strip():
@@ -86,10 +86,10 @@ def parse_tasks(cfg) -> list[Task]:
             tasks.append(Task(**{**globals_, "name": name.strip(), "env": factory.strip(),
                                  "environment": name.strip(), "weight": math.nan}))  # weight: its share of the rows
     elif is_mixture_spec(cfg.dataset) and cfg.dataset.endswith((".yaml", ".yml", ".json")):
-        tasks = [Task(**{**globals_, **_task_defaults(entry, cfg), **entry})
-                 for entry in _read_mixture_file(cfg.dataset)]
+        own = [{**_task_defaults(entry, cfg), **entry} for entry in _read_mixture_file(cfg.dataset)]
+        tasks = [Task(**{**globals_, **entry}) for entry in own]
     elif is_mixture_spec(cfg.dataset):
-        tasks = []
+        tasks, own = [], []  # own: what each task brings itself (its entry, an embedded task's rewards)
         for part in (p.strip() for p in cfg.dataset.split(",")):
             if not part:
                 raise UsageError(f"--dataset {cfg.dataset}: an empty source between commas; give source[:weight],...")
@@ -97,9 +97,9 @@ def parse_tasks(cfg) -> list[Task]:
             source, weight = (spec, None) if os.path.exists(spec) else split_weight(spec)
             if weight is None and ":" in spec and not os.path.exists(spec):  # a weight that is no number
                 source, _, weight = spec.rpartition(":")
-            tasks.append(Task(**{**globals_, **_task_defaults({"dataset": source.strip()}, cfg),
-                                 "name": name.strip() or source_name(source), "dataset": source.strip(),
-                                 "weight": _parse_weight(weight or "1", source.strip())}))
+            own.append(_task_defaults({"dataset": source.strip()}, cfg))
+            tasks.append(Task(**{**globals_, **own[-1], "name": name.strip() or source_name(source),
+                                 "dataset": source.strip(), "weight": _parse_weight(weight or "1", source.strip())}))
     else:  # one dataset (an embedded task's flags are set by config.parse_config, unless given)
         return [Task(**{**globals_, "name": source_name(cfg.dataset)})]
     if cfg.eval_dataset and "=" not in cfg.env:
@@ -114,10 +114,11 @@ def parse_tasks(cfg) -> list[Task]:
     if twice:
         raise UsageError(f"two tasks are named {twice[0]!r}: name each, e.g. --dataset easy=./a.jsonl,hard=./b.jsonl "
                          "or `name:` in a mixture file")
-    if cfg.reward_funcs != Config.reward_funcs and all(t.reward_funcs != cfg.reward_funcs for t in tasks):
-        raise UsageError(f"--reward_funcs {cfg.reward_funcs} scores none of the tasks: each has its own "
-                         f"({', '.join(f'{t.name}: {t.reward_funcs}' for t in tasks)}); to change a task's, give it "
-                         "reward_funcs in a mixture file (README: Task mixtures)")
+    for flag in ("reward_funcs", "reward_weights"):  # given, but every task brings its own rewards
+        if cfg.gives(flag) and own and all("reward_funcs" in o for o in own):
+            raise UsageError(f"--{flag} {getattr(cfg, flag)} scores none of the tasks: each has its own "
+                             f"({', '.join(f'{t.name}: {t.reward_funcs}' for t in tasks)}); to change a task's, give "
+                             "it reward_funcs in a mixture file (README: Task mixtures)")
     for t in tasks:
         if t.env in EMBEDDED_ENVIRONMENTS:
             t.env = EMBEDDED_ENVIRONMENTS[t.env][0]

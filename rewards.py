@@ -97,6 +97,7 @@ def boxed_accuracy(completions, answer, **kwargs) -> list[float]:
             for score, completion in zip(accuracy(completions, answer), completions)]
 
 
+@functools.lru_cache(maxsize=4096)  # boxed_accuracy asks what accuracy asks; a group's samples often repeat
 def _matches(text: str, ref: str) -> bool:
     """Whether a completion's final answer equals one reference answer (math-verify, with its timeouts)."""
     from math_verify import parse, verify

@@ -532,7 +532,7 @@ def main(cfg: Config):
         log_eval(0, metrics)
     bad_steps, t_start = 0, time.perf_counter()  # steps in a row whose loss was not finite; for the progress bar
     warned_short = False  # --dynamic_sampling could not fill a batch with groups with signal (said once)
-    scoring = ScoringWatch(names, cfg.max_unscored_steps)  # steps in a row with a reward function down
+    scoring = ScoringWatch(names, cfg.max_unscored_steps)  # steps in a row with a reward function down, or alike
     for step in range(state["step"], cfg.max_steps):
         timer = StepTimer()
         # ---------------------------------------------------------------------- sample
@@ -649,6 +649,7 @@ def main(cfg: Config):
         logger.log(metrics)
         print0(console_line(metrics, names, cfg.max_steps) + " | "
                + progress(step + 1 - state["step"], cfg.max_steps - state["step"], time.perf_counter() - t_start))
+        scoring.signal(metrics["frac_zero_std_groups"], step + 1, last=step + 1 == cfg.max_steps)  # warns once
         if "eval/reward" in metrics:
             log_eval(step + 1, metrics)
 

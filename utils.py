@@ -1335,12 +1335,26 @@ class ScoringWatch:
     """Stops a run that goes on learning from nothing: counts the steps in a row in which a reward function
     failed (raised, hung) on every completion over all ranks (a judge whose endpoint went down), or in which
     no completion got any reward. The first such step of each prints a warning; `limit` steps in a row stop
-    the run (0 = never). A function that returns None for every completion is not failing: it chose not to."""
+    the run (0 = never). A function that returns None for every completion is not failing: it chose not to.
+    `signal` warns of steps whose rewards were all alike."""
 
     NOTHING = "(no function)"
 
     def __init__(self, names: list[str], limit: int):
         self.limit, self.streak, self.warned = limit, dict.fromkeys([*names, self.NOTHING], 0), set()
+        self.steps = self.agreed = 0  # steps of this run; of them, the last ones in a row whose groups all agreed
+
+    def signal(self, frac_zero_std_groups: float, step: int, last: bool, streak: int = 3):
+        """Warns once when every group's rewards agreed in `streak` steps in a row (or in every step of a shorter
+        run): no advantage, so the policy learns nothing from its rewards (TRL goes on without a word)."""
+        self.steps += 1
+        self.agreed = self.agreed + 1 if frac_zero_std_groups >= 1 else 0
+        if (self.agreed >= streak or last and self.agreed == self.steps) and "signal" not in self.warned:
+            self.warned.add("signal")
+            print0(f"warning: in the last {self.agreed} steps (up to step {step}) every group's rewards agreed "
+                   "(frac_zero_std_groups 1): no advantage, so nothing is learned from the rewards. They do not "
+                   "tell this model's completions apart: check the reward functions on a few completions (rollouts"
+                   ".jsonl), make the task fit the model, or raise --num_generations or --temperature")
 
     def update(self, failed: dict[str, int], attempted: dict[str, int], rewards: torch.Tensor, step: int):
         """failed[name] of attempted[name] completions (those of its tasks) this step, on this rank."""

@@ -12,6 +12,8 @@ and tools) instead, also printing the tool calls per trajectory in the first and
     .venv/bin/python bench/learning.py --seeds 5                   # seeds 42 to 46
     .venv/bin/python bench/learning.py --seeds 42 42 42            # one seed 3 times: how much a run repeats
     .venv/bin/python bench/learning.py --seeds 1 -- --learning_rate 1e-5   # after --: any train.py flags
+    .venv/bin/python bench/learning.py --seeds 42 42 --server_args="--dtype float32" -- --bf16 false \
+        --vllm_importance_sampling_correction false     # a run that repeats exactly (README: The default run)
 """
 import argparse
 import os
@@ -60,6 +62,7 @@ if __name__ == "__main__":
     p.add_argument("--model", default="", help="default: the model the flags run (the embedded one)")
     p.add_argument("--keep", default="", help="a folder to keep the runs in (logs, metrics, rollouts); default: none")
     p.add_argument("--env", default="", help="an embedded environment (calculator, guess) or module:factory")
+    p.add_argument("--server_args", default="", help="vllm serve flags for the server, e.g. --dtype float32")
     p.add_argument("flags", nargs="*", help="train.py flags, after --")
     args = p.parse_args()
     if args.seeds[0] < 1 if len(args.seeds) == 1 else min(args.seeds) < 0:
@@ -71,10 +74,11 @@ if __name__ == "__main__":
     results = {}  # reward name -> [(before, after) per seed]
     if args.keep:
         os.makedirs(args.keep, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp, serving(resolve_model(model), args.keep or tmp) as server:
+    with tempfile.TemporaryDirectory() as tmp, serving(resolve_model(model), args.keep or tmp,
+                                                            *shlex.split(args.server_args)) as server:
         work = args.keep or tmp
         seeds = list(range(42, 42 + args.seeds[0])) if len(args.seeds) == 1 else args.seeds
-        print(f"train.py defaults + {shlex.join(flags)}, seeds {seeds}")
+        print(f"train.py defaults + {shlex.join(flags)}, seeds {seeds}, server flags: {args.server_args or 'none'}")
         for i, seed in enumerate(seeds):
             rows, seconds = run(server["port"], os.path.join(work, f"run{i + 1}-seed{seed}"), seed, flags)
             evals, steps = [r for r in rows if "eval/reward" in r], [r for r in rows if "loss" in r]

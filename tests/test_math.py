@@ -94,6 +94,26 @@ def test_scoring_watch_warns_once_and_stops_after_steps_in_a_row_with_a_function
         never.update({"judge": 2}, {"judge": 2}, scored, step)  # 0 = never stop
 
 
+def test_scoring_watch_warns_once_of_steps_whose_rewards_all_agreed(capsys):
+    from utils import ScoringWatch
+    watch = ScoringWatch(["accuracy"], limit=3)
+    for step, frac in enumerate([1.0, 1.0, 0.5, 1.0, 1.0], start=1):  # never 3 alike in a row
+        watch.signal(frac, step, last=False)
+    assert "warning" not in capsys.readouterr().out
+    for step in (6, 7):
+        watch.signal(1.0, step, last=False)
+    assert capsys.readouterr().out.count("in the last 3 steps (up to step 6) every group's rewards agreed") == 1
+    short = ScoringWatch(["accuracy"], limit=3)  # a run of 2 steps, both alike: said at its last step
+    short.signal(1.0, 11, last=False)  # (a resumed run: its steps count from where it continued)
+    assert "warning" not in capsys.readouterr().out
+    short.signal(1.0, 12, last=True)
+    assert "in the last 2 steps (up to step 12)" in capsys.readouterr().out
+    learned = ScoringWatch(["accuracy"], limit=3)  # a run that had signal before its last step: no warning
+    learned.signal(0.5, 1, last=False)
+    learned.signal(1.0, 2, last=True)
+    assert "warning" not in capsys.readouterr().out
+
+
 def spec(**options) -> Config:
     """The loss options of a test: clip range [0.8, 1.28], no KL bias correction, unless given."""
     return Config(**{"epsilon": 0.2, "epsilon_high": 0.28, "use_bias_correction_kl": False, **options})

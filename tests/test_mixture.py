@@ -65,6 +65,11 @@ def test_sources_on_the_command_line_get_names_weights_and_their_own_rewards():
     with pytest.raises(UsageError, match=r"--reward_funcs accuracy scores none of the tasks: each has its own "
                                          r"\(arithmetic: boxed_accuracy,format,accuracy, parity: choice\)"):
         parse_tasks(parse_config(["--dataset", "arithmetic,parity", "--reward_funcs", "accuracy"]))  # not silently
+    for flags in (["--reward_funcs", "accuracy,format"], ["--reward_weights", "1,0"]):  # the default's value, given
+        with pytest.raises(UsageError, match=f"{flags[0]} {flags[1]} scores none of the tasks"):
+            parse_tasks(parse_config(["--dataset", "arithmetic,parity", *flags]))
+    file_too = parse_tasks(parse_config(["--dataset", "arithmetic,sums=./data/x.jsonl", "--reward_weights", "1,0"]))
+    assert [t.reward_weights for t in file_too] == ["1,0,1", "1,0"]  # the file's task is scored by the flags
     mine = parse_tasks(parse_config(["--dataset", "arithmetic,parity", "--system_prompt", "Be brief."]))
     assert [t.system_prompt for t in mine] == ["Be brief.", "Be brief."]  # a system prompt given wins, as alone
     one, = parse_tasks(parse_config(["--dataset", "arithmetic"]))  # one dataset: a mixture of one, as before

@@ -46,6 +46,17 @@ def test_boxed_accuracy_counts_only_a_right_answer_in_the_box():
     assert accuracy(completions[:2], ["27", "27"]) == [1.0, 1.0]  # where plain accuracy takes the last number
 
 
+def test_math_verify_runs_once_per_completion_and_reference():
+    """boxed_accuracy and accuracy side by side (the embedded task's rewards) and a group's repeated samples
+    ask math-verify the same question: it is answered once."""
+    from rewards import _matches
+    _matches.cache_clear()
+    group = ["12 + 9 = 21, so the answer is \\boxed{21}."] * 6 + ["12 + 9 = 22", "\\boxed{21}"]
+    assert accuracy(group, ["21"] * 8) == [1.0] * 6 + [0.0, 1.0]
+    assert boxed_accuracy(group, ["21"] * 8) == [1.0] * 6 + [0.0, 1.0]
+    assert _matches.cache_info().misses == 3
+
+
 def test_format_wants_exactly_one_boxed_number():
     assert format(["\\boxed{12}", "\\boxed{ -3.5 }", "12", "\\boxed{1} \\boxed{2}", "\\boxed{x}"]) == [1, 1, 0, 0, 0]
     assert format([[{"role": "assistant", "content": "\\boxed{12}"}]]) == [1]  # a chat completion: its message

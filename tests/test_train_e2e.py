@@ -98,7 +98,7 @@ def test_dropping_groups_without_signal_by_default_changes_no_update_also_for_a_
     run = ["--fsdp", "--reward_funcs", "tests.helpers:brevity_on_some_prompts", "--num_generations", "4",
            "--prompts_per_step", "4", "--max_completion_length", "8", "--max_steps", "4", "--learning_rate", "1e-3",
            "--bf16", "false", "--no_save_model", "--dataset", GSM8K]
-    _, dropped = run_train(server, tmp_path / "auto", *run)
+    auto_proc, dropped = run_train(server, tmp_path / "auto", *run)
     _, every = run_train(server, tmp_path / "all", *run, "--drop_zero_std_groups", "false")
     records = [json.loads(line) for line in open(tmp_path / "auto" / "rollouts.jsonl")]
     groups = {}
@@ -110,10 +110,12 @@ def test_dropping_groups_without_signal_by_default_changes_no_update_also_for_a_
         for key in ("reward", "loss", "grad_norm", "completion_length"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key, a[key], b[key])
     assert all(m["grad_norm"] > 0 for m in dropped)
-    _, none = run_train(server, tmp_path / "none", *run, "--reward_funcs", "format", "--max_steps", "2")  # the tiny
-    # model never boxes a number: every group's rewards are 0
+    # the tiny model never boxes a number: every group's rewards are 0
+    none_proc, none = run_train(server, tmp_path / "none", *run, "--reward_funcs", "format", "--max_steps", "2")
     assert all(m["frac_zero_std_groups"] == 1 and m["grad_norm"] == 0 and m["loss"] == 0 for m in none)
     assert all(m["entropy"] is None and m["sampler_logprob_diff_mean"] is None for m in none)  # nan: null in JSON
+    assert "every group's rewards agreed" in none_proc.stdout  # said, once
+    assert none_proc.stdout.count("warning: in the last") == 1 and "warning: in the last" not in auto_proc.stdout
 
 
 def test_off_policy_updates_freeze_old_logprobs_and_clip(server, tmp_path):
