@@ -139,7 +139,8 @@ class Config:
                                  # completion, or none was scored; 0 = never
     # optimization
     max_steps: int = 36  # optimizer steps (= generation rounds); tuned*
-    learning_rate: float = 5e-5  # peak AdamW learning rate; tuned* (TRL's default is 1e-6, for larger models)
+    learning_rate: float = 5e-5  # peak AdamW learning rate; tuned* (TRL's default is 1e-6, for larger models).
+                                 # The embedded arithmetic task brings 7e-5, linear (config.EMBEDDED_TASKS)
     lr_scheduler_type: str = "constant"  # constant | linear | cosine (decay to 0 at max_steps)
     warmup_steps: int = 0  # linear warmup from 0
     weight_decay: float = 0.0  # AdamW weight decay
@@ -517,10 +518,12 @@ EMBEDDED_ENVIRONMENTS = {
 EMBEDDED_TASKS = {
     # sums (utils.arithmetic_problems), in \boxed{} after the sum is written out, as the system prompt shows (the
     # model adds far better after "13 + 14 = " than right after "\boxed{"). A right answer earns 1, and 1 more in the
-    # box; a wrong one, boxed or not, earns nothing; format is reported beside them (README: The default run)
+    # box; a wrong one, boxed or not, earns nothing; format is reported beside them. A learning rate that decays to 0
+    # keeps what the first steps learn (README: The default run)
     DEFAULT_DATASET: {"system_prompt": "Write the sum first, then the answer in \\boxed{}, like this: 12 + 9 = 21, so "
                                        "the answer is \\boxed{21}.",
-                      "reward_funcs": "boxed_accuracy,format,accuracy", "reward_weights": "1,0,1"},
+                      "reward_funcs": "boxed_accuracy,format,accuracy", "reward_weights": "1,0,1",
+                      "learning_rate": 7e-5, "lr_scheduler_type": "linear"},
     # is a number even or odd (utils.parity_problems), scored by the first of the two words the answer says
     "parity": {"reward_funcs": "choice"},
     # the embedded vision task (vision.py): a small VLM learns to name the colour of a shape in a picture

@@ -90,10 +90,11 @@ def accuracy(completions, answer, **kwargs) -> list[float]:
 
 
 def boxed_accuracy(completions, answer, **kwargs) -> list[float]:
-    """accuracy, counted only for an answer given in \\boxed{} (a plain last number earns nothing): the reward of
-    a task whose prompt asks for the box (the embedded one), so that answering plainly is never worth learning.
-    Unlike accuracy + format, it never rewards a wrong answer for its box (README: The default run)."""
-    return [score if "\\boxed{" in completion_text(completion) else 0.0
+    """accuracy, counted only for an answer given in one \\boxed{} (a plain last number, or the answer boxed twice,
+    earns nothing): the reward of a task whose prompt asks for the box (the embedded one), so that answering
+    plainly, or writing the box again and again, is never worth learning. Unlike accuracy + format, it never
+    rewards a wrong answer for its box (README: The default run)."""
+    return [score if completion_text(completion).count("\\boxed{") == 1 else 0.0
             for score, completion in zip(accuracy(completions, answer), completions)]
 
 

@@ -32,6 +32,7 @@ What this implements, and the defaults we chose (README: "Loss choices" has the 
     update, while the trainer trains on this one; a step then costs about max(generate, train) instead
     of their sum. Every batch is then one update stale, which the importance weights above correct.
 """
+import dataclasses
 import functools
 import json
 import math
@@ -361,7 +362,7 @@ def main(cfg: Config):
     G = cfg.num_generations
     prompts_per_rank = cfg.prompts_per_step // world_size
     resume = find_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir) if cfg.resume_from_checkpoint else None
-    run_config = vars(cfg) | resume_signature(cfg)  # as checkpoints keep it (with a mixture's tasks and weights)
+    run_config = dataclasses.asdict(cfg) | resume_signature(cfg)  # as checkpoints keep it (a mixture's tasks too)
     resume_step, changed_flags = check_checkpoint(resume, run_config) if resume else (0, [])  # continues it exactly
     # writable, ours alone (locked), no earlier run's output to mix with: said now, not at the first save
     output_lock = prepare_output_dir(cfg.output_dir, resume, resume_step) if is_main else None

@@ -1344,14 +1344,15 @@ class ScoringWatch:
         self.limit, self.streak, self.warned = limit, dict.fromkeys([*names, self.NOTHING], 0), set()
         self.steps = self.agreed = 0  # steps of this run; of them, the last ones in a row whose groups all agreed
 
-    def signal(self, frac_zero_std_groups: float, step: int, last: bool, streak: int = 3):
-        """Warns once when every group's rewards agreed in `streak` steps in a row (or in every step of a shorter
-        run): no advantage, so the policy learns nothing from its rewards (TRL goes on without a word)."""
+    def signal(self, frac_zero_std_groups: float, step: int, last: bool, first: int = 3):
+        """Warns once when every group's rewards agreed in each of the run's `first` steps (or in every step of a
+        shorter run): no advantage, so the policy has learned nothing from its rewards (TRL goes on without a
+        word). Not later: a run that has learned may well see steps in which every group agrees."""
         self.steps += 1
         self.agreed = self.agreed + 1 if frac_zero_std_groups >= 1 else 0
-        if (self.agreed >= streak or last and self.agreed == self.steps) and "signal" not in self.warned:
+        if self.agreed == self.steps and (self.agreed == first or last) and "signal" not in self.warned:
             self.warned.add("signal")
-            print0(f"warning: in the last {self.agreed} steps (up to step {step}) every group's rewards agreed "
+            print0(f"warning: in the first {self.agreed} steps (up to step {step}) every group's rewards agreed "
                    "(frac_zero_std_groups 1): no advantage, so nothing is learned from the rewards. They do not "
                    "tell this model's completions apart: check the reward functions on a few completions (rollouts"
                    ".jsonl), make the task fit the model, or raise --num_generations or --temperature")

@@ -94,23 +94,24 @@ def test_scoring_watch_warns_once_and_stops_after_steps_in_a_row_with_a_function
         never.update({"judge": 2}, {"judge": 2}, scored, step)  # 0 = never stop
 
 
-def test_scoring_watch_warns_once_of_steps_whose_rewards_all_agreed(capsys):
+def test_scoring_watch_warns_once_of_a_run_whose_rewards_all_agreed_from_its_start(capsys):
     from utils import ScoringWatch
-    watch = ScoringWatch(["accuracy"], limit=3)
-    for step, frac in enumerate([1.0, 1.0, 0.5, 1.0, 1.0], start=1):  # never 3 alike in a row
-        watch.signal(frac, step, last=False)
+    learned = ScoringWatch(["accuracy"], limit=3)  # signal at first, then steps in which every group agrees
+    for step, frac in enumerate([0.5, 1.0, 1.0, 1.0, 1.0, 1.0], start=1):  # (a run that learned the easy ones)
+        learned.signal(frac, step, last=step == 6)
     assert "warning" not in capsys.readouterr().out
-    for step in (6, 7):
-        watch.signal(1.0, step, last=False)
-    assert capsys.readouterr().out.count("in the last 3 steps (up to step 6) every group's rewards agreed") == 1
+    never = ScoringWatch(["accuracy"], limit=3)
+    for step in range(1, 8):
+        never.signal(1.0, step, last=step == 7)
+    assert capsys.readouterr().out.count("in the first 3 steps (up to step 3) every group's rewards agreed") == 1
     short = ScoringWatch(["accuracy"], limit=3)  # a run of 2 steps, both alike: said at its last step
     short.signal(1.0, 11, last=False)  # (a resumed run: its steps count from where it continued)
     assert "warning" not in capsys.readouterr().out
     short.signal(1.0, 12, last=True)
-    assert "in the last 2 steps (up to step 12)" in capsys.readouterr().out
-    learned = ScoringWatch(["accuracy"], limit=3)  # a run that had signal before its last step: no warning
-    learned.signal(0.5, 1, last=False)
-    learned.signal(1.0, 2, last=True)
+    assert "in the first 2 steps (up to step 12)" in capsys.readouterr().out
+    late = ScoringWatch(["accuracy"], limit=3)  # signal in its first step only: no warning
+    late.signal(0.9, 1, last=False)
+    late.signal(1.0, 2, last=True)
     assert "warning" not in capsys.readouterr().out
 
 

@@ -15,7 +15,8 @@ from conftest import die_with_parent, free_port, launcher, run_train, running_se
 
 pytestmark = pytest.mark.slow
 RUN = ["--reward_funcs", "tests.helpers:brevity", "--num_generations", "4", "--prompts_per_step", "4",
-       "--max_completion_length", "8", "--bf16", "false", "--learning_rate", "1e-2", "--micro_batch_size", "3"]
+       "--max_completion_length", "8", "--bf16", "false", "--learning_rate", "1e-2", "--lr_scheduler_type", "constant",
+       "--micro_batch_size", "3"]
 COMPARED = ("reward", "reward_std", "loss", "kl", "grad_norm", "completion_length", "entropy", "lr", "sync_probe_diff_max")
 
 

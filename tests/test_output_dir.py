@@ -117,7 +117,8 @@ def test_a_resume_names_every_flag_it_changes_and_refuses_one_that_breaks_the_ru
     step, changed = check_checkpoint(str(tmp_path / "checkpoint-8"), now)
     assert step == 8 and changed == [f"--system_prompt '' -> {now['system_prompt']!r}",
                                      f"--reward_funcs 'accuracy,format' -> {now['reward_funcs']!r}",
-                                     f"--reward_weights '' -> {now['reward_weights']!r}"]
+                                     f"--reward_weights '' -> {now['reward_weights']!r}",
+                                     "--lr_scheduler_type 'constant' -> 'linear'"]  # (the learning rate: not listed)
     assert check_checkpoint(str(tmp_path / "checkpoint-8"), saved) == (8, [])
     with pytest.raises(UsageError, match="cannot resume from .* exactly: --seed 42 -> 7"):
         check_checkpoint(str(tmp_path / "checkpoint-8"), saved | {"seed": 7})

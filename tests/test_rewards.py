@@ -39,10 +39,12 @@ def test_accuracy_survives_pathological_input_in_bounded_time():
 
 
 def test_boxed_accuracy_counts_only_a_right_answer_in_the_box():
-    """The embedded task's reward: a plain right sum, a wrong boxed one and a box never closed earn nothing."""
+    """The embedded task's reward: a plain right sum, a wrong boxed one, a box never closed and a right answer
+    boxed twice (a run learned to write `so the answer is \\boxed{8}.` twice) earn nothing."""
     completions = ["13 + 14 = 27, so the answer is \\boxed{27}.", "13 + 14 = 27", "13 + 14 = 27, so \\boxed{26}",
-                   "\\boxed{27", "27 \\boxed{27} \\boxed{27}", [{"role": "assistant", "content": "\\boxed{27}"}]]
-    assert boxed_accuracy(completions, ["27"] * len(completions)) == [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+                   "\\boxed{27", "27 \\boxed{27} \\boxed{27}", [{"role": "assistant", "content": "\\boxed{27}"}],
+                   "so the answer is \\boxed{27}. so the answer is \\boxed{27}.", "x = \\boxed{27.0}"]
+    assert boxed_accuracy(completions, ["27"] * len(completions)) == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0]
     assert accuracy(completions[:2], ["27", "27"]) == [1.0, 1.0]  # where plain accuracy takes the last number
 
 

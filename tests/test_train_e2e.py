@@ -115,7 +115,7 @@ def test_dropping_groups_without_signal_by_default_changes_no_update_also_for_a_
     assert all(m["frac_zero_std_groups"] == 1 and m["grad_norm"] == 0 and m["loss"] == 0 for m in none)
     assert all(m["entropy"] is None and m["sampler_logprob_diff_mean"] is None for m in none)  # nan: null in JSON
     assert "every group's rewards agreed" in none_proc.stdout  # said, once
-    assert none_proc.stdout.count("warning: in the last") == 1 and "warning: in the last" not in auto_proc.stdout
+    assert none_proc.stdout.count("warning: in the first") == 1 and "warning: in the first" not in auto_proc.stdout
 
 
 def test_off_policy_updates_freeze_old_logprobs_and_clip(server, tmp_path):
