@@ -198,13 +198,14 @@ class Config:
     report_to: str = "none"  # none | wandb
     wandb_project: str = "nanogrpo"  # with --report_to wandb
     run_name: str = ""  # wandb run name; "" = wandb's default
-    # (not a flag) the flags given on the command line, set by parse_config
-    given: typing.ClassVar[frozenset] = frozenset()
+    # (not a flag) the flags given on the command line, set by parse_config; None in a Config made in code
+    given: typing.ClassVar[frozenset | None] = None
 
     def gives(self, name: str) -> bool:
-        """Whether flag `name` was given on the command line, or, in a Config made in code, differs from its default
-        (--reward_funcs accuracy,format, the default's value, given to tasks with rewards of their own is refused)."""
-        return name in self.given or getattr(self, name) != getattr(Config, name)
+        """Whether flag `name` was given on the command line (an embedded task's own value was not), or, in a Config
+        made in code, differs from its default (so --reward_funcs accuracy,format, the default's value, given to
+        tasks with rewards of their own is refused, not ignored)."""
+        return name in self.given if self.given is not None else getattr(self, name) != getattr(Config, name)
 
     @property
     def eps_high(self) -> float:

@@ -12,8 +12,7 @@ and tools) instead, also printing the tool calls per trajectory in the first and
     .venv/bin/python bench/learning.py --seeds 5                   # seeds 42 to 46
     .venv/bin/python bench/learning.py --seeds 42 42 42            # one seed 3 times: how much a run repeats
     .venv/bin/python bench/learning.py --seeds 1 -- --learning_rate 1e-5   # after --: any train.py flags
-    .venv/bin/python bench/learning.py --seeds 42 42 --server_args="--dtype float32" -- --bf16 false \
-        --vllm_importance_sampling_correction false     # a run that repeats exactly (README: The default run)
+    .venv/bin/python bench/learning.py --seeds 42 42 --server_args="--dtype float32"   # vllm serve flags
 """
 import argparse
 import os

@@ -68,6 +68,8 @@ def test_sources_on_the_command_line_get_names_weights_and_their_own_rewards():
     for flags in (["--reward_funcs", "accuracy,format"], ["--reward_weights", "1,0"]):  # the default's value, given
         with pytest.raises(UsageError, match=f"{flags[0]} {flags[1]} scores none of the tasks"):
             parse_tasks(parse_config(["--dataset", "arithmetic,parity", *flags]))
+    assert parse_config(["--reward_funcs", "accuracy,format"]).gives("reward_funcs")  # given, at the default's value
+    assert not parse_config(["--dataset", "arithmetic"]).gives("reward_funcs")  # the task's own: not given
     file_too = parse_tasks(parse_config(["--dataset", "arithmetic,sums=./data/x.jsonl", "--reward_weights", "1,0"]))
     assert [t.reward_weights for t in file_too] == ["1,0,1", "1,0"]  # the file's task is scored by the flags
     mine = parse_tasks(parse_config(["--dataset", "arithmetic,parity", "--system_prompt", "Be brief."]))
