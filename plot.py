@@ -23,7 +23,8 @@ def read_jsonl(path: str) -> list[dict]:
 
 def had_reference(train: list[dict]) -> bool:
     """Whether a run's steps had a reference model, judged from them: a KL other than 0 at some step (with a
-    reference, only the first step's is 0: the policy starts as the reference; null: no token trained that step)."""
+    reference, only the first step's is 0: the policy starts as the reference; null: no token trained that step;
+    a run without one logs no KL, or, logged by an older version, 0)."""
     return any((r.get("kl") or 0) > 0 for r in train)
 
 

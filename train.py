@@ -201,8 +201,7 @@ def grpo_loss(logp, old_logp, advantages, mask, weights, cfg: Config, ref_logp=N
     per_token = per_token * kept
     if is_weight is not None and cfg.loss_type != "vespo":
         per_token = per_token * is_weight
-    kl = torch.zeros_like(logp)
-    if cfg.beta > 0:
+    if cfg.beta > 0:  # at beta 0 there is no reference, and no KL is reported (as in TRL)
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # k3: unbiased, always >= 0
         kl_term = kl * ratio if cfg.use_bias_correction_kl else kl
         if is_weight is not None and cfg.vllm_importance_sampling_kl:
@@ -212,9 +211,9 @@ def grpo_loss(logp, old_logp, advantages, mask, weights, cfg: Config, ref_logp=N
     if cfg.entropy_coef != 0:
         loss = loss - cfg.entropy_coef * (entropy * entropy_weights).sum()
     mask = mask.to(logp.dtype)
-    stats = {"kl": (kl * mask).sum(), "clip_low": (low * mask).sum(), "clip_high": (high * mask).sum(),
+    stats = {"clip_low": (low * mask).sum(), "clip_high": (high * mask).sum(),
              "clip_region": (((ratio < 1 - eps_low) | (ratio > 1 + eps_high)) * mask).sum(),
-             "policy_masked": ((kept == 0) * mask).sum()}
+             "policy_masked": ((kept == 0) * mask).sum(), **({"kl": (kl * mask).sum()} if cfg.beta > 0 else {})}
     return loss, {k: v.detach() for k, v in stats.items()}
 
 
@@ -635,7 +634,8 @@ def main(cfg: Config):
                    **reward_metrics(rewards, reward_matrix, names, zero_std, scorer.failures,
                                     mixture.own[mixture.task_index([e.row for e in episodes])]),
                    **mixture.metrics([e.row for e in episodes], rewards, reward_matrix, zero_std, G),
-                   **training_metrics(sums, grad_norms, tokens["mask"].sum(dim=1).float(), truncated, diff, compared),
+                   **training_metrics(sums, grad_norms, tokens["mask"].sum(dim=1).float(), truncated, diff, compared,
+                                     kl=cfg.beta > 0),
                    **(trajectory_metrics(mixture.multi_turn_only(episodes), is_main) if mixture.multi_turn else {}),
                    **dynamic, **probe, "server_reconnects": server.reconnects, "lr": scheduler.get_last_lr()[0],
                    "optimizer_steps": scheduler.last_epoch,

@@ -1381,9 +1381,10 @@ class ScoringWatch:
 
 
 def training_metrics(sums: dict, grad_norms: list[torch.Tensor], lengths: torch.Tensor, truncated: torch.Tensor,
-                     diff: torch.Tensor, compared: torch.Tensor) -> dict:
+                     diff: torch.Tensor, compared: torch.Tensor, kl: bool = True) -> dict:
     """The step's completions and updates over all ranks: lengths and truncation; the loss terms per token
-    trained (`sums`: accumulate_gradients' sums of per-token statistics); the updates' loss and gradient
+    trained (`sums`: accumulate_gradients' sums of per-token statistics; the KL to the reference if `kl`,
+    i.e. the run has a reference); the updates' loss and gradient
     norm; the sync comparison with the sampler (`diff` of the `compared` tokens); the importance ratios
     pi_old / pi_sampler before truncation or masking."""
     sums = dict(sums)
@@ -1395,7 +1396,7 @@ def training_metrics(sums: dict, grad_norms: list[torch.Tensor], lengths: torch.
     per_token = lambda k: t.get(k, 0.0) / T if T else math.nan  # nan: no token trained (every group dropped)
     metrics = {"completion_length": t["length"] / N, "completion_length_min": ext["length_min"],
                "completion_length_max": ext["length_max"], "truncated_frac": t["truncated"] / N,
-               **{k: per_token(k) for k in ("kl", "entropy")},
+               **({"kl": per_token("kl")} if kl else {}), "entropy": per_token("entropy"),
                **{f"clip_ratio/{k}": per_token(f"clip_{k}") for k in ("low", "high", "region")},
                "policy_masked_frac": per_token("policy_masked"),  # off-policy and high-entropy masks
                "loss": t.get("loss", 0.0) / len(norms), "grad_norm": sum(norms) / len(norms),
@@ -1431,7 +1432,7 @@ def console_line(metrics: dict, names: list[str], max_steps: int) -> str:
             + " ".join(f"{name} {metrics[f'rewards/{name}']:.2f}" for name in names)
             + "".join(f"{' |' if i == 0 else ''} {t} {metrics.get(f'task/{t}/reward', math.nan):.2f}"
                       for i, t in enumerate(tasks))
-            + f" | kl {metrics['kl']:.4f} | len {metrics['completion_length']:.0f} | "
+            + (f" | kl {metrics['kl']:.4f}" if "kl" in metrics else "") + f" | len {metrics['completion_length']:.0f} | "
             + " ".join(f"{short} {metrics[f'time/{phase}']:.1f}s" for short, phase in (
                 ("gen", "generate"), ("score", "score"), ("logp", "old_ref"), ("train", "train"), ("sync", "sync"))))
 

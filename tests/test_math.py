@@ -155,7 +155,7 @@ def test_grpo_loss_matches_naive_loop_with_clipping_delta_and_kl():
             want, kl, low, high, region = naive_loss(logp.tolist(), old.tolist(), ref.tolist(), adv.tolist(),
                                                      mask.tolist(), weights.tolist(), 0.2, 0.28, delta, beta)
             assert abs(loss.item() - want) < 1e-6
-            assert abs(stats["kl"].item() - kl) < 1e-6
+            assert abs(stats["kl"].item() - kl) < 1e-6 if beta else "kl" not in stats  # beta 0: no reference
             assert (stats["clip_low"].item(), stats["clip_high"].item(), stats["clip_region"].item()) == (low, high, region)
             assert low > 0 and high > 0
     # delta bites: with a positive advantage and a ratio above delta, the loss differs
@@ -552,6 +552,9 @@ def test_dropping_zero_std_groups_keeps_the_gradient_exact_without_kl():
                                torch.zeros(4, 3))
     assert sums == {} and metrics["loss"] == 0 and metrics["completion_length"] == 9 / 4
     assert all(math.isnan(metrics[k]) for k in ("kl", "entropy", "clip_ratio/low", "sampler_logprob_diff_mean"))
+    # a run without a reference (beta 0) reports no KL at all
+    assert "kl" not in training_metrics(sums, [torch.tensor(0.0)], cmask.sum(dim=1).float(), torch.zeros(4),
+                                        torch.zeros(4, 3), torch.zeros(4, 3), kl=False)
 
 
 def test_truncated_completions_carry_no_loss_when_masked():

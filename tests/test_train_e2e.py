@@ -115,6 +115,8 @@ def test_dropping_groups_without_signal_by_default_changes_no_update_also_for_a_
     assert all(m["frac_zero_std_groups"] == 1 and m["grad_norm"] == 0 and m["loss"] == 0 for m in none)
     assert all(m["entropy"] is None and m["sampler_logprob_diff_mean"] is None for m in none)  # nan: null in JSON
     assert "every group's rewards agreed" in none_proc.stdout  # said, once
+    # beta 0: no reference, so no KL is reported (not a KL of 0), on the console or in the metrics
+    assert all("kl" not in m for m in dropped + none) and "| kl " not in auto_proc.stdout
     assert none_proc.stdout.count("warning: in the first") == 1 and "warning: in the first" not in auto_proc.stdout
 
 
