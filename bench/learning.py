@@ -10,6 +10,7 @@ and tools) instead, also printing the tool calls per trajectory in the first and
     .venv/bin/python bench/learning.py -- --dataset shapes   # the embedded vision task (its VLM), 3 times
     .venv/bin/python bench/learning.py -- --dataset arithmetic,parity   # a mixture: each task's rewards
     .venv/bin/python bench/learning.py --seeds 5                   # seeds 42 to 46
+    .venv/bin/python bench/learning.py --seed 43                   # seed 43 once
     .venv/bin/python bench/learning.py --seeds 42 42 42            # one seed 3 times: how much a run repeats
     .venv/bin/python bench/learning.py --seeds 1 -- --learning_rate 1e-5   # after --: any train.py flags
     .venv/bin/python bench/learning.py --seeds 42 42 --server_args="--dtype float32"   # vllm serve flags
@@ -55,17 +56,28 @@ def spread(values: list[float]) -> str:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seeds", type=int, nargs="+", default=[3],
-                   help="one number: that many runs, with seeds 42, 43, ...; several: those seeds, repeats allowed")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)  # --seed is not --seeds
+    p.add_argument("--seeds", type=int, nargs="+",
+                   help="one number: that many runs (20 at most), with seeds 42, 43, ...; several: those seeds, "
+                        "repeats allowed")
+    p.add_argument("--seed", type=int, help="one seed, run once")
     p.add_argument("--model", default="", help="default: the model the flags run (the embedded one)")
     p.add_argument("--keep", default="", help="a folder to keep the runs in (logs, metrics, rollouts); default: none")
     p.add_argument("--env", default="", help="an embedded environment (calculator, guess) or module:factory")
     p.add_argument("--server_args", default="", help="vllm serve flags for the server, e.g. --dtype float32")
     p.add_argument("flags", nargs="*", help="train.py flags, after --")
     args = p.parse_args()
-    if args.seeds[0] < 1 if len(args.seeds) == 1 else min(args.seeds) < 0:
-        p.error(f"--seeds {' '.join(map(str, args.seeds))}: give a number of runs (1 or more) or the seeds (each >= 0)")
+    if args.seed is not None and args.seeds is not None:
+        p.error("give --seed (one seed, once) or --seeds, not both")
+    given = [args.seed] if args.seed is not None else args.seeds or [3]
+    if min(given) < 0 or (given == [0] and args.seed is None):
+        p.error(f"--seeds {' '.join(map(str, given))}: give a number of runs (1 or more) or the seeds (each >= 0)")
+    if args.seed is None and len(given) == 1 and given[0] > 20:  # a seed taken for a count: hours of runs
+        n = given[0]
+        p.error(f"--seeds {n} is a number of runs: {n} runs, seeds 42 to {41 + n}. For seed {n} once, give "
+                f"--seed {n}; for it several times, --seeds {n} {n} {n}")
+    seeds = list(range(42, 42 + given[0])) if args.seed is None and len(given) == 1 else given
     from config import parse_config, resolve_model
     flags = [*(["--env", args.env] if args.env else []), *args.flags]
     model = args.model or parse_config(flags).model  # e.g. the embedded VLM for --dataset shapes
@@ -76,7 +88,6 @@ if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as tmp, serving(resolve_model(model), args.keep or tmp,
                                                             *shlex.split(args.server_args)) as server:
         work = args.keep or tmp
-        seeds = list(range(42, 42 + args.seeds[0])) if len(args.seeds) == 1 else args.seeds
         print(f"train.py defaults + {shlex.join(flags)}, seeds {seeds}, server flags: {args.server_args or 'none'}")
         for i, seed in enumerate(seeds):
             rows, seconds = run(server["port"], os.path.join(work, f"run{i + 1}-seed{seed}"), seed, flags)

@@ -49,6 +49,9 @@ def test_learning(model, shared):
                 "--eval_num_prompts", "2", env=shared)  # room for the opened call and a few tokens of the model's
     assert out.count("seed 42: accuracy") == 2 and re.search(r"tool calls \d\.\d\d -> \d\.\d\d", out)
     assert "improved in" in out and "of 2 seeds" in out  # one seed twice: how much a run repeats
+    # one number is a count of runs: a seed given for one (42 runs, hours) is refused and --seed is named
+    proc = run([sys.executable, os.path.join(ROOT, "bench", "learning.py"), "--seeds", "42"], timeout=60, cwd=ROOT)
+    assert proc.returncode == 2 and "give --seed 42" in proc.stderr and "seeds 42 to 83" in proc.stderr
 
 
 def test_multi_turn(model, shared):
