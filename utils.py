@@ -1425,8 +1425,9 @@ def rollout_records(episodes, texts: list[str], reward_matrix: torch.Tensor, nam
 
 
 def console_line(metrics: dict, names: list[str], max_steps: int) -> str:
-    """step 3/12 | reward 0.412 ±0.301 | accuracy 0.25 format 0.16 | kl 0.0000 | len 31 | gen 16.1s score ...;
-    in a mixture, each task's reward after the functions' (| arithmetic 0.41 parity 0.30)."""
+    """step 3/12 | reward 0.412 ±0.301 | accuracy 0.25 format 0.16 | kl 0.0012 | len 31 | gen 16.1s score ...;
+    in a mixture, each task's reward after the functions' (| arithmetic 0.41 parity 0.30); kl only with a
+    reference model."""
     tasks = [k.split("/")[1] for k in metrics if k.startswith("task/") and k.endswith("/prompts")]
     return (f"step {metrics['step']}/{max_steps} | reward {metrics['reward']:.3f} ±{metrics['reward_std']:.3f} | "
             + " ".join(f"{name} {metrics[f'rewards/{name}']:.2f}" for name in names)

@@ -68,16 +68,21 @@ if __name__ == "__main__":
     p.add_argument("--server_args", default="", help="vllm serve flags for the server, e.g. --dtype float32")
     p.add_argument("flags", nargs="*", help="train.py flags, after --")
     args = p.parse_args()
-    if args.seed is not None and args.seeds is not None:
-        p.error("give --seed (one seed, once) or --seeds, not both")
-    given = [args.seed] if args.seed is not None else args.seeds or [3]
-    if min(given) < 0 or (given == [0] and args.seed is None):
-        p.error(f"--seeds {' '.join(map(str, given))}: give a number of runs (1 or more) or the seeds (each >= 0)")
-    if args.seed is None and len(given) == 1 and given[0] > 20:  # a seed taken for a count: hours of runs
+    given = args.seeds or [3]  # the default: 3 runs
+    if args.seed is not None:
+        if args.seeds is not None or args.seed < 0:
+            p.error(f"--seed {args.seed}: one seed (0 or more), run once; not with --seeds")
+        seeds = [args.seed]
+    elif len(given) == 1:  # a number of runs, seeds 42, 43, ...
         n = given[0]
-        p.error(f"--seeds {n} is a number of runs: {n} runs, seeds 42 to {41 + n}. For seed {n} once, give "
-                f"--seed {n}; for it several times, --seeds {n} {n} {n}")
-    seeds = list(range(42, 42 + given[0])) if args.seed is None and len(given) == 1 else given
+        if not 1 <= n <= 20:  # a seed given for a count would be hours of runs
+            p.error(f"--seeds {n} is a number of runs, 1 to 20" + (f" ({n}: seeds 42 to {41 + n})" if n > 20 else "")
+                    + f". For seed {n} once, give --seed {n}; for it several times, --seeds {n} {n} {n}")
+        seeds = list(range(42, 42 + n))
+    else:
+        if min(given) < 0:
+            p.error(f"--seeds {' '.join(map(str, given))}: seeds are 0 or more")
+        seeds = given
     from config import parse_config, resolve_model
     flags = [*(["--env", args.env] if args.env else []), *args.flags]
     model = args.model or parse_config(flags).model  # e.g. the embedded VLM for --dataset shapes
