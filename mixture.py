@@ -97,7 +97,7 @@ def parse_tasks(cfg) -> list[Task]:
             source, weight = (spec, None) if os.path.exists(spec) else split_weight(spec)
             if weight is None and ":" in spec and not os.path.exists(spec):  # a weight that is no number
                 source, _, weight = spec.rpartition(":")
-            own.append(_task_defaults({"dataset": source.strip()}, cfg))
+            own.append(_task_defaults({"dataset": source.strip(), "env": cfg.env}, cfg))  # with --env: no task preset
             tasks.append(Task(**{**globals_, **own[-1], "name": name.strip() or source_name(source),
                                  "dataset": source.strip(), "weight": _parse_weight(weight or "1", source.strip())}))
     else:  # one dataset (an embedded task's flags are set by config.parse_config, unless given)
@@ -431,6 +431,7 @@ def load_mixture(cfg, tokenizer, processor=None) -> Mixture:
     mistake is a one-line UsageError naming the task: a source that cannot be loaded, an unknown reward function,
     a task with fewer rows than one step takes."""
     from rewards import is_reward_model, load_reward_func
+    from agents import agent_rollout_for, is_agent
     from tools import tool_rollout_for
     tasks, mixed = parse_tasks(cfg), is_mixture(cfg)
     load = functools.cache(lambda dataset, split, prompt, answer, starts: load_rows(
@@ -443,8 +444,9 @@ def load_mixture(cfg, tokenizer, processor=None) -> Mixture:
                 raise UsageError("a rollout replaces the rollout that runs tools and an env: give one or the other")
             if task.dataset == NO_DATASET and not task.env:
                 raise UsageError(f"dataset {NO_DATASET}: only an env makes its own prompts; name a dataset, or the env")
-            task.rows = _rows_of(task, task.dataset, load(task.dataset, task.dataset_split, task.prompt_column,
-                                                          task.answer_column, NO_DATASET_STARTS), mixed)
+            loaded = load(task.dataset, task.dataset_split, task.prompt_column, task.answer_column, NO_DATASET_STARTS)
+            had_task = bool(loaded) and "task" in loaded[0]  # else a mixture's own column, which reset does not get
+            task.rows = _rows_of(task, task.dataset, loaded, mixed)
             if dataclasses.replace(cfg, dataset=task.dataset, eval_dataset=task.eval_dataset, env="").evaluates():
                 if not task.eval_dataset and os.path.isfile(task.dataset):
                     raise UsageError(f"--eval_steps with a local dataset {task.dataset}: it has no held-out split; "
@@ -457,9 +459,13 @@ def load_mixture(cfg, tokenizer, processor=None) -> Mixture:
                 raise UsageError(f"{len(task.rows)} rows, fewer than one step takes (--prompts_per_step "
                                  f"{cfg.prompts_per_step}): a step drawn from it alone would repeat prompts; give "
                                  "it more rows, or lower --prompts_per_step")
-            if task.tools or task.env:  # the multi-turn rollout: the model calls tools, an environment answers
+            if task.env and is_agent(task.env):  # an OpenAI-client agent: it calls the server itself
+                task.rollout_fn, task.env_reward, task.schemas = agent_rollout_for(cfg, task.env, task.tools,
+                                                                                   processor is not None)
+            elif task.tools or task.env:  # the multi-turn rollout: the model calls tools, an environment answers
                 task.rollout_fn, task.env_reward, task.schemas = tool_rollout_for(
-                    cfg, tokenizer, processor is not None, task.tools, task.env, _names(task.reward_funcs))
+                    cfg, tokenizer, processor is not None, task.tools, task.env, _names(task.reward_funcs),
+                    omit=("environment",) * bool(task.environment) + ("task",) * (mixed and not had_task))
             else:
                 task.rollout_fn = load_rollout(task.rollout, processor is not None)
                 if not _names(task.reward_funcs):
@@ -467,7 +473,8 @@ def load_mixture(cfg, tokenizer, processor=None) -> Mixture:
             _weights(task)  # they parse, one per function
             for name in _names(task.reward_funcs):
                 if not is_reward_model(name):
-                    load_reward_func(name, list(task.rows[0]), cfg.reward_options())
+                    load_reward_func(name, list(task.rows[0]), cfg.reward_options(),
+                                     rollout_fields=bool(task.rollout))  # a custom rollout's extra fields
     if "=" in cfg.env:  # TRL's form: every row (held out too) names one of the environments
         known = [t.environment for t in tasks]
         evaluated = [(cfg.eval_dataset or cfg.dataset, cfg.eval_split, cfg.eval_num_prompts)] \

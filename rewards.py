@@ -233,8 +233,10 @@ def get_reward_func(name: str, options: dict | None = None):
     return functools.partial(fn, **options[name]) if options and name in options else fn
 
 
-def load_reward_func(name: str, columns: list[str], options: dict | None = None):
-    """The function named `name`, checked to accept what the scorer passes it; UsageError saying what to change."""
+def load_reward_func(name: str, columns: list[str], options: dict | None = None, rollout_fields: bool = False):
+    """The function named `name`, checked to accept what the scorer passes it; UsageError saying what to change.
+    `rollout_fields`: a custom rollout may give more (its episodes' extra), so an argument it names beyond the
+    columns is not missing."""
     try:
         fn = get_reward_func(name, options)
     except KeyError:
@@ -245,7 +247,8 @@ def load_reward_func(name: str, columns: list[str], options: dict | None = None)
                          "with the module importable from the working folder") from None
     passed = ["prompts", "completions", "completion_ids", *[c for c in columns if c != "prompt"], *EXTRA_ARGUMENTS]
     try:
-        inspect.signature(fn).bind(**dict.fromkeys(passed))
+        signature = inspect.signature(fn)
+        (signature.bind_partial if rollout_fields else signature.bind)(**dict.fromkeys(passed))
     except TypeError as e:
         raise UsageError(f"--reward_funcs {name}: {fn.__name__}{inspect.signature(fn)} cannot be called with the "
                          f"arguments a reward function gets ({e}): keyword lists {', '.join(passed)}. Write it as "
@@ -254,6 +257,17 @@ def load_reward_func(name: str, columns: list[str], options: dict | None = None)
     except ValueError:  # no signature to inspect (a builtin); it will be called and judged by its results
         pass
     return fn
+
+
+def _named_parameters(fn) -> set[str] | None:
+    """The keyword arguments fn names; None if it takes **kwargs (or has no signature to read)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return None
+    return {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
 def _checked(out, n: int) -> list[float]:
@@ -287,6 +301,9 @@ async def _score_one(fn, batch: dict, n: int) -> dict:
     batch in one call, and one completion at a time if that raises. A return value (or log_extra) that
     cannot be rewards is BadOutput, in either case."""
     lists, metrics = {k: v for k, v in batch.items() if k != "trainer_state"}, {}
+    named = _named_parameters(fn)
+    if named is not None:  # without **kwargs: the columns and a rollout's extra fields that it names, no others
+        lists = {k: v for k, v in lists.items() if k in named}
 
     async def scored(kwargs: dict, k: int) -> tuple[list[float], dict]:
         extra = {}
@@ -408,8 +425,9 @@ class RewardScorer:
                              "function gets from nanogrpo (as in TRL); rename the column")
         self.names, self.timeout, self.max_steps, self.options = names, timeout, max_steps, options or {}
         self.models = {name: RewardModel(name, device) for name in names if is_reward_model(name)}
-        self.is_async = {name: inspect.iscoroutinefunction(load_reward_func(name, columns[name], self.options))
-                         for name in names if name not in self.models}
+        self.is_async = {name: inspect.iscoroutinefunction(load_reward_func(name, columns[name], self.options,
+                                                                            rollout_fields=True))
+                         for name in names if name not in self.models}  # (mixture.load_mixture checked them)
         self.failures = 0  # (function, completion) scores lost: the function raised, or hung
         self.failed = dict.fromkeys(names, 0)  # the same, of each function in the last call
         self.attempted = dict.fromkeys(names, 0)  # the completions each function was to score in the last call

@@ -17,10 +17,16 @@ The contract:
     only they get loss and importance weights and are compared with the server's log-probs. Mark
     tokens the policy did not sample (a forced prefix, a tool's output) False; `logprobs` holds the
     sampler's log-prob of each sampled token, NaN where it is not known (that token then gets no
-    importance weight, ratio 1, and no sync comparison), any number for the tokens not sampled.
+    importance weight, ratio 1, and no sync comparison), any number for the tokens not sampled;
+  - `extra` holds fields for the reward functions (TRL's rollout_func fields): each key reaches them as a
+    keyword list beside the row's columns; it may not be the name of a column.
+Samples that must be independent (the G of a group) must not share a random stream: vLLM seeds every prompt of
+one request alike, so give each its own seed (slot_seed) in a request of its own (client.generate_each), or
+sample them as the n of one prompt.
 """
 import base64
 import dataclasses
+import hashlib
 import importlib
 import json
 import math
@@ -29,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from config import UsageError
+from rewards import EXTRA_ARGUMENTS
 from utils import PerPrompt, encode_prompt
 
 
@@ -44,8 +51,11 @@ class Episode:
     model_inputs: dict = field(default_factory=dict)  # extra inputs of the model for this prompt; none for text
     messages: list | None = None  # the completion as chat messages (assistant and tool turns), for the rewards
                                   # (None: one assistant message, its decoded text)
-    extra: dict = field(default_factory=dict)  # values for the reward functions, as keyword lists (e.g. an
-                                               # environment's reward); JSON-serialisable
+    extra: dict = field(default_factory=dict)  # values for the reward functions: each key reaches them as a keyword
+                                               # list, beside the row's columns (TRL's rollout_func fields); JSON
+    info: dict = field(default_factory=dict)  # what a multi-turn rollout records for the trainer, not the reward
+                                              # functions: tool_calls, environment_reward (its column; None: not
+                                              # applicable), environment_error (no reward at all), ...; JSON
 
 
 @dataclass
@@ -57,10 +67,22 @@ class RolloutContext:
     seed: int  # the seed of this call's sampling
     system_prompt: str = ""
     processor: object = None  # a vision-language model's processor (vision.py), else None
+    max_prompt_length: int = 0  # tokens; a prompt an environment made longer is its error (0: no limit)
 
     def encode(self, prompt) -> list[int]:
         """Token ids of a row's prompt (text or chat messages), as the trainer encodes it."""
         return encode_prompt(self.tokenizer, prompt, self.system_prompt)
+
+
+SEED_LIMIT = 2 ** 62  # request seeds stay below int64's limit, with room for vLLM's seed + j of a request's n samples
+
+
+def slot_seed(seed: int, *place) -> int:
+    """The seed of one sample slot of a call (e.g. trajectory i's turn t: slot_seed(ctx.seed, t, i)), in range: a hash
+    of the call's seed and the place, so no two slots share a random stream (vLLM gives every prompt of a request
+    its seed, so prompts with streams of their own go in requests of their own)."""
+    digest = hashlib.blake2b(repr((seed, *place)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % SEED_LIMIT
 
 
 def sampled_episode(row: dict, prompt_ids: list[int], completion_ids: list[int], logprobs: list[float] | None = None,
@@ -110,6 +132,10 @@ def run_rollout(fn, rows: list[dict], ctx: RolloutContext) -> list[Episode]:
             raise ValueError(f"rollout {name}: episode {i} has {len(e.completion_ids)} completion_ids, "
                              f"{len(e.sampled)} sampled flags and {len(e.logprobs)} logprobs; give one of each per "
                              "completion token")
+        taken = sorted(set(e.extra) & {*e.row, "prompts", "completions", "completion_ids", *EXTRA_ARGUMENTS})
+        if taken:
+            raise ValueError(f"rollout {name}: episode {i}'s extra {taken[0]!r} is also a column of its row or an "
+                             "argument every reward function gets; name it otherwise")
         if e.row is not rows[i // G] and e.row != rows[i // G]:
             raise ValueError(f"rollout {name}: episode {i} is not of row {i // G}; return {G} episodes per row, in the "
                              "order of the rows")

@@ -6,12 +6,12 @@ template's format, here Hermes / Qwen2.5's, `<tool_call>{"name": ..., "arguments
 the results come back as `tool` messages. An environment is a factory of instances whose public
 methods are tools, with `reset(**row)` (which may return text for the last user message), an
 optional `get_reward()`, and (ours) an optional `turn_prefix()`: text each model turn starts with, given,
-not sampled (start_turn).
+not sampled (open_turns). Any of them may be async.
 
 What this file holds: loading tools, their schemas, the checks a chat template must pass (it renders
-tools, calls and results, and adding a turn only appends tokens), parsing calls out of a turn, running
-them with a time-out, and the token ids a new turn appends to a trajectory (never re-tokenizing what the
-model wrote).
+tools, calls and results, and adding a turn only appends tokens), parsing calls out of a turn, running the
+user's code under deadlines (a trajectory's calls in the order written), the token ids a new turn appends
+to a trajectory (never re-tokenizing what the model wrote), and the multi-turn rollout.
 """
 import asyncio
 import concurrent.futures
@@ -24,10 +24,9 @@ import re
 import sys
 import threading
 import traceback
-from types import SimpleNamespace
 
 from config import UsageError
-from rollout import Episode, RolloutContext
+from rollout import Episode, RolloutContext, slot_seed
 from utils import prompt_messages, sum_over_ranks
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
@@ -137,45 +136,90 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict], list[str]]:
             if not isinstance(arguments, dict):
                 raise ValueError("its arguments are not a JSON object")
             calls.append({"name": call["name"], "arguments": arguments})
-        except ValueError as e:  # json.JSONDecodeError is one
+        except (ValueError, RecursionError) as e:  # json.JSONDecodeError is one; RecursionError: nested too deep
             errors.append(f"error: the tool call {body[:200]!r} could not be read ({e})")
     return TOOL_CALL.sub("", text).strip(), calls, errors
 
 
-class DaemonThreads:
-    """submit() as concurrent.futures executors have it, each call on a daemon thread of its own: a tool that hangs
-    is abandoned after its time-out and never holds the process at exit (a ThreadPoolExecutor's threads would)."""
+# -----------------------------------------------------------------------------
+# running the user's code (tools, an environment's methods) so that none can hold up a step
 
-    def submit(self, fn, *args, **kwargs) -> concurrent.futures.Future:
-        future = concurrent.futures.Future()
-
-        def run():
-            try:
-                future.set_result(fn(*args, **kwargs))
-            except BaseException as e:
-                future.set_exception(e)
-        threading.Thread(target=run, daemon=True).start()
-        return future
+def user_loop() -> asyncio.AbstractEventLoop:
+    """The event loop the user's coroutines run on (async tools, reset, get_reward): one for the whole run, in a
+    daemon thread of its own, so an async environment keeps one loop from its reset to its get_reward."""
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, daemon=True).start()
+    return _loop
 
 
-def call_tools(calls: list[tuple[dict, dict]], timeout: float, pool: DaemonThreads) -> list[str]:
-    """Run (call, {name: tool}) pairs concurrently; each result as the text of a tool message. A tool that raises,
-    is unknown, gets wrong arguments or outlives `timeout` seconds answers with an error the model reads (a hung
-    one is abandoned: its thread runs on, the trajectory does not wait)."""
-    def run(call, tools):
-        if call["name"] not in tools:
-            return f"error: there is no tool {call['name']!r}; the tools are {', '.join(sorted(tools))}"
-        return str(tools[call["name"]](**call["arguments"]))
-    futures = [pool.submit(run, call, tools) for call, tools in calls]
-    out = []
-    for (call, _), future in zip(calls, futures):
-        try:
-            out.append(future.result(timeout=timeout))
-        except concurrent.futures.TimeoutError:
-            out.append(f"error: the tool {call['name']} did not answer within {timeout:g} s")
-        except Exception as e:
-            out.append(f"error: {type(e).__name__}: {e}")
+_loop, _loop_lock = None, threading.Lock()
+
+
+def call_user(fn, *args, **kwargs):
+    """fn(*args, **kwargs), awaited on user_loop() if it returns an awaitable (an async tool, reset or get_reward)."""
+    out = fn(*args, **kwargs)
+    if inspect.isawaitable(out):
+        out = asyncio.run_coroutine_threadsafe(_awaited(out), user_loop()).result()
     return out
+
+
+async def _awaited(awaitable):
+    return await awaitable
+
+
+def run_together(jobs: list, timeout: float, what: str) -> list[tuple[object, str | None]]:
+    """Each job (a function of no arguments) on a daemon thread of its own, all at once, under one deadline `timeout`
+    s from now: per job (its value, None), or (None, its traceback) if it raised, or (None, "`what` did not return
+    within ...") if it had not returned by then. A job past the deadline is abandoned: its thread runs on, but
+    nothing waits for it, not even the process's exit (a pool's threads would hold it)."""
+    futures = [concurrent.futures.Future() for _ in jobs]
+    for job, future in zip(jobs, futures):
+        threading.Thread(target=_settle, args=(future, job), daemon=True).start()
+    concurrent.futures.wait(futures, timeout)
+    return [(None, f"{what} did not return within {timeout:g} s (--tool_timeout)\n") if not f.done() else
+            (None, "".join(traceback.format_exception(f.exception()))) if f.exception() else (f.result(), None)
+            for f in futures]
+
+
+def _settle(future: concurrent.futures.Future, job):
+    try:
+        future.set_result(job())
+    except BaseException as e:
+        future.set_exception(e)
+
+
+def call_tools(turns: list[tuple[list[dict], dict]], timeout: float) -> list[list[str]]:
+    """The tool calls of one turn of several trajectories, each (its calls, its {name: tool}): a trajectory's calls one
+    after another in the order the model wrote them (a call may use what the one before left in the environment),
+    the trajectories side by side, all under one deadline `timeout` s from now. Each call's answer is the text of a
+    tool message: the tool's result, or an error the model reads (a tool that raises, is unknown, gets wrong
+    arguments, or has not answered by the deadline; the calls after that one are not made)."""
+    answers, late = [[] for _ in turns], threading.Event()
+
+    def in_order(calls, tools, out):
+        for call in calls:
+            if late.is_set():
+                return
+            out.append(_answer(call, tools))
+    run_together([functools.partial(in_order, calls, tools, out) for (calls, tools), out in zip(turns, answers)],
+                 timeout, "a tool")
+    late.set()
+    done = [list(out) for out in answers]  # what had answered by the deadline
+    return [out + [f"error: the tool {call['name']} did not answer within {timeout:g} s" if k == 0 else
+                   f"error: the tool {call['name']} was not called: the call before it did not answer in time"
+                   for k, call in enumerate(calls[len(out):])] for (calls, _), out in zip(turns, done)]
+
+
+def _answer(call: dict, tools: dict) -> str:
+    if call["name"] not in tools:
+        return f"error: there is no tool {call['name']!r}; the tools are {', '.join(sorted(tools))}"
+    try:
+        return str(call_user(tools[call["name"]], **call["arguments"]))
+    except Exception as e:
+        return f"error: {type(e).__name__}: {e}"
 
 
 def appended_ids(tokenizer, messages: list[dict], new: list[dict], tools: list[dict] | None) -> list[int] | None:
@@ -191,96 +235,88 @@ def appended_ids(tokenizer, messages: list[dict], new: list[dict], tools: list[d
     return after[ends[-1] + 1 if ends else len(before):]
 
 
-def sample_each(ctx: RolloutContext, contexts: list[list[int]], max_tokens: int, seed: int) -> list[dict]:
-    """One completion of each of `contexts` (token ids), in as few requests as their repeats allow: identical
-    contexts are one prompt with n = their count (with one seed, two requests for the same ids would get the
-    same sample), so a turn is one request when every context is distinct, or all repeat equally."""
-    positions = {}
-    for i, c in enumerate(contexts):
-        positions.setdefault(tuple(c), []).append(i)
-    by_count = {}
-    for c, where in positions.items():
-        by_count.setdefault(len(where), []).append(c)
-    out = [None] * len(contexts)
-    for n, unique in sorted(by_count.items()):
-        samples = ctx.client.generate([list(c) for c in unique], n=n, seed=seed + n,
-                                      **{**ctx.sampling, "max_tokens": max_tokens})
-        for j, c in enumerate(unique):
-            for k, i in enumerate(positions[c]):
-                out[i] = samples[j * n + k]
-    return out
+def open_turns(runs: list[dict], tokenizer, budget: int, timeout: float):
+    """Give each live trajectory's next turn its environment's opening, if it has turn_prefix() and that returns text
+    (e.g. the start of a tool call, for a model that writes none by itself): its tokens join the trajectory as
+    given, not sampled (sampled=False), and the model continues from them. If they leave no room, what fits is the
+    last turn ("length"). A turn_prefix that raises, or has not returned within `timeout` s (one deadline for all),
+    ends its trajectory with an environment error."""
+    opening = [r for r in runs if r["live"] and callable(getattr(r["env"], "turn_prefix", None))]
+    for r, (prefix, error) in zip(opening, run_together([functools.partial(call_user, r["env"].turn_prefix)
+                                                         for r in opening], timeout, "turn_prefix")):
+        if error is None and prefix is not None and not isinstance(prefix, str):
+            error = f"turn_prefix() returned a {type(prefix).__name__}; return text, or '' for none\n"
+        if error is not None:
+            r["live"], r["error"] = False, error
+            continue
+        ids = tokenizer.encode(prefix, add_special_tokens=False) if prefix else []
+        if len(r["ids"]) + len(ids) >= budget:  # what fits is the turn, as the model's own would be cut
+            ids = ids[:budget - len(r["ids"])]
+            r["messages"].append({"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)})
+            r["finish"], r["live"] = "length", False
+        r["ids"] += ids
+        r["sampled"] += [False] * len(ids)
+        r["logprobs"] += [math.nan] * len(ids)
 
 
-def start_turn(r: dict, tokenizer, budget: int, pool, timeout: float):
-    """Give the model's next turn the environment's opening, if it has turn_prefix() and it returns text (e.g.
-    the start of a tool call, for a model that writes none by itself): its tokens join the trajectory as given,
-    not sampled (sampled=False), and the model continues from them. If they leave no room, what fits is the
-    last turn ("length"); if turn_prefix raises, the trajectory ends with an environment error."""
-    if r["env"] is None or not callable(getattr(r["env"], "turn_prefix", None)):
-        return
-    try:
-        prefix = pool.submit(r["env"].turn_prefix).result(timeout=timeout)
-        if prefix is not None and not isinstance(prefix, str):
-            raise TypeError(f"turn_prefix() returned a {type(prefix).__name__}; return text, or '' for none")
-    except concurrent.futures.TimeoutError:
-        r["live"], r["error"] = False, f"turn_prefix did not return within {timeout:g} s (--tool_timeout)\n"
-        return
-    except Exception:
-        r["live"], r["error"] = False, traceback.format_exc()
-        return
-    ids = tokenizer.encode(prefix, add_special_tokens=False) if prefix else []
-    if len(r["ids"]) + len(ids) >= budget:  # what fits is the turn, as the model's own would be cut
-        ids = ids[:budget - len(r["ids"])]
-        r["messages"].append({"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)})
-        r["finish"], r["live"] = "length", False
-    r["ids"] += ids
-    r["sampled"] += [False] * len(ids)
-    r["logprobs"] += [math.nan] * len(ids)
+def start_trajectories(rows: list[dict], ctx: RolloutContext, tools: list, env_factory, omit: tuple,
+                       timeout: float) -> list[dict]:
+    """Each trajectory's start: a fresh environment (env_factory()) reset with its row's columns but `omit`, whose
+    text, if any, ends the prompt's last user message. The factories and resets run side by side under one deadline
+    `timeout` s from now; one that raises or misses it is the trajectory's environment error (it gets no reward)."""
+    G = ctx.num_generations
+
+    def start(row):
+        env = env_factory()
+        return env, call_user(env.reset, **{k: v for k, v in row.items() if k not in omit})
+    slots = range(len(rows) * G)
+    started = run_together([functools.partial(start, rows[i // G]) for i in slots], timeout,
+                           "the environment's factory and reset") if env_factory else [(None, None) for _ in slots]
+    runs = []
+    for i, (value, error) in enumerate(started):
+        env, observation = value or (None, None)
+        row = rows[i // G]
+        messages = prompt_messages(row["prompt"], ctx.system_prompt)
+        if error is None and observation:
+            messages[-1] = {**messages[-1], "content": messages[-1]["content"] + str(observation)}
+        elif error is None and env is not None and not row["prompt"]:
+            error = ("reset(**row) returned no text, and the row has no prompt (--dataset none): there it must return "
+                     "the prompt, the same for the same seed\n")
+        fns = list(tools) + (environment_tools(env) if env is not None else [])
+        schemas = tool_schemas(fns)
+        prompt_ids = render(ctx.tokenizer, messages, schemas, True)
+        if error is None and ctx.max_prompt_length and len(prompt_ids) > ctx.max_prompt_length:
+            error = (f"with reset's text the prompt has {len(prompt_ids)} tokens > --max_prompt_length "
+                     f"{ctx.max_prompt_length}: raise it (and the server's --max-model-len), or shorten that text\n")
+        runs.append(dict(row=row, slot=i, env=env, tools={f.__name__: f for f in fns}, schemas=schemas,
+                         messages=messages, start=len(messages), prompt_ids=prompt_ids, ids=[], sampled=[],
+                         logprobs=[], finish="stop", live=error is None, error=error, calls=0, rewritten=False))
+    return runs
 
 
 def tool_rollout(rows: list[dict], ctx: RolloutContext, tools: list = (), env_factory=None, max_iterations: int = 5,
-                 timeout: float = 30.0) -> list[Episode]:
-    """The multi-turn rollout (rollout.py's contract): G trajectories per row, advancing turn by turn together,
-    one request per turn for all that are still going. A trajectory's tokens are its prompt, then each model turn
-    as sampled (sampled=True) and the tokens the chat template adds for the tools' answers and the next turn
-    (sampled=False: no loss, no importance weight), up to max_tokens in all; a turn that would pass it is cut and
-    marked "length". Each trajectory gets a fresh environment (env_factory()), so a repeated call repeats."""
-    G, tokenizer, budget = ctx.num_generations, ctx.tokenizer, ctx.sampling["max_tokens"]
-    pool = DaemonThreads()  # resets, tools and rewards run concurrently, each with a time-out
-    envs = [env_factory() if env_factory else None for _ in range(len(rows) * G)]
-    resets = [pool.submit(env.reset, **rows[i // G]) if env is not None else None for i, env in enumerate(envs)]
-    runs = []
-    for i, (env, reset) in enumerate(zip(envs, resets)):
-        row, error = rows[i // G], None
-        messages = prompt_messages(row["prompt"], ctx.system_prompt)
-        if reset is not None:
-            try:
-                observation = reset.result(timeout=timeout)
-                if observation:
-                    messages[-1] = {**messages[-1], "content": messages[-1]["content"] + str(observation)}
-                elif not row["prompt"]:
-                    error = ("reset(**row) returned no text, and the row has no prompt (--dataset none): there it "
-                             "must return the prompt, the same for the same seed\n")
-            except concurrent.futures.TimeoutError:
-                error = f"the environment's reset did not return within {timeout:g} s (--tool_timeout)\n"
-            except Exception:
-                error = traceback.format_exc()
-        fns = list(tools) + (environment_tools(env) if env is not None else [])
-        schemas = tool_schemas(fns)
-        runs.append(dict(row=row, env=env, tools={f.__name__: f for f in fns}, schemas=schemas, messages=messages,
-                         start=len(messages), prompt_ids=render(tokenizer, messages, schemas, True), ids=[],
-                         sampled=[], logprobs=[], finish="stop", live=error is None, error=error, calls=0,
-                         rewritten=False))
+                 timeout: float = 30.0, omit: tuple = ()) -> list[Episode]:
+    """The multi-turn rollout (rollout.py's contract): G trajectories per row, advancing turn by turn together. A
+    trajectory's tokens are its prompt, then each model turn as sampled (sampled=True) and the tokens the chat
+    template adds for the tools' answers and the next turn (sampled=False: no loss, no importance weight), up to
+    max_tokens in all; a turn that would pass it is cut and marked "length". Each model turn is a request of its
+    own, with a seed of its own (rollout.slot_seed: no two turns of a step share a random stream) and the room its
+    trajectory has left; a turn's requests are sent together, so the server batches them. Each trajectory gets a
+    fresh environment (env_factory()), so a repeated call repeats. Tools, reset, turn_prefix and get_reward may be
+    async (awaited); each of them runs under a deadline of `timeout` s shared by all trajectories of that moment."""
+    tokenizer, budget = ctx.tokenizer, ctx.sampling["max_tokens"]
+    sampling = {k: v for k, v in ctx.sampling.items() if k != "max_tokens"}
+    runs = start_trajectories(rows, ctx, tools, env_factory, omit, timeout)
     for turn in range(max_iterations + 1):
         for r in runs:
-            if r["live"]:
-                r["turn_start"] = len(r["ids"])
-                start_turn(r, tokenizer, budget, pool, timeout)
+            r["turn_start"] = len(r["ids"])
+        open_turns(runs, tokenizer, budget, timeout)
         live = [r for r in runs if r["live"]]
         if not live:
             break
-        samples = sample_each(ctx, [r["prompt_ids"] + r["ids"] for r in live],
-                              max(budget - len(r["ids"]) for r in live), ctx.seed * 1000 + turn * 97)
+        samples = ctx.client.generate_each([r["prompt_ids"] + r["ids"] for r in live],
+                                           [budget - len(r["ids"]) for r in live],
+                                           [slot_seed(ctx.seed, turn, r["slot"]) for r in live], **sampling)
         pending = []
         for r, s in zip(live, samples):
             room = budget - len(r["ids"])
@@ -298,10 +334,10 @@ def tool_rollout(rows: list[dict], ctx: RolloutContext, tools: list = (), env_fa
                 r["live"] = False
             else:
                 pending.append((r, calls, errors))
-        answers = iter(call_tools([(c, r["tools"]) for r, calls, _ in pending for c in calls], timeout, pool))
-        for r, calls, errors in pending:
+        answers = call_tools([(calls, r["tools"]) for r, calls, _ in pending], timeout)
+        for (r, calls, errors), answered in zip(pending, answers):
             r["calls"] += len(calls)
-            new = ([{"role": "tool", "name": c["name"], "content": next(answers)} for c in calls]
+            new = ([{"role": "tool", "name": c["name"], "content": a} for c, a in zip(calls, answered)]
                    + [{"role": "tool", "name": "error", "content": e} for e in errors])
             suffix = appended_ids(tokenizer, r["messages"], new, r["schemas"])
             if suffix is None:  # the template rewrote history: end the trajectory where it is exact
@@ -313,35 +349,57 @@ def tool_rollout(rows: list[dict], ctx: RolloutContext, tools: list = (), env_fa
                 r["ids"] += suffix
                 r["sampled"] += [False] * len(suffix)
                 r["logprobs"] += [math.nan] * len(suffix)
-    episodes = []
-    for r in runs:
-        extra = {"tool_calls": r["calls"], "template_rewrote_history": r["rewritten"], "environment_error": r["error"]}
-        if r["env"] is not None and hasattr(r["env"], "get_reward") and r["error"] is None:
-            try:
-                extra["environment_reward"] = float(pool.submit(r["env"].get_reward).result(timeout=timeout))
-            except concurrent.futures.TimeoutError:
-                extra["environment_error"] = f"get_reward did not return within {timeout:g} s (--tool_timeout)\n"
-            except Exception:
-                extra["environment_error"] = traceback.format_exc()
-        episodes.append(Episode(r["row"], r["prompt_ids"], r["ids"], r["sampled"], r["logprobs"], r["finish"],
-                                messages=r["messages"][r["start"]:], extra=extra))
-    return mark_groups_with_different_prompts(episodes, G)
+    rewards = environment_rewards_of(runs, timeout)
+    return mark_groups_with_different_prompts([
+        Episode(r["row"], r["prompt_ids"], r["ids"], r["sampled"], r["logprobs"], r["finish"],
+                messages=r["messages"][r["start"]:],
+                info={"tool_calls": r["calls"], "template_rewrote_history": r["rewritten"],
+                      "environment_error": error or r["error"], "environment_reward": reward})
+        for r, (reward, error) in zip(runs, rewards)], ctx.num_generations)
+
+
+def environment_rewards_of(runs: list[dict], timeout: float) -> list[tuple[float | None, str | None]]:
+    """Each trajectory's get_reward(), all side by side under one deadline: (reward, None), (None, None) where the
+    environment has no get_reward, failed before or says None (not applicable: no reward in its column alone),
+    (None, the error) where it raises, misses the deadline or returns something that is not a number."""
+    scored = [r for r in runs if r["error"] is None and callable(getattr(r["env"], "get_reward", None))]
+    results = dict(zip(map(id, scored), run_together([functools.partial(call_user, r["env"].get_reward)
+                                                      for r in scored], timeout, "get_reward")))
+    return [reward_value(*results.get(id(r), (None, None)), "get_reward()") for r in runs]
+
+
+def reward_value(value, error: str | None, what: str) -> tuple[float | None, str | None]:
+    """What an environment's get_reward() or an agent returned, as (a reward or None, None) or (None, the error): a
+    number, or None (not applicable); anything else is an error (the trajectory gets no reward)."""
+    if error is not None:
+        return None, error
+    if value is None:
+        return None, None
+    try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError
+        return float(value), None
+    except (TypeError, ValueError):
+        return None, f"{what} returned {value!r:.200}, a {type(value).__name__}: return a number, or None where it " \
+                     "does not apply\n"
 
 
 def mark_groups_with_different_prompts(episodes: list[Episode], G: int) -> list[Episode]:
     """Mark the first episode of each group of G whose prompts are not all the same (reset(**row) or an agent
     started them differently): GRPO compares the group as answers to one prompt (trajectory_metrics warns)."""
     for g in range(0, len(episodes), G):
-        group = [e for e in episodes[g:g + G] if not e.extra.get("environment_error")]
+        group = [e for e in episodes[g:g + G] if not e.info.get("environment_error")]
         if any(e.prompt_ids != group[0].prompt_ids for e in group):
-            episodes[g].extra["group_prompts_differ"] = True
+            episodes[g].info["group_prompts_differ"] = True
     return episodes
 
 
-def tool_rollout_for(cfg, tokenizer, vision: bool, tools_spec: str, env: str, reward_funcs: list[str]):
+def tool_rollout_for(cfg, tokenizer, vision: bool, tools_spec: str, env: str, reward_funcs: list[str],
+                     omit: tuple = ()):
     """The multi-turn rollout of a task's tools (module:function,...) and environment (module:factory), its parts
     checked at start (one-line UsageErrors): (the rollout function, the environment's reward name (its class) if it
-    has get_reward(), else None, the tools' schemas). The settings of every rollout come from cfg."""
+    has get_reward(), else None, the tools' schemas). reset(**row) gets the row's columns but `omit` (those nanogrpo
+    added). The settings of every rollout come from cfg."""
     if vision:
         raise UsageError(f"{'--env' if env else '--tools'} with a vision-language model: multi-turn rollouts take "
                          "text-only models for now; train the VLM without them")
@@ -352,12 +410,6 @@ def tool_rollout_for(cfg, tokenizer, vision: bool, tools_spec: str, env: str, re
         factory = load_callables(env, "--env")[0] if name else None
         if factory is None:
             raise UsageError(f"--env {env}: give module:factory (a class, or a function returning an instance)")
-        if inspect.iscoroutinefunction(factory):  # an OpenAI-client agent: async def agent(client, row)
-            if tools:
-                raise UsageError(f"--env {env} is an agent, which calls its own tools: drop --tools")
-            rollout = functools.partial(agent_rollout, agent=factory,
-                                        timeout=cfg.tool_timeout * (cfg.max_tool_calling_iterations + 1))
-            return rollout, factory.__name__, None
         try:
             probe = factory()
         except Exception as e:
@@ -371,7 +423,7 @@ def tool_rollout_for(cfg, tokenizer, vision: bool, tools_spec: str, env: str, re
     if not reward_funcs and not reward_name:
         raise UsageError("nothing gives a reward: name --reward_funcs, or give the environment a get_reward() method")
     rollout = functools.partial(tool_rollout, tools=tools, env_factory=factory,
-                                max_iterations=cfg.max_tool_calling_iterations, timeout=cfg.tool_timeout)
+                                max_iterations=cfg.max_tool_calling_iterations, timeout=cfg.tool_timeout, omit=omit)
     return rollout, reward_name, schemas
 
 
@@ -387,16 +439,17 @@ def environment_rewards(episodes: list[Episode], scores: list[list[float]], scor
                         column_of: list[str | None]) -> list[list[float]]:
     """The reward functions' scores (k lists) and a column per environment reward (`columns`, each named after its
     class): each trajectory's get_reward() in its environment's column (`column_of[i]`; None: no environment
-    reward), NaN in the others. An episode whose environment raised (in reset or get_reward; an agent anywhere)
-    gets NaN in every column: no reward, like a failing reward function (counted in scorer.failures and
-    scorer.failed[its column], the first traceback printed once)."""
+    reward; a reward of None: not applicable, NaN there alone), NaN in the others. An episode whose environment
+    failed (its factory, reset, turn_prefix or get_reward raised or timed out; an agent anywhere) gets NaN in every
+    column, whatever its task's reward sources: no reward, like a failing reward function (counted in
+    scorer.failures and scorer.failed[its column], the first error printed once)."""
     scores = [list(column) for column in scores] + [
-        [e.extra.get("environment_reward", math.nan) if of == name else math.nan
-         for e, of in zip(episodes, column_of)] for name in columns]
+        [e.info.get("environment_reward") if of == name else None for e, of in zip(episodes, column_of)]
+        for name in columns]
     scorer.failed |= dict.fromkeys(columns, 0)
     scorer.attempted |= {name: column_of.count(name) for name in columns}
     for i, e in enumerate(episodes):
-        if e.extra.get("environment_error"):
+        if e.info.get("environment_error"):
             for column in scores:
                 column[i] = math.nan
             scorer.failures += 1
@@ -405,20 +458,22 @@ def environment_rewards(episodes: list[Episode], scores: list[list[float]], scor
             if "environment" not in scorer.reported:
                 scorer.reported.add("environment")
                 print(f"the environment failed on a trajectory (no reward for it; counted in scorer_failures; only "
-                      f"its first error is shown):\n{e.extra['environment_error']}", file=sys.stderr, flush=True)
+                      f"its first error is shown):\n{e.info['environment_error']}", file=sys.stderr, flush=True)
     return [[math.nan if v is None else v for v in column] for column in scores]
 
 
 def trajectory_metrics(episodes: list[Episode], is_main: bool) -> dict:
     """Over all ranks: tool calls per trajectory, the completion tokens the model wrote and those the tools and the
     chat template added, trajectories ended because the template rewrote history, environments that failed, groups
-    whose prompts differ (warned once: GRPO's baseline then compares answers to different prompts)."""
-    t = sum_over_ranks({"n": len(episodes), "calls": sum(e.extra.get("tool_calls", 0) for e in episodes),
+    whose prompts differ (warned once: GRPO's baseline then compares answers to different prompts), agents' calls
+    that started a new sample (an edited history)."""
+    t = sum_over_ranks({"n": len(episodes), "calls": sum(e.info.get("tool_calls", 0) for e in episodes),
                         "model": sum(sum(e.sampled) for e in episodes),
                         "all": sum(len(e.completion_ids) for e in episodes),
-                        "rewritten": sum(bool(e.extra.get("template_rewrote_history")) for e in episodes),
-                        "failed": sum(bool(e.extra.get("environment_error")) for e in episodes),
-                        "differ": sum(bool(e.extra.get("group_prompts_differ")) for e in episodes)})
+                        "rewritten": sum(bool(e.info.get("template_rewrote_history")) for e in episodes),
+                        "failed": sum(bool(e.info.get("environment_error")) for e in episodes),
+                        "differ": sum(bool(e.info.get("group_prompts_differ")) for e in episodes),
+                        "forks": sum(e.info.get("forks", 0) for e in episodes)})
     if t["differ"] and is_main and not _warned:
         _warned.append(True)
         print(f"warning: in {t['differ']:g} group(s) the environment (reset(**row)) or the agent started the "
@@ -429,106 +484,7 @@ def trajectory_metrics(episodes: list[Episode], is_main: bool) -> dict:
     return {"tools/calls": t["calls"] / n, "completion_length/model": t["model"] / n,
             "completion_length/environment": (t["all"] - t["model"]) / n,
             "tools/template_rewrote_history": t["rewritten"], "environment_failures": t["failed"],
-            "tools/groups_with_different_prompts": t["differ"]}
+            "tools/groups_with_different_prompts": t["differ"], "agents/forks": t["forks"]}
 
 
 _warned = []  # trajectory_metrics warned about groups with different prompts (once per run)
-
-
-# -----------------------------------------------------------------------------
-# OpenAI-client agents: an async function that gets a client and a row and calls client.chat.completions.create
-
-class RecordingClient:
-    """The client an agent gets: `client.chat.completions.create(messages=..., ...)` as the `openai` package has it
-    (an openai.AsyncOpenAI underneath), against the training server, with the run's sampling settings, a seed per
-    call and the rest of --max_completion_length as max_tokens; it records the token ids and log-probs of every
-    call (vLLM's return_token_ids and logprobs), from which the trajectory is built. `client.model` is the name."""
-
-    def __init__(self, server, sampling: dict, seed: int):
-        import openai
-        self.model, self.calls, self._sampling, self._seed = server.model_name, [], sampling, seed
-        self._client = openai.AsyncOpenAI(base_url=server.base + "/v1", api_key=server.api_key or "none", max_retries=0)
-        self.chat = SimpleNamespace(completions=SimpleNamespace(create=self._create))
-
-    async def _create(self, messages: list[dict], n: int = 1, **kwargs):
-        if n != 1:
-            raise ValueError("an agent's call samples one answer (n=1); call again for another")
-        s, used = self._sampling, trajectory_length(self.calls)
-        extra = {**(kwargs.pop("extra_body", None) or {}), "return_token_ids": True, "top_k": s["top_k"],
-                 "min_p": s["min_p"], "repetition_penalty": s["repetition_penalty"]}
-        kwargs.update(model=self.model, messages=messages, n=1, seed=self._seed + len(self.calls), logprobs=True,
-                      temperature=s["temperature"], top_p=s["top_p"], max_tokens=max(s["max_tokens"] - used, 1),
-                      extra_body=extra)
-        kwargs.pop("max_completion_tokens", None)
-        response = await self._client.chat.completions.create(**kwargs)
-        choice = response.choices[0]
-        self.calls.append(dict(messages=list(messages), content=choice.message.content,
-                               prompt_ids=list(response.prompt_token_ids), ids=list(choice.token_ids),
-                               logprobs=[t.logprob for t in choice.logprobs.content], finish=choice.finish_reason))
-        return response
-
-
-def trajectory_length(calls: list[dict]) -> int:
-    """Tokens after the first call's prompt: every answer and the messages between them."""
-    return len(calls[-1]["prompt_ids"]) + len(calls[-1]["ids"]) - len(calls[0]["prompt_ids"]) if calls else 0
-
-
-def agent_episode(row: dict, calls: list[dict], budget: int) -> Episode:
-    """The trajectory of an agent's recorded calls: the first call's prompt, then each answer as sampled and the
-    tokens the next call's prompt adds (sampled=False). Each call's prompt must begin with the previous prompt and
-    answer, token for token (else the server re-tokenized what the model wrote, and the trajectory would not be
-    what it saw: ValueError naming the call). Cut at `budget` tokens after the prompt ("length")."""
-    ids, sampled, logprobs, context = [], [], [], calls[0]["prompt_ids"]
-    for k, call in enumerate(calls):
-        if call["prompt_ids"][:len(context)] != context:
-            at = next(i for i, (a, b) in enumerate(zip(call["prompt_ids"], context + [-1])) if a != b)
-            raise ValueError(f"the agent's call {k + 1} does not continue its trajectory: its prompt differs from the "
-                             f"previous prompt and answer at token {at} of {len(context)} (the chat template rendered "
-                             "the earlier turns as other tokens than the model's). Pass the earlier messages back as "
-                             "they were, or keep each call's conversation apart")
-        added = call["prompt_ids"][len(context):]
-        ids += added + call["ids"]
-        sampled += [False] * len(added) + [True] * len(call["ids"])
-        logprobs += [math.nan] * len(added) + call["logprobs"]
-        context = call["prompt_ids"] + call["ids"]
-    finish = "length" if len(ids) > budget or calls[-1]["finish"] == "length" else "stop"
-    messages = calls[-1]["messages"][len(calls[0]["messages"]):] + [{"role": "assistant",
-                                                                     "content": calls[-1]["content"]}]
-    return Episode(row, calls[0]["prompt_ids"], ids[:budget], sampled[:budget], logprobs[:budget], finish,
-                   messages=messages)
-
-
-def agent_rollout(rows: list[dict], ctx: RolloutContext, agent=None, timeout: float = 300.0) -> list[Episode]:
-    """G runs of `agent(client, row)` per row, all at once (their requests meet in the server's batches), each with
-    a RecordingClient seeded by its place, so a repeated call repeats. What the agent returns, if a number, is its
-    reward (a column named after it). An agent that raises or outlives `timeout` seconds gets no reward; one whose
-    calls lost the server raises ServerLost (the trainer waits for it and runs this again)."""
-    import openai
-    from vllm_server import ServerLost
-    G = ctx.num_generations
-
-    async def one(row, seed):
-        client = RecordingClient(ctx.client, ctx.sampling, seed)
-        try:
-            reward = await asyncio.wait_for(agent(client, row), timeout)
-            return client.calls, reward, None
-        except openai.APIConnectionError as e:
-            raise ServerLost(f"an agent's request to the server failed: {e}") from None
-        except Exception:
-            return client.calls, None, traceback.format_exc()
-
-    async def every():
-        return await asyncio.gather(*[one(rows[i // G], ctx.seed * 1000 + i) for i in range(len(rows) * G)])
-    episodes = []
-    for i, (calls, reward, error) in enumerate(asyncio.run(every())):
-        if not calls and error is None:
-            error = "the agent made no call to client.chat.completions.create\n"
-        if error is not None:
-            prompt_ids = calls[0]["prompt_ids"] if calls else ctx.encode(rows[i // G]["prompt"])
-            episodes.append(Episode(rows[i // G], prompt_ids, [], [], [], "stop", messages=[],
-                                    extra={"environment_error": error}))
-            continue
-        episode = agent_episode(rows[i // G], calls, ctx.sampling["max_tokens"])
-        episode.extra = {"tool_calls": len(calls) - 1, "environment_reward": None if reward is None else float(reward)}
-        episodes.append(episode)
-    return mark_groups_with_different_prompts(episodes, G)

@@ -46,7 +46,7 @@ from config import Config, UsageError, native_bf16, parse_config, resolve_model
 from mixture import load_mixture, resume_signature
 from plot import plot_run
 from rewards import RewardScorer, load_postprocess, postprocessed, weighted_rewards
-from rollout import RolloutContext, collate, episodes_to_json, presampled_from_json, run_rollout
+from rollout import SEED_LIMIT, RolloutContext, collate, episodes_to_json, presampled_from_json, run_rollout
 from tools import environment_rewards, probe_trajectory, read_chat_template, trajectory_metrics
 from utils import (MetricsLogger, Probe, ScoringWatch, ServerWeights, StepTimer, StopRequest, add_lora, barrier,
                    check_checkpoint, check_finite, check_sync, completion_logprobs, console_line, disable_dropout,
@@ -448,8 +448,8 @@ def main(cfg: Config):
 
     def rollout_call(step: int, extra_round: int = 0):
         """The call that samples this rank's episodes of `step`, repeatable (a server reconnect runs it again)."""
-        seed = (cfg.seed * 1_000_000 + step) * 1000 + rank + extra_round * 10 ** 15
-        ctx = RolloutContext(client, tokenizer, G, sampling, seed, cfg.system_prompt, processor)
+        seed = ((cfg.seed * 1_000_000 + step) * 1000 + rank + extra_round * 10 ** 15) % SEED_LIMIT  # in int64
+        ctx = RolloutContext(client, tokenizer, G, sampling, seed, cfg.system_prompt, processor, cfg.max_prompt_length)
         return functools.partial(run_rollout, rollout_fn, [rows[i] for i in rows_of(step, extra_round)], ctx)
 
     def draw_more(step: int, extra_round: int, wanted: bool) -> tuple:
@@ -495,10 +495,10 @@ def main(cfg: Config):
         texts = [tokenizer.decode(e.completion_ids, skip_special_tokens=True) for e in episodes]  # ([] -> [], not [""])
         completions = [text if e.messages is None else e.messages for e, text in zip(episodes, texts)]  # multi-turn
         tasks = mixture.task_index([e.row for e in episodes])  # (N,) each one's task: its columns, its weights
-        scores = scorer([e.row for e in episodes], completions, [e.completion_ids for e in episodes],
+        scores = scorer([{**e.row, **e.extra} for e in episodes], completions, [e.completion_ids for e in episodes],
                         scheduler.last_epoch, mixture.own[tasks])  # each function scores its tasks' rows
-        if mixture.env_names:  # each trajectory's get_reward(); an episode whose environment failed gets no reward
-            scores = environment_rewards(episodes, scores, scorer, mixture.env_names, mixture.env_reward_of(tasks))
+        # each trajectory's get_reward() as a column; an episode whose environment failed gets no reward at all
+        scores = environment_rewards(episodes, scores, scorer, mixture.env_names, mixture.env_reward_of(tasks))
         reward_matrix = torch.tensor(scores, dtype=torch.float32).T.reshape(len(texts), len(names))  # (N, k)
         reward_matrix = postprocessed(postprocess, reward_matrix, names, mixture.names_of(tasks))  # the hook
         return texts, reward_matrix, weighted_rewards(reward_matrix, mixture.weights[tasks], mixture.own[tasks])
@@ -507,8 +507,8 @@ def main(cfg: Config):
         """Mean rewards and pass@k on the evaluation prompts, through the server (each rank its share). The
         requests carry the same seeds every time, so two evaluations differ only by the weights."""
         n, mine = cfg.eval_num_generations, list(range(rank, len(eval_rows), world_size))
-        seed = (cfg.seed * 1_000_000 + 999_999) * 1000 + rank  # the same every time
-        ctx = RolloutContext(client, tokenizer, n, sampling, seed, cfg.system_prompt, processor)
+        seed = ((cfg.seed * 1_000_000 + 999_999) * 1000 + rank) % SEED_LIMIT  # the same every time
+        ctx = RolloutContext(client, tokenizer, n, sampling, seed, cfg.system_prompt, processor, cfg.max_prompt_length)
         episodes = server.run(run_rollout, rollout_fn, [eval_rows[i] for i in mine], ctx)
         texts, matrix, rewards = score(episodes)
         logger.log_rollouts(rollout_records(episodes, texts, matrix, names, rewards, tokenizer,

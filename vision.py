@@ -14,7 +14,7 @@ import io
 import re
 
 from config import UsageError
-from rollout import Episode, RolloutContext
+from rollout import Episode, RolloutContext, slot_seed
 from utils import Probe, encode_prompts, prompt_messages
 
 IMAGE_COLUMNS = ("images", "image")
@@ -218,8 +218,7 @@ def vision_rollout(rows: list[dict], ctx: RolloutContext) -> list[Episode]:
         prompts.append((*encode_vision_prompt(processor, messages, images), server_messages(messages, images)))
 
     def sample(i):  # a seed per row: prompts that differ only in their images must not draw the same samples
-        return ctx.client.chat(prompts[i][2], n=ctx.num_generations, seed=(ctx.seed * 1_000_003 + i) % 2**63,
-                               **ctx.sampling)
+        return ctx.client.chat(prompts[i][2], n=ctx.num_generations, seed=slot_seed(ctx.seed, i), **ctx.sampling)
 
     with concurrent.futures.ThreadPoolExecutor(max(1, len(rows))) as pool:
         answers = list(pool.map(sample, range(len(rows))))

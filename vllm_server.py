@@ -108,6 +108,8 @@ class VLLMClient:
                  request_timeout: float = 0, server_timeout: float = 300):
         self.base, self.api_key = f"http://{host}:{port}", api_key  # the key also goes to agents' OpenAI clients
         self.session, self.health_session = requests.Session(), requests.Session()
+        for session in (self.session, self.health_session):  # many requests at once (generate_each)
+            session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=256))
         if api_key:
             self.session.headers["Authorization"] = f"Bearer {api_key}"
         self.request_timeout, self.server_timeout = request_timeout, server_timeout
@@ -193,7 +195,9 @@ class VLLMClient:
                  seed: int | None = None) -> list[dict]:
         """n completions of each prompt (token ids). Returns len(prompts) * n dicts, prompt-major:
         {token_ids, logprobs (the sampler's, per token), finish_reason ('stop' or 'length')}.
-        With a `seed` the samples depend only on it and the weights, not on what else the server runs."""
+        With a `seed` the samples depend only on it and the weights, not on what else the server runs. vLLM seeds
+        every prompt of a request alike (the j-th of n with seed + j): prompts that must not share a random
+        stream go in requests of their own (generate_each)."""
         if not prompts:
             return []
         body = dict(model=self.model_name, prompt=prompts, n=n, max_tokens=max_tokens, temperature=temperature,
@@ -203,6 +207,13 @@ class VLLMClient:
         assert len(choices) == len(prompts) * n, f"asked for {len(prompts) * n} completions, got {len(choices)}"
         return [dict(token_ids=c["token_ids"], logprobs=c["logprobs"]["token_logprobs"],
                      finish_reason=c["finish_reason"]) for c in choices]
+
+    def generate_each(self, prompts: list[list[int]], max_tokens: list[int], seeds: list[int],
+                      **sampling) -> list[dict]:
+        """One completion of each prompt, each a request of its own with its own max_tokens and seed, all sent at
+        once (the server batches them), as generate returns them."""
+        calls = [InThread(self.generate, [p], 1, m, seed=s, **sampling) for p, m, s in zip(prompts, max_tokens, seeds)]
+        return [call.result()[0] for call in calls]
 
     def chat(self, messages: list[dict], n: int, max_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
              top_k: int = -1, min_p: float = 0.0, repetition_penalty: float = 1.0,

@@ -2,12 +2,14 @@
 invocation runs, one after the other (never at once: they share the CPU):
 
   1. tools.tool_rollout (the rollout of --tools and --env) with an environment, against vllm_server.py, for
-     --steps steps of --prompts rows x G trajectories: every turn is one request for all live trajectories,
-     then the tools run and the chat template renders the next turn. Each request is recorded. The embedded
+     --steps steps of --prompts rows x G trajectories: every turn is a request per live trajectory (each with a
+     seed of its own), sent together; then the tools run and the chat template renders the next turn. Each turn
+     is recorded. The embedded
      environments start each call turn with the call's opening (their turn_prefix; the embedded model writes
      no tool call of its own), so the model's turns continue calls and come after the tools' answers.
   2. the limit: vllm.LLM (no HTTP server, no trainer, no tools, no template) in a fresh process, replaying
-     the recorded requests in order, each completion forced to the length it had (ignore_eos, min_tokens).
+     the recorded turns in order, each turn's prompts in one call, each completion forced to the length it had
+     (ignore_eos, min_tokens).
 
 It prints, per step after the first (which warms up), the rollout's wall time, the replay's and the ratio.
 
@@ -24,14 +26,15 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 
 class Recording:
-    """The server's client, recording each generate request: its prompts, n and the length of every sample."""
+    """The server's client, recording each turn's requests (one per live trajectory, sent together): their prompts and
+    the length of every sample."""
 
     def __init__(self, client):
         self.client, self.requests = client, []
 
-    def generate(self, prompts, n, **sampling):
-        samples = self.client.generate(prompts, n, **sampling)
-        self.requests.append({"prompts": prompts, "lengths": [len(s["token_ids"]) for s in samples], "n": n})
+    def generate_each(self, prompts, max_tokens, seeds, **sampling):
+        samples = self.client.generate_each(prompts, max_tokens, seeds, **sampling)
+        self.requests.append({"prompts": prompts, "lengths": [len(s["token_ids"]) for s in samples], "n": 1})
         return samples
 
 
@@ -53,7 +56,7 @@ def rollouts(model: str, port: int, env: str, steps: int, prompts: int, G: int, 
         ctx = RolloutContext(client, tokenizer, G, dict(max_tokens=length, temperature=1.0), seed=step)
         seconds, episodes = timed(tool_rollout, rows[step * prompts:(step + 1) * prompts], ctx, env_factory=factory)
         out.append({"seconds": seconds, "requests": client.requests, "turns": len(client.requests),
-                    "calls": sum(e.extra["tool_calls"] for e in episodes) / len(episodes),
+                    "calls": sum(e.info["tool_calls"] for e in episodes) / len(episodes),
                     "model_tokens": sum(sum(e.sampled) for e in episodes) / len(episodes)})
     return out
 

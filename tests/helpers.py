@@ -153,8 +153,7 @@ async def one_call_agent(client, row):
 
 async def two_call_agent(client, row):
     """A first answer, then a follow-up question with the conversation so far. The first answer is the end-of-turn
-    token alone (<|im_end|>, id 2 in SmolLM2's vocabulary): the random test model's words would not come back as
-    the same tokens when the server renders the conversation again, and that trajectory would be refused."""
+    token alone (<|im_end|>, id 2 in SmolLM2's vocabulary): an empty answer, passed back as a dict."""
     messages = [{"role": "user", "content": str(row["prompt"])}]
     first = await client.chat.completions.create(model=client.model, messages=messages, max_tokens=1,
                                                  extra_body={"allowed_token_ids": [2]})
@@ -165,7 +164,7 @@ async def two_call_agent(client, row):
 
 
 async def unchained_agent(client, row):
-    """Two calls whose second does not continue the first: it starts with another system message."""
+    """Two calls whose second does not continue the first: it starts with another system message (a new sample)."""
     await client.chat.completions.create(model=client.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
     await client.chat.completions.create(model=client.model, max_tokens=2, messages=[
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
@@ -202,3 +201,60 @@ def stretch_near_target(matrix, names, tasks):
         if task == "hello":
             matrix[i, j] = 2 * matrix[i, j] - 1
     return matrix
+
+
+# ----------------------------------------------------------------------------- multi-turn (tests/test_multi_turn.py)
+
+def always_one(completions, **kwargs):
+    return [1.0] * len(completions)
+
+
+class Strict:
+    """An environment whose reset names the dataset's columns it takes, and nothing else (TRL's contract: no column
+    that nanogrpo adds); get_reward() does not apply (None) to rows whose answer is "none"."""
+
+    def reset(self, prompt, answer) -> str:
+        self.answer = answer
+        return " Reply."
+
+    def get_reward(self) -> float | None:
+        return None if self.answer == "none" else 0.5
+
+
+class Fragile:
+    """No get_reward: the reward functions score it. Its reset raises on a prompt holding "break", its turn_prefix
+    on one holding "crash": those trajectories get no reward, whatever the functions say."""
+
+    def reset(self, prompt, **row) -> str:
+        if "break" in prompt:
+            raise RuntimeError("the environment broke")
+        self.prompt = prompt
+        return ""
+
+    def turn_prefix(self) -> str:
+        if "crash" in self.prompt:
+            raise RuntimeError("the environment crashed")
+        return ""
+
+
+def with_secret(rows, ctx):
+    """The default rollout, with an extra field per episode (TRL's rollout_func fields): secret = 0.25 x its place."""
+    from rollout import generate
+    episodes = generate(rows, ctx)
+    for k, e in enumerate(episodes):
+        e.extra = {"secret": 0.25 * (k % ctx.num_generations)}
+    return episodes
+
+
+def reads_secret(completions, secret, **kwargs):
+    return list(secret)
+
+
+async def free_two_call_agent(client, row):
+    """A first answer of the model's own words (any tokens), passed back as the SDK message it came as, then a
+    follow-up question: token-exact only if the words are not re-tokenized."""
+    messages = [{"role": "user", "content": str(row["prompt"])}]
+    first = await client.chat.completions.create(model=client.model, messages=messages, max_tokens=6)
+    messages += [first.choices[0].message, {"role": "user", "content": "Are you sure?"}]
+    second = await client.chat.completions.create(model=client.model, messages=messages, max_tokens=6)
+    return 1.0 - len(second.choices[0].message.content or "") / 80

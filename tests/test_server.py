@@ -215,11 +215,11 @@ class FirstTurnCalls:
     def __init__(self, client, ids: list[int]):
         self.client, self.ids, self.requests = client, ids, 0
 
-    def generate(self, prompts, n, **sampling):
+    def generate_each(self, prompts, max_tokens, seeds, **sampling):
         self.requests += 1
         if self.requests == 1:
-            return [dict(token_ids=self.ids, logprobs=[math.nan] * len(self.ids), finish_reason="stop")] * (len(prompts) * n)
-        return self.client.generate(prompts, n, **sampling)
+            return [dict(token_ids=self.ids, logprobs=[math.nan] * len(self.ids), finish_reason="stop")] * len(prompts)
+        return self.client.generate_each(prompts, max_tokens, seeds, **sampling)
 
 
 def test_multi_turn_trajectories_are_token_exact(setup):
@@ -247,7 +247,7 @@ def test_multi_turn_trajectories_are_token_exact(setup):
         answer = e.sampled.index(True, first)  # the tool's answer and the next turn's start: not the model's
         assert not any(e.sampled[first:answer]) and all(e.sampled[:first])
         assert "<tool_response>\n5\n</tool_response>" in tokenizer.decode(e.completion_ids[first:answer])
-        assert e.extra["tool_calls"] >= 1 and not e.extra["template_rewrote_history"]
+        assert e.info["tool_calls"] >= 1 and not e.info["template_rewrote_history"]
     inputs, tokens = collate(episodes, 0)
     with torch.no_grad():
         ours = completion_logprobs(model, inputs, tokens["mask"].shape[1], 1.0)[0]

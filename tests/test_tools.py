@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from config import UsageError, default_model_path
-from tools import DaemonThreads, appended_ids, call_tools, check_tool_template, parse_tool_calls, tool_schemas
+from tools import appended_ids, call_tools, check_tool_template, parse_tool_calls, tool_schemas
 
 SMOLLM2_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ "
                     "'<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>"
@@ -75,11 +75,11 @@ def test_tool_calls_are_parsed_and_malformed_ones_become_errors_for_the_model():
 
 def test_tools_answer_with_their_result_or_an_error_and_a_hung_one_is_abandoned():
     tools = {"add": add, "hangs": hangs}
-    calls = [({"name": "add", "arguments": {"a": 2, "b": 3}}, tools), ({"name": "sub", "arguments": {}}, tools),
-             ({"name": "add", "arguments": {"a": 1, "c": 2}}, tools), ({"name": "hangs", "arguments": {"seconds": 30}}, tools)]
-    out = call_tools(calls, 1.0, DaemonThreads())  # the hung call's thread is a daemon: it holds nothing up
+    calls = [{"name": "add", "arguments": {"a": 2, "b": 3}}, {"name": "sub", "arguments": {}},
+             {"name": "add", "arguments": {"a": 1, "c": 2}}, {"name": "hangs", "arguments": {"seconds": 30}}]
+    out = [answers[0] for answers in call_tools([([c], tools) for c in calls], 1.0)]  # each its own trajectory
     assert out[0] == "5" and "there is no tool 'sub'" in out[1] and "unexpected keyword argument 'c'" in out[2]
-    assert out[3] == "error: the tool hangs did not answer within 1 s"
+    assert out[3] == "error: the tool hangs did not answer within 1 s"  # its thread is a daemon: it holds nothing up
     with pytest.raises(UsageError, match="Google-style docstring"):
         tool_schemas([lambda x: x])
 
@@ -134,13 +134,13 @@ def test_the_embedded_guess_game_needs_no_dataset_and_the_sync_probe_is_a_tool_t
     assert len(evals) == 2 and evals[0]["eval/num_prompts"] == 2
 
 
-def test_an_agents_calls_make_one_trajectory_only_if_each_continues_the_one_before():
-    from tools import agent_episode
+def test_an_agents_trajectory_is_its_calls_from_its_last_new_sample_on():
+    from agents import agent_episode
     calls = [dict(messages=[{"role": "user", "content": "q"}], content="a", prompt_ids=[1, 2, 3], ids=[4, 5],
-                  logprobs=[-0.1, -0.2], finish="stop"),
+                  logprobs=[-0.1, -0.2], finish="stop", new_sample=True),
              dict(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
                             {"role": "user", "content": "sure?"}], content="b", prompt_ids=[1, 2, 3, 4, 5, 6, 7],
-                  ids=[8, 9], logprobs=[-0.3, -0.4], finish="stop")]
+                  ids=[8, 9], logprobs=[-0.3, -0.4], finish="stop", new_sample=False)]
     e = agent_episode({"prompt": "q"}, calls, budget=10)
     assert e.prompt_ids == [1, 2, 3] and e.completion_ids == [4, 5, 6, 7, 8, 9] and e.finish_reason == "stop"
     assert e.sampled == [True, True, False, False, True, True]
@@ -149,17 +149,16 @@ def test_an_agents_calls_make_one_trajectory_only_if_each_continues_the_one_befo
                           {"role": "assistant", "content": "b"}]
     cut = agent_episode({"prompt": "q"}, calls, budget=5)
     assert cut.completion_ids == [4, 5, 6, 7, 8] and cut.finish_reason == "length"
-    calls[1]["prompt_ids"] = [1, 2, 3, 4, 55, 6, 7]  # the answer came back as other tokens
-    with pytest.raises(ValueError, match="call 2 does not continue its trajectory: its prompt differs from the "
-                                         "previous prompt and answer at token 4 of 5"):
-        agent_episode({"prompt": "q"}, calls, budget=10)
+    calls[1] = dict(calls[1], prompt_ids=[1, 2, 3, 4, 55, 6, 7], new_sample=True)  # an edited history: a new sample
+    e = agent_episode({"prompt": "q"}, calls, budget=10)
+    assert (e.prompt_ids, e.completion_ids, e.sampled) == ([1, 2, 3, 4, 55, 6, 7], [8, 9], [True, True])
 
 
 @pytest.mark.slow
-def test_openai_client_agents_train_and_an_unchained_one_is_refused(server, tmp_path):
+def test_openai_client_agents_train_and_an_unchained_one_forks(server, tmp_path):
     """Agents written with the plain openai package (tests.helpers) through the real server on 2 ranks: their calls
-    become trajectories, their return value a reward column named after them; two calls that do not chain stop
-    the run with a message that names the call."""
+    become trajectories, their return value a reward column named after them; two calls that do not chain start a
+    new sample (agents/forks), and the run goes on."""
     import json
     from conftest import run_train
     args = ["--reward_funcs", "", "--num_generations", "4", "--prompts_per_step", "2", "--max_completion_length", "24",
@@ -171,8 +170,8 @@ def test_openai_client_agents_train_and_an_unchained_one_is_refused(server, tmp_
         assert all(m["grad_norm"] > 0 for m in metrics)
         records = [json.loads(line) for line in open(tmp_path / agent / "metrics.jsonl")]
         assert records[-1]["tools/calls"] == (1.0 if agent == "two_call_agent" else 0.0)
-    proc = run_train(server, tmp_path / "unchained", "--env", "tests.helpers:unchained_agent", *args, check=False)
-    assert proc.returncode != 0 and "the agent's call 2 does not continue its trajectory" in proc.stderr
+    _, metrics = run_train(server, tmp_path / "unchained", "--env", "tests.helpers:unchained_agent", *args)
+    assert [m["agents/forks"] for m in metrics] == [8, 8]  # every trajectory of the 2 x 4 of a step
 
 
 class Flaky:
@@ -192,8 +191,8 @@ class Flaky:
 class EndsAtOnce:
     """A stand-in for the server's client: every completion is the end-of-turn token."""
 
-    def generate(self, prompts, n, **sampling):
-        return [dict(token_ids=[2], logprobs=[-0.5], finish_reason="stop")] * (len(prompts) * n)
+    def generate_each(self, prompts, max_tokens, seeds, **sampling):
+        return [dict(token_ids=[2], logprobs=[-0.5], finish_reason="stop")] * len(prompts)
 
 
 def test_an_environment_that_raises_or_hangs_gives_its_trajectory_no_reward_and_holds_nothing_up(tokenizer, capfd):
@@ -205,9 +204,9 @@ def test_an_environment_that_raises_or_hangs_gives_its_trajectory_no_reward_and_
     t = time.monotonic()
     episodes = tool_rollout(rows, ctx, env_factory=Flaky, timeout=1.0)
     assert time.monotonic() - t < 30  # the hung resets were abandoned after their second
-    assert "no game today" in episodes[0].extra["environment_error"]
-    assert "did not return within 1 s" in episodes[2].extra["environment_error"]
-    assert episodes[4].extra["environment_error"] is None and episodes[4].extra["environment_reward"] == 1.0
+    assert "no game today" in episodes[0].info["environment_error"]
+    assert "did not return within 1 s" in episodes[2].info["environment_error"]
+    assert episodes[4].info["environment_error"] is None and episodes[4].info["environment_reward"] == 1.0
     assert episodes[4].completion_ids == [2] and episodes[0].completion_ids == []
     scorer = RewardScorer([], ["prompt"])
     scores = environment_rewards(episodes, [], scorer, ["Flaky"], ["Flaky"] * len(episodes))
@@ -266,7 +265,7 @@ class GuessesFive:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    def generate(self, prompts, n, **sampling):
+    def generate_each(self, prompts, max_tokens, seeds, **sampling):
         call = '<tool_call>{"name": "guess", "arguments": {"number": 5}}</tool_call>'
         out = []
         for p in prompts:
@@ -274,7 +273,7 @@ class GuessesFive:
             text = "5}}\n</tool_call>" if context.endswith('"number": ') else "done" if "<tool_response>" in \
                 context else call
             ids = self.tokenizer(text)["input_ids"] + [self.tokenizer.eos_token_id]
-            out += [dict(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop")] * n
+            out.append(dict(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop"))
         return out
 
 
@@ -312,7 +311,7 @@ def test_an_environment_without_a_dataset_starts_each_group_from_its_rows_seed(t
         secret = Guess()
         secret.reset(seed=g)
         found = secret.secret == 5
-        assert all(e.extra["environment_reward"] == float(found) and e.extra["tool_calls"] == 1 for e in group)
+        assert all(e.info["environment_reward"] == float(found) and e.info["tool_calls"] == 1 for e in group)
         answer = "found it" if found else "higher" if secret.secret > 5 else "lower"
         assert answer in tokenizer.decode(group[0].completion_ids)
     assert trajectory_metrics(episodes, True)["tools/groups_with_different_prompts"] == 0
@@ -326,7 +325,7 @@ def test_an_environment_without_a_dataset_starts_each_group_from_its_rows_seed(t
         assert trajectory_metrics(episodes, True)["tools/groups_with_different_prompts"] == 4
     assert capsys.readouterr().err.count("started the G trajectories of one row with different prompts") == 1
     episodes = tool_rollout(rows[:1], ctx, env_factory=Silent)
-    assert all("returned no text, and the row has no prompt" in e.extra["environment_error"] for e in episodes)
+    assert all("returned no text, and the row has no prompt" in e.info["environment_error"] for e in episodes)
 
 
 class OpeningFails:
@@ -365,18 +364,18 @@ def test_an_environments_turn_prefix_is_given_not_sampled_and_the_model_continue
         assert tokenizer.decode(given).count(call_opening("guess", "number")) == turns
         assert e.messages[0]["tool_calls"] == [{"type": "function", "function": {"name": "guess",
                                                                                   "arguments": {"number": 5}}}]
-        assert e.extra["tool_calls"] == (1 if founds[-1] else 2)
-        assert e.extra["environment_reward"] == float(founds[-1])
+        assert e.info["tool_calls"] == (1 if founds[-1] else 2)
+        assert e.info["environment_reward"] == float(founds[-1])
     assert founds == [False, False, True, True, False, False]
     short = RolloutContext(ctx.client, tokenizer, 2, dict(max_tokens=len(opening) - 2, temperature=1.0), seed=1)
     for e in tool_rollout(rows[:1], short, env_factory=Guess):  # no room for the model: the opening, cut, is all
         assert (e.finish_reason, e.completion_ids, e.sampled) == ("length", opening[:-2], [False] * len(opening[:-2]))
         assert e.messages == [{"role": "assistant", "content": tokenizer.decode(opening[:-2])}]
     episodes = tool_rollout(rows[:1], ctx, env_factory=OpeningFails)
-    assert all("RuntimeError: no opening" in e.extra["environment_error"] for e in episodes)
+    assert all("RuntimeError: no opening" in e.info["environment_error"] for e in episodes)
     episodes = tool_rollout(rows[:1], ctx, env_factory=lambda: type("NumberOpening", (OpeningFails,), {
         "turn_prefix": lambda self: 5})())
-    assert all("turn_prefix() returned a int" in e.extra["environment_error"] for e in episodes)
+    assert all("turn_prefix() returned a int" in e.info["environment_error"] for e in episodes)
 
 
 def test_the_embedded_environments_and_the_flags_they_bring():

@@ -1,0 +1,367 @@
+"""The multi-turn rollouts' rules (README: Environments and tools): independent samples, calls in the order written,
+async environments, deadlines, what gets no reward, TRL's reset contract, token-exact agents that fork instead of
+stopping; with stand-ins for the server where the point is the rollout, the real server where it is the server."""
+import asyncio
+import json
+import math
+import time
+
+import pytest
+
+from config import default_model_path
+from rollout import RolloutContext, episodes_to_json
+from tools import environment_rewards, parse_tool_calls, tool_rollout
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(default_model_path())
+
+
+def call_text(name: str, **arguments) -> str:
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+
+
+class Scripted:
+    """A stand-in for the server's client: each turn of each trajectory is answer(its context as text), then the
+    end-of-turn token; each request's max_tokens and seed are recorded, a list per turn."""
+
+    def __init__(self, tokenizer, answer):
+        self.tokenizer, self.answer, self.turns = tokenizer, answer, []
+
+    def generate_each(self, prompts, max_tokens, seeds, **sampling):
+        self.turns.append({"max_tokens": list(max_tokens), "seeds": list(seeds)})
+        out = []
+        for p in prompts:
+            ids = self.tokenizer(self.answer(self.tokenizer.decode(p)))["input_ids"] + [self.tokenizer.eos_token_id]
+            out.append(dict(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop"))
+        return out
+
+
+def tool_answers(episode) -> list[str]:
+    return [m["content"] for m in episode.messages if m["role"] == "tool"]
+
+
+class Echo:
+    """Its tool echo(text) answers with text: trajectories whose calls differ grow apart."""
+
+    def reset(self, **row):
+        return ""
+
+    def echo(self, text: str) -> str:
+        """Echo the text.
+
+        Args:
+            text: anything
+        """
+        return text
+
+
+def test_every_turn_of_every_trajectory_has_its_own_seed_in_range_and_its_own_room(tokenizer):
+    """Two tool turns of 2 rows x G=3: each request (one per trajectory and turn) has a seed no other has, within
+    int64 however large the call's seed, and asks for the room its own trajectory has left."""
+    def answer(context):  # trajectories of different lengths: the k-th of a row echoes k words
+        if context.count("<tool_response>") >= 2:
+            return "done"
+        k = answer.calls = getattr(answer, "calls", 0) + 1
+        return call_text("echo", text=" ".join(["word"] * (k % 3 + 1)))
+    client = Scripted(tokenizer, answer)
+    for seed in (1, 2 ** 70):  # a seed past int64, as a dynamic-sampling round of a large --seed makes
+        client.turns = []
+        ctx = RolloutContext(client, tokenizer, 3, dict(max_tokens=300, temperature=1.0), seed=seed)
+        episodes = tool_rollout([{"prompt": "a"}, {"prompt": "b"}], ctx, env_factory=Echo, max_iterations=3)
+        seeds = [s for turn in client.turns for s in turn["seeds"]]
+        assert len(client.turns) == 3 and len(seeds) == 18 and len(set(seeds)) == 18
+        assert all(0 <= s < 2 ** 63 - 1000 for s in seeds)
+        for i, e in enumerate(episodes):  # each turn asked for what was left after the tokens before it
+            starts = [j for j, s in enumerate(e.sampled) if s and (j == 0 or not e.sampled[j - 1])]
+            assert [turn["max_tokens"][i] for turn in client.turns] == [300 - j for j in starts]
+        assert len(set(client.turns[1]["max_tokens"])) > 1
+
+
+@pytest.mark.slow
+def test_the_trajectories_of_a_group_draw_from_streams_of_their_own_on_the_real_server(server, tokenizer):
+    """After a first turn that is the same for all (a call of echo with each trajectory's own number), the G second
+    turns come from the server: their contexts differ by a digit, and on the tiny near-uniform model a shared
+    random stream would draw the same tokens for all of them. Each draws its own; the same call repeats exactly."""
+    from vllm_server import VLLMClient
+
+    class FirstTurnEchoes:
+        def __init__(self):
+            self.client, self.turn = VLLMClient(port=server["port"]), 0
+            self.client.wait_for_health(60)
+
+        def generate_each(self, prompts, max_tokens, seeds, **sampling):
+            self.turn += 1
+            if self.turn > 1:
+                return self.client.generate_each(prompts, max_tokens, seeds, **sampling)
+            ids = [tokenizer(call_text("echo", text=str(k)))["input_ids"] + [2] for k in range(len(prompts))]
+            return [dict(token_ids=i, logprobs=[math.nan] * len(i), finish_reason="stop") for i in ids]
+
+    def second_turns():
+        ctx = RolloutContext(FirstTurnEchoes(), tokenizer, 6, dict(max_tokens=120, temperature=1.0), seed=7)
+        return [tuple(e.completion_ids[e.sampled.index(True, e.sampled.index(False)):])
+                for e in tool_rollout([{"prompt": "Echo."}], ctx, env_factory=Echo, max_iterations=1)]
+    first = second_turns()
+    assert all(len(t) >= 2 for t in first)
+    assert len({t[:2] for t in first}) == 6, first  # no two share their first two tokens (of 49,152)
+    assert second_turns() == first
+
+
+class Files:
+    """write(path, text) then read(path): a later call uses what an earlier one left in the environment."""
+
+    def reset(self, **row):
+        self.files = {}
+        return ""
+
+    def write(self, path: str, text: str) -> str:
+        """Write a file.
+
+        Args:
+            path: its name
+            text: its content
+        """
+        time.sleep(0.3)
+        self.files[path] = text
+        return "written"
+
+    def read(self, path: str) -> str:
+        """Read a file.
+
+        Args:
+            path: its name
+        """
+        return self.files[path] if path in self.files else "error: no such file"
+
+    def hang(self) -> str:
+        """Never answer."""
+        time.sleep(60)
+        return "woke"
+
+
+def test_the_calls_of_a_turn_run_in_the_order_written_and_share_one_deadline(tokenizer):
+    write_read = call_text("write", path="a", text="hello") + call_text("read", path="a")
+    client = Scripted(tokenizer, lambda context: "done" if "<tool_response>" in context else write_read)
+    ctx = RolloutContext(client, tokenizer, 2, dict(max_tokens=300, temperature=1.0), seed=1)
+    for e in tool_rollout([{"prompt": "Write, then read."}], ctx, env_factory=Files, max_iterations=1):
+        assert tool_answers(e) == ["written", "hello"]
+    three_hangs = call_text("hang") * 3 + call_text("read", path="a")
+    client.answer = lambda context: "done" if "<tool_response>" in context else three_hangs
+    started = time.monotonic()
+    episodes = tool_rollout([{"prompt": "Wait."}], ctx, env_factory=Files, max_iterations=1, timeout=1.0)
+    assert time.monotonic() - started < 2.5  # one deadline for the turn, not one per hung call
+    for e in episodes:
+        assert tool_answers(e) == ["error: the tool hang did not answer within 1 s"] + [
+            f"error: the tool {n} was not called: the call before it did not answer in time"
+            for n in ("hang", "hang", "read")]
+
+
+class AsyncCounter:
+    """Async reset, tool and get_reward, which must share one event loop."""
+
+    async def reset(self, **row):
+        await asyncio.sleep(0.01)
+        self.loop, self.count = asyncio.get_running_loop(), 0
+        return " Count with bump."
+
+    async def bump(self) -> str:
+        """Count one more."""
+        await asyncio.sleep(0.01)
+        self.count += 1
+        return f"count {self.count}"
+
+    async def get_reward(self) -> float:
+        return 0.25 * self.count if asyncio.get_running_loop() is self.loop else -1.0
+
+
+def test_async_tools_reset_and_get_reward_are_awaited(tokenizer):
+    client = Scripted(tokenizer, lambda context: "done" if "<tool_response>" in context else call_text("bump") * 2)
+    ctx = RolloutContext(client, tokenizer, 2, dict(max_tokens=300, temperature=1.0), seed=1)
+    for e in tool_rollout([{"prompt": "Count."}], ctx, env_factory=AsyncCounter):
+        assert "Count with bump." in tokenizer.decode(e.prompt_ids)
+        assert tool_answers(e) == ["count 1", "count 2"]
+        assert e.info["environment_error"] is None and e.info["environment_reward"] == 0.5
+
+
+class Slow:
+    """A factory or a get_reward that hangs, each on its trajectories of the row "hang"."""
+
+    def __init__(self, hang_in: str):
+        self.hang_in = hang_in
+
+    def reset(self, prompt, **row):
+        self.prompt = prompt
+        return ""
+
+    def get_reward(self):
+        if self.prompt == "hang" and self.hang_in == "get_reward":
+            time.sleep(60)
+        return {"none": None, "text": "high"}.get(self.prompt, 1.0)
+
+
+def slow_factory(hangs: list):
+    """A factory whose k-th call hangs if hangs[k]."""
+    def make():
+        if hangs.pop(0):
+            time.sleep(60)
+        return Slow("factory")
+    return make
+
+
+def test_factories_resets_and_rewards_run_under_one_deadline_and_what_gets_no_reward(tokenizer, capfd):
+    from rewards import RewardScorer
+    client = Scripted(tokenizer, lambda context: "done")
+    ctx = RolloutContext(client, tokenizer, 3, dict(max_tokens=30, temperature=1.0), seed=1)
+    rows = [{"prompt": p} for p in ("hang", "fine", "none", "text")]
+    started = time.monotonic()
+    episodes = tool_rollout(rows, ctx, env_factory=lambda: Slow("get_reward"), timeout=1.0)
+    assert time.monotonic() - started < 2.5  # three hung get_reward calls cost one deadline
+    info = [e.info for e in episodes]
+    assert all("get_reward did not return within 1 s" in i["environment_error"] for i in info[:3])
+    assert [i["environment_reward"] for i in info[3:9]] == [1.0] * 3 + [None] * 3  # None: not applicable
+    assert all(i["environment_error"] is None for i in info[3:9])
+    assert all("returned 'high', a str: return a number, or None" in i["environment_error"] for i in info[9:])
+    scorer = RewardScorer([], ["prompt"])
+    functions = [[0.5] * 12]  # a reward function that scores every completion
+    scores = environment_rewards(episodes, functions, scorer, ["Slow"], ["Slow"] * 12)
+    assert [math.isnan(v) for v in scores[0]] == [True] * 3 + [False] * 6 + [True] * 3  # failed: no reward at all
+    assert [math.isnan(v) for v in scores[1]] == [True] * 3 + [False] * 3 + [True] * 6  # None: this column only
+    assert scorer.failures == 6 and capfd.readouterr().err.count("the environment failed on a trajectory") == 1
+    started = time.monotonic()
+    episodes = tool_rollout(rows[1:2], ctx, env_factory=slow_factory([False, True, False]), timeout=1.0)
+    assert time.monotonic() - started < 2.5  # a factory that hangs holds up nothing (the factories run at once)
+    assert sum("factory and reset did not return within 1 s" in (e.info["environment_error"] or "")
+               for e in episodes) == 1 and sum(e.info["environment_reward"] == 1.0 for e in episodes) == 2
+
+
+def test_reset_text_that_makes_a_prompt_too_long_is_the_environments_error(tokenizer):
+    class Verbose:
+        def reset(self, **row):
+            return " word" * 200
+    ctx = RolloutContext(Scripted(tokenizer, lambda c: "done"), tokenizer, 2, dict(max_tokens=30, temperature=1.0),
+                         seed=1, max_prompt_length=100)
+    for e in tool_rollout([{"prompt": "Hi."}], ctx, env_factory=Verbose):
+        assert "prompt has 2" in e.info["environment_error"] and "> --max_prompt_length 100" in \
+            e.info["environment_error"] and e.completion_ids == []
+
+
+def test_a_deeply_nested_tool_call_is_a_malformed_call_the_model_reads():
+    content, calls, errors = parse_tool_calls("<tool_call>" + "[" * 5000 + "]" * 5000 + "</tool_call>")
+    assert calls == [] and len(errors) == 1 and "could not be read" in errors[0]
+
+
+def test_a_mixture_of_datasets_under_one_env_takes_the_envs_flags_not_a_tasks():
+    from config import parse_config
+    from mixture import parse_tasks
+    alone = parse_config(["--dataset", "arithmetic", "--env", "calculator"])
+    for t in parse_tasks(parse_config(["--dataset", "arithmetic,parity", "--env", "calculator"])):
+        assert (t.system_prompt, t.reward_funcs) == (alone.system_prompt, alone.reward_funcs) == ("", "accuracy,format")
+
+
+# ----------------------------------------------------------------------------- agents, on the real server
+
+def agent_ctx(server, tokenizer, G: int, max_tokens: int = 40):
+    from vllm_server import VLLMClient
+    client = VLLMClient(port=server["port"])
+    client.wait_for_health(60)
+    return RolloutContext(client, tokenizer, G, dict(max_tokens=max_tokens, temperature=1.0, top_p=1.0, top_k=-1,
+                                                     min_p=0.0, repetition_penalty=1.0), seed=3)
+
+
+@pytest.mark.slow
+def test_an_agents_calls_are_token_exact_by_construction_and_an_edited_history_forks(server, tokenizer):
+    """Two calls, the first answer passed back as the SDK message it came as: the second call continues the
+    trajectory in token ids, so the server's re-scoring of the whole trajectory equals the sampler's log-probs of
+    every token the model wrote (fp32), whatever words the random model wrote. A second call that does not continue
+    the first starts a new sample (counted), and the run goes on."""
+    from agents import agent_rollout
+    from tests.helpers import free_two_call_agent, unchained_agent
+    ctx = agent_ctx(server, tokenizer, G=4)
+    episodes = agent_rollout([{"prompt": "Say something."}, {"prompt": "Another thing."}], ctx,
+                             agent=free_two_call_agent, timeout=60)
+    for e in episodes:
+        assert "environment_error" not in e.info and e.info["forks"] == 0 and e.info["tool_calls"] == 1 and sum(e.sampled) >= 2
+        theirs = ctx.client.prompt_logprobs(e.prompt_ids + e.completion_ids)[len(e.prompt_ids) - 1:]
+        diffs = [abs(a - b) for a, b, s in zip(theirs, e.logprobs, e.sampled) if s]
+        assert max(diffs) < 1e-4, diffs
+        assert "Are you sure?" in tokenizer.decode(e.completion_ids)
+    json.dumps(episodes_to_json(episodes))  # the SDK's message object is kept as a dict (an async checkpoint)
+    for e in agent_rollout([{"prompt": "Hi"}], ctx, agent=unchained_agent, timeout=60):
+        assert e.info["forks"] == 1 and "Be brief." in tokenizer.decode(e.prompt_ids)  # the last sample trains
+
+
+async def says_high(client, row):
+    await client.chat.completions.create(model=client.model, max_tokens=2,
+                                         messages=[{"role": "user", "content": "Hi"}])
+    return "high"
+
+
+async def blocks(client, row):
+    """Blocks its thread (a synchronous SDK would) on the rows that say so."""
+    await client.chat.completions.create(model=client.model, max_tokens=2,
+                                         messages=[{"role": "user", "content": "Hi"}])
+    if row["prompt"] == "block":
+        time.sleep(4)
+    return 1.0
+
+
+@pytest.mark.slow
+def test_an_agent_that_returns_no_number_or_blocks_gets_no_reward_and_holds_up_no_other(server, tokenizer):
+    from agents import agent_rollout
+    ctx = agent_ctx(server, tokenizer, G=2)
+    for e in agent_rollout([{"prompt": "Hi"}], ctx, agent=says_high, timeout=60):
+        assert "the agent returned 'high', a str" in e.info["environment_error"]
+    started = time.monotonic()
+    episodes = agent_rollout([{"prompt": "block"}, {"prompt": "go"}], ctx, agent=blocks, timeout=1.0)
+    assert time.monotonic() - started < 3.5  # the blocked agents are abandoned at their limit
+    assert all("ran longer than 1 s of its own time" in e.info["environment_error"] for e in episodes[:2])
+    assert all(e.info["environment_reward"] == 1.0 for e in episodes[2:])
+
+
+# ----------------------------------------------------------------------------- through train.py
+
+@pytest.mark.slow
+def test_failed_environments_get_no_reward_and_a_rollouts_extra_fields_reach_the_reward_functions(server, tmp_path):
+    """A mixture on 2 ranks: an environment without get_reward whose reset or turn_prefix raises on some rows (their
+    trajectories get no reward, though a reward function scores every completion), and a custom rollout whose
+    episodes carry an extra field that a reward function names (its reward is that field)."""
+    from conftest import run_train
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("fine", "break it", "crash it", "fine too")))
+    mixture = tmp_path / "mixture.json"
+    mixture.write_text(json.dumps({"tasks": [
+        {"name": "fragile", "dataset": str(rows), "env": "tests.helpers:Fragile", "reward_funcs": "tests.helpers:always_one"},
+        {"name": "secret", "dataset": str(rows), "rollout": "tests.helpers:with_secret",
+         "reward_funcs": "tests.helpers:reads_secret"}]}))
+    run_train(server, tmp_path / "out", "--dataset", str(mixture), "--num_generations", "2", "--prompts_per_step", "4",
+              "--max_completion_length", "8", "--max_steps", "3", "--bf16", "false", "--no_save_model")
+    records = [json.loads(line) for line in open(tmp_path / "out" / "rollouts.jsonl")]
+    fragile = [r for r in records if r["columns"]["task"] == "fragile"]
+    secret = [r for r in records if r["columns"]["task"] == "secret"]
+    assert fragile and secret
+    for r in fragile:
+        broken = "break" in r["prompt"] or "crash" in r["prompt"]
+        assert r["reward"] == (None if broken else 1.0), r
+    assert sorted({r["reward"] for r in secret}) == [0.0, 0.25]
+
+
+@pytest.mark.slow
+def test_reset_gets_the_datasets_columns_and_get_reward_none_is_not_applicable(server, tmp_path):
+    """Two datasets under one environment (a mixture adds a `task` column) and a --seed whose request seeds would
+    pass int64: reset(self, prompt, answer) runs unchanged, and a get_reward() of None leaves the reward
+    functions' reward in place."""
+    from conftest import run_train
+    for name, answers in (("a", ["1", "none"]), ("b", ["none", "2"])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": f"Say {x}.", "answer": x}) + "\n"
+                                                        for x in answers * 2))
+    _, metrics = run_train(server, tmp_path / "out", "--dataset", f"a={tmp_path / 'a.jsonl'},b={tmp_path / 'b.jsonl'}",
+                           "--env", "tests.helpers:Strict", "--reward_funcs", "tests.helpers:always_one",
+                           "--num_generations", "2", "--prompts_per_step", "4", "--max_completion_length", "8",
+                           "--max_steps", "2", "--bf16", "false", "--no_save_model", "--seed", "10000000000",
+                           "--dynamic_sampling", "--dynamic_sampling_max_rounds", "1")
+    assert all(m["environment_failures"] == 0 and m["scorer_failures"] == 0 for m in metrics)
+    records = [json.loads(line) for line in open(tmp_path / "out" / "rollouts.jsonl")]
+    assert records and all(r["reward"] == (1.0 if r["columns"]["answer"] == "none" else 1.5) for r in records)
+    assert all(r["rewards"]["Strict"] is None for r in records if r["columns"]["answer"] == "none")
