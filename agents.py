@@ -7,7 +7,8 @@ server, and returns its reward (a column named after it; None: not applicable). 
 token-exact by construction: a call whose messages are the previous call's, the answer it returned and new messages
 is sent as token ids (the previous prompt, the sampled ids, the chat template's ids of the new messages) through
 the completion route, so nothing the model wrote is ever re-tokenized. A call whose history was edited (messages
-that are not what was sent and returned) starts a new sample (counted in agents/forks).
+that are not what was sent and returned) starts a new sample (counted in agents/forks); each sample of a
+trajectory trains with the trajectory's reward.
 
 Each agent runs in a thread and an event loop of its own, so one that blocks (a synchronous SDK, `requests`) holds
 up no other; its time limit counts its own time, not the server's generation.
@@ -138,16 +139,30 @@ class RecordingClient:
 
 
 def trajectory_length(calls: list[dict]) -> int:
-    """Tokens after the first call's prompt: every answer and the messages between them."""
-    return len(calls[-1]["prompt_ids"]) + len(calls[-1]["ids"]) - len(calls[0]["prompt_ids"]) if calls else 0
+    """Tokens of the sample the calls are making, after its prompt: every answer since its first call (the first, or
+    one whose history was edited) and the messages between them."""
+    if not calls:
+        return 0
+    first = next(call for call in reversed(calls) if call["new_sample"])
+    return len(calls[-1]["prompt_ids"]) + len(calls[-1]["ids"]) - len(first["prompt_ids"])
 
 
 def agent_episode(row: dict, calls: list[dict], budget: int) -> Episode:
-    """The trajectory of an agent's recorded calls, from its last new sample on (the first call, or one whose history
-    was edited): that call's prompt, then each answer as sampled and the tokens the next call's prompt adds
-    (sampled=False). Cut at `budget` tokens after the prompt ("length")."""
-    first = max(k for k, call in enumerate(calls) if call["new_sample"])
-    calls = calls[first:]
+    """The trajectory of an agent's recorded calls: one sample from each new sample on (the first call, or one whose
+    history was edited): that call's prompt, then each answer as sampled and the tokens the next call's prompt
+    adds (sampled=False), cut at `budget` tokens after the prompt ("length"). The episode is the last sample; the
+    ones before are its info["earlier_samples"], which train with its advantage (rollout.training_samples)."""
+    starts = [k for k, call in enumerate(calls) if call["new_sample"]] + [len(calls)]
+    samples = [sample_of(calls[a:b], budget) for a, b in zip(starts, starts[1:])]
+    episode = Episode(row, **samples[-1])
+    messages = calls[-1]["messages"][len(calls[starts[-2]]["messages"]):]
+    episode.messages = messages + [{"role": "assistant", "content": calls[-1]["content"]}]
+    episode.info = {"earlier_samples": samples[:-1]} if len(samples) > 1 else {}
+    return episode
+
+
+def sample_of(calls: list[dict], budget: int) -> dict:
+    """The Episode fields of one sample's calls (the first starts it, each next one continues it)."""
     ids, sampled, logprobs, context = [], [], [], calls[0]["prompt_ids"]
     for call in calls:
         added = call["prompt_ids"][len(context):]
@@ -156,10 +171,8 @@ def agent_episode(row: dict, calls: list[dict], budget: int) -> Episode:
         logprobs += [math.nan] * len(added) + call["logprobs"]
         context = call["prompt_ids"] + call["ids"]
     finish = "length" if len(ids) > budget or calls[-1]["finish"] == "length" else "stop"
-    messages = calls[-1]["messages"][len(calls[0]["messages"]):] + [{"role": "assistant",
-                                                                     "content": calls[-1]["content"]}]
-    return Episode(row, calls[0]["prompt_ids"], ids[:budget], sampled[:budget], logprobs[:budget], finish,
-                   messages=messages)
+    return dict(prompt_ids=calls[0]["prompt_ids"], completion_ids=ids[:budget], sampled=sampled[:budget],
+                logprobs=logprobs[:budget], finish_reason=finish)
 
 
 def agent_rollout(rows: list[dict], ctx: RolloutContext, agent=None, timeout: float = 300.0) -> list[Episode]:
@@ -195,7 +208,7 @@ def agent_rollout(rows: list[dict], ctx: RolloutContext, agent=None, timeout: fl
                                     info={"environment_error": error}))
             continue
         episode = agent_episode(rows[i // G], calls, ctx.sampling["max_tokens"])
-        episode.info = {"tool_calls": len(calls) - 1, "environment_reward": reward, "forks": client.forks}
+        episode.info |= {"tool_calls": len(calls) - 1, "environment_reward": reward, "forks": client.forks}
         episodes.append(episode)
     return mark_groups_with_different_prompts(episodes, G)
 

@@ -55,7 +55,8 @@ class Episode:
                                                # list, beside the row's columns (TRL's rollout_func fields); JSON
     info: dict = field(default_factory=dict)  # what a multi-turn rollout records for the trainer, not the reward
                                               # functions: tool_calls, environment_reward (its column; None: not
-                                              # applicable), environment_error (no reward at all), ...; JSON
+                                              # applicable), environment_error (no reward at all), earlier_samples
+                                              # (training_samples), ...; JSON
 
 
 @dataclass
@@ -140,6 +141,20 @@ def run_rollout(fn, rows: list[dict], ctx: RolloutContext) -> list[Episode]:
             raise ValueError(f"rollout {name}: episode {i} is not of row {i // G}; return {G} episodes per row, in the "
                              "order of the rows")
     return episodes
+
+
+def training_samples(episodes: list[Episode]) -> tuple[list[Episode], torch.Tensor]:
+    """What trains: each episode, after the samples its trajectory made before it (info["earlier_samples"]: an
+    agent's calls before an edited history, agents.py), which train with the episode's advantage. (the samples,
+    (S,) the episode of each)."""
+    samples, of = [], []
+    for i, e in enumerate(episodes):
+        for earlier in e.info.get("earlier_samples", ()):
+            samples.append(Episode(e.row, **earlier))
+            of.append(i)
+        samples.append(e)
+        of.append(i)
+    return samples, torch.tensor(of, dtype=torch.long)
 
 
 def episodes_to_json(episodes: list[Episode]) -> list[dict]:

@@ -46,7 +46,8 @@ from config import Config, UsageError, native_bf16, parse_config, resolve_model
 from mixture import load_mixture, resume_signature
 from plot import plot_run
 from rewards import RewardScorer, load_postprocess, postprocessed, weighted_rewards
-from rollout import SEED_LIMIT, RolloutContext, collate, episodes_to_json, presampled_from_json, run_rollout
+from rollout import (SEED_LIMIT, RolloutContext, collate, episodes_to_json, presampled_from_json, run_rollout,
+                     training_samples)
 from tools import environment_rewards, probe_trajectory, read_chat_template, trajectory_metrics
 from utils import (MetricsLogger, Probe, ScoringWatch, ServerWeights, StepTimer, StopRequest, add_lora, barrier,
                    check_checkpoint, check_finite, check_sync, completion_logprobs, console_line, disable_dropout,
@@ -570,10 +571,11 @@ def main(cfg: Config):
         zero_std = without_signal(rewards, G).repeat_interleave(G)  # (N,) groups with no signal
 
         # ---------------------------------------------------------------------- old / ref log-probs
-        inputs, tokens = collate(episodes, pad_id)  # the model's inputs; (N, C) mask, sampled, logp
+        samples, of = training_samples(episodes)  # (S,) what trains: the episodes (and agents' forks); of: theirs
+        inputs, tokens = collate(samples, pad_id)  # the model's inputs; (S, C) mask, sampled, logp
         C, sampler_logp = tokens["mask"].shape[1], tokens["sampler_logp"]
-        truncated = torch.tensor([e.finish_reason == "length" for e in episodes])  # (N,)
-        loss_mask = loss_mask_of(tokens["sampled"], truncated, cfg.mask_truncated_completions)  # (N, C) sampled tokens
+        truncated = torch.tensor([e.finish_reason == "length" for e in samples])  # (S,)
+        loss_mask = loss_mask_of(tokens["sampled"], truncated, cfg.mask_truncated_completions)  # (S, C) sampled tokens
         # Off-policy (several updates per generation batch), pi_old must be frozen before the first
         # update. On-policy the training forward's detached log-probs are pi_old: no extra pass, and
         # ratio = 1, so the clip metrics are 0 by construction.
@@ -593,13 +595,13 @@ def main(cfg: Config):
             checkpoint(step)
             break
         model.train()
-        data = dict(inputs=inputs, loss_mask=loss_mask, advantages=advantages,
-                    old_logp=old_logp, ref_logp=ref_logp, keep=~zero_std if cfg.drop_zero_std_groups else None,
+        data = dict(inputs=inputs, loss_mask=loss_mask, advantages=advantages[of],
+                    old_logp=old_logp, ref_logp=ref_logp, keep=~zero_std[of] if cfg.drop_zero_std_groups else None,
                     sampler_logp=sampler_logp, entropy_mask=entropy_mask)
         sums, grad_norms, first_pass_logp = {}, [], torch.zeros(loss_mask.shape)
         for iteration in range(cfg.num_iterations):
             seed = cfg.seed + step * 1000 + iteration
-            order = torch.randperm(len(episodes), generator=torch.Generator().manual_seed(seed))
+            order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed))
             for part in order.chunk(cfg.steps_per_generation):  # one optimizer step on each part
                 part_sums, logp = accumulate_gradients(model, take(data, part), cfg, world_size, autocast)
                 merge_stats(sums, part_sums)

@@ -282,14 +282,17 @@ def test_an_agents_calls_are_token_exact_by_construction_and_an_edited_history_f
     episodes = agent_rollout([{"prompt": "Say something."}, {"prompt": "Another thing."}], ctx,
                              agent=free_two_call_agent, timeout=60)
     for e in episodes:
-        assert "environment_error" not in e.info and e.info["forks"] == 0 and e.info["tool_calls"] == 1 and sum(e.sampled) >= 2
+        assert "environment_error" not in e.info and e.info["forks"] == 0 and e.info["tool_calls"] == 1
+        assert sum(e.sampled) >= 2
         theirs = ctx.client.prompt_logprobs(e.prompt_ids + e.completion_ids)[len(e.prompt_ids) - 1:]
         diffs = [abs(a - b) for a, b, s in zip(theirs, e.logprobs, e.sampled) if s]
         assert max(diffs) < 1e-4, diffs
         assert "Are you sure?" in tokenizer.decode(e.completion_ids)
     json.dumps(episodes_to_json(episodes))  # the SDK's message object is kept as a dict (an async checkpoint)
     for e in agent_rollout([{"prompt": "Hi"}], ctx, agent=unchained_agent, timeout=60):
-        assert e.info["forks"] == 1 and "Be brief." in tokenizer.decode(e.prompt_ids)  # the last sample trains
+        assert e.info["forks"] == 1 and "Be brief." in tokenizer.decode(e.prompt_ids)  # the sample since the fork
+        first, = e.info["earlier_samples"]  # and the one before it, which trains too
+        assert "Be brief." not in tokenizer.decode(first["prompt_ids"]) and sum(first["sampled"]) >= 1
 
 
 async def says_high(client, row):
@@ -307,6 +310,13 @@ async def blocks(client, row):
     return 1.0
 
 
+async def talks_long(client, row):
+    """One long answer: the server's time, not the agent's."""
+    await client.chat.completions.create(model=client.model, messages=[{"role": "user", "content": "Talk."}],
+                                         extra_body={"min_tokens": 300, "ignore_eos": True})
+    return 1.0
+
+
 @pytest.mark.slow
 def test_an_agent_that_returns_no_number_or_blocks_gets_no_reward_and_holds_up_no_other(server, tokenizer):
     from agents import agent_rollout
@@ -318,6 +328,11 @@ def test_an_agent_that_returns_no_number_or_blocks_gets_no_reward_and_holds_up_n
     assert time.monotonic() - started < 3.5  # the blocked agents are abandoned at their limit
     assert all("ran longer than 1 s of its own time" in e.info["environment_error"] for e in episodes[:2])
     assert all(e.info["environment_reward"] == 1.0 for e in episodes[2:])
+    started = time.monotonic()
+    episodes = agent_rollout([{"prompt": "Talk."}], agent_ctx(server, tokenizer, G=2, max_tokens=300), agent=talks_long,
+                             timeout=0.5)
+    assert time.monotonic() - started > 1.0  # the server took longer than the agent's limit, which it does not count
+    assert all(e.info["environment_reward"] == 1.0 and len(e.completion_ids) == 300 for e in episodes)
 
 
 # ----------------------------------------------------------------------------- through train.py
@@ -332,7 +347,8 @@ def test_failed_environments_get_no_reward_and_a_rollouts_extra_fields_reach_the
     rows.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("fine", "break it", "crash it", "fine too")))
     mixture = tmp_path / "mixture.json"
     mixture.write_text(json.dumps({"tasks": [
-        {"name": "fragile", "dataset": str(rows), "env": "tests.helpers:Fragile", "reward_funcs": "tests.helpers:always_one"},
+        {"name": "fragile", "dataset": str(rows), "env": "tests.helpers:Fragile",
+         "reward_funcs": "tests.helpers:always_one"},
         {"name": "secret", "dataset": str(rows), "rollout": "tests.helpers:with_secret",
          "reward_funcs": "tests.helpers:reads_secret"}]}))
     run_train(server, tmp_path / "out", "--dataset", str(mixture), "--num_generations", "2", "--prompts_per_step", "4",

@@ -152,6 +152,23 @@ def test_an_agents_trajectory_is_its_calls_from_its_last_new_sample_on():
     calls[1] = dict(calls[1], prompt_ids=[1, 2, 3, 4, 55, 6, 7], new_sample=True)  # an edited history: a new sample
     e = agent_episode({"prompt": "q"}, calls, budget=10)
     assert (e.prompt_ids, e.completion_ids, e.sampled) == ([1, 2, 3, 4, 55, 6, 7], [8, 9], [True, True])
+    assert e.messages == [{"role": "assistant", "content": "b"}]
+    assert e.info["earlier_samples"] == [dict(prompt_ids=[1, 2, 3], completion_ids=[4, 5], sampled=[True, True],
+                                              logprobs=[-0.1, -0.2], finish_reason="stop")]
+
+
+def test_each_sample_of_a_forked_trajectory_trains_with_its_advantage():
+    from rollout import Episode, collate, training_samples
+    earlier = dict(prompt_ids=[1, 2], completion_ids=[3], sampled=[True], logprobs=[-0.5], finish_reason="stop")
+    episodes = [Episode({"k": 0}, [1], [5, 6], [True, True], [-0.1, -0.2], "stop"),
+                Episode({"k": 1}, [1, 2, 3, 4], [7], [True], [-0.3], "length", info={"earlier_samples": [earlier]})]
+    samples, of = training_samples(episodes)
+    assert of.tolist() == [0, 1, 1] and samples[0] is episodes[0] and samples[2] is episodes[1]
+    assert samples[1].row == {"k": 1} and samples[1].completion_ids == [3] and samples[1].finish_reason == "stop"
+    advantages = torch.tensor([0.5, -1.0])
+    assert advantages[of].tolist() == [0.5, -1.0, -1.0]
+    inputs, tokens = collate(samples, 0)
+    assert tokens["sampled"].sum(dim=1).tolist() == [2, 1, 1]
 
 
 @pytest.mark.slow
