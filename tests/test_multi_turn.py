@@ -330,8 +330,8 @@ def test_an_agent_that_returns_no_number_or_blocks_gets_no_reward_and_holds_up_n
     assert all(e.info["environment_reward"] == 1.0 for e in episodes[2:])
     started = time.monotonic()
     episodes = agent_rollout([{"prompt": "Talk."}], agent_ctx(server, tokenizer, G=2, max_tokens=300), agent=talks_long,
-                             timeout=0.5)
-    assert time.monotonic() - started > 1.0  # the server took longer than the agent's limit, which it does not count
+                             timeout=0.3)
+    assert time.monotonic() - started > 0.6  # the server took longer than the agent's limit, which it does not count
     assert all(e.info["environment_reward"] == 1.0 and len(e.completion_ids) == 300 for e in episodes)
 
 
