@@ -259,8 +259,8 @@ def load_reward_func(name: str, columns: list[str], options: dict | None = None,
     return fn
 
 
-def _named_parameters(fn) -> set[str] | None:
-    """The keyword arguments fn names; None if it takes **kwargs (or has no signature to read)."""
+def named_parameters(fn) -> set[str] | None:
+    """The keyword arguments a user's function names; None if it takes **kwargs (or has no signature to read)."""
     try:
         parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
@@ -301,7 +301,7 @@ async def _score_one(fn, batch: dict, n: int) -> dict:
     batch in one call, and one completion at a time if that raises. A return value (or log_extra) that
     cannot be rewards is BadOutput, in either case."""
     lists, metrics = {k: v for k, v in batch.items() if k != "trainer_state"}, {}
-    named = _named_parameters(fn)
+    named = named_parameters(fn)
     if named is not None:  # without **kwargs: the columns and a rollout's extra fields that it names, no others
         lists = {k: v for k, v in lists.items() if k in named}
 

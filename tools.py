@@ -26,6 +26,7 @@ import threading
 import traceback
 
 from config import UsageError
+from rewards import named_parameters
 from rollout import Episode, RolloutContext, slot_seed
 from utils import prompt_messages, sum_over_ranks
 
@@ -261,14 +262,17 @@ def open_turns(runs: list[dict], tokenizer, budget: int, timeout: float):
 
 def start_trajectories(rows: list[dict], ctx: RolloutContext, tools: list, env_factory, omit: tuple,
                        timeout: float) -> list[dict]:
-    """Each trajectory's start: a fresh environment (env_factory()) reset with its row's columns but `omit`, whose
-    text, if any, ends the prompt's last user message. The factories and resets run side by side under one deadline
+    """Each trajectory's start: a fresh environment (env_factory()) reset with its row's columns but `omit` (a reset
+    without **row gets those it names: `def reset(self, question, answer)` runs as it is), whose text, if any,
+    ends the prompt's last user message. The factories and resets run side by side under one deadline
     `timeout` s from now; one that raises or misses it is the trajectory's environment error (it gets no reward)."""
     G = ctx.num_generations
 
     def start(row):
         env = env_factory()
-        return env, call_user(env.reset, **{k: v for k, v in row.items() if k not in omit})
+        named = named_parameters(env.reset)  # None: it takes **row
+        return env, call_user(env.reset, **{k: v for k, v in row.items()
+                                            if k not in omit and (named is None or k in named)})
     slots = range(len(rows) * G)
     started = run_together([functools.partial(start, rows[i // G]) for i in slots], timeout,
                            "the environment's factory and reset") if env_factory else [(None, None) for _ in slots]

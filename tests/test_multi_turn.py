@@ -236,6 +236,26 @@ def test_factories_resets_and_rewards_run_under_one_deadline_and_what_gets_no_re
                for e in episodes) == 1 and sum(e.info["environment_reward"] == 1.0 for e in episodes) == 2
 
 
+class Quiz:
+    """reset names the dataset's own columns (question, answer), not the "prompt" nanogrpo adds from question."""
+
+    def reset(self, question, answer):
+        self.answer = answer
+        return f" ({question})"
+
+    def get_reward(self) -> float:
+        return float(self.answer)
+
+
+def test_a_reset_that_names_its_columns_gets_those(tokenizer):
+    ctx = RolloutContext(Scripted(tokenizer, lambda c: "done"), tokenizer, 2, dict(max_tokens=30, temperature=1.0),
+                         seed=1)
+    row = {"question": "What is 1 + 1?", "answer": "2", "prompt": "What is 1 + 1?"}  # as load_rows gives it
+    for e in tool_rollout([row], ctx, env_factory=Quiz):
+        assert e.info["environment_error"] is None and e.info["environment_reward"] == 2.0
+        assert "(What is 1 + 1?)" in tokenizer.decode(e.prompt_ids)
+
+
 def test_reset_text_that_makes_a_prompt_too_long_is_the_environments_error(tokenizer):
     class Verbose:
         def reset(self, **row):
