@@ -481,7 +481,7 @@ def main(cfg: Config):
         steps_done = scheduler.last_epoch // updates_per_round
         return checkpoint(steps_done) if steps_done > state["step"] else None
 
-    server = ServerGuard(client, sync, cfg.vllm_server_timeout, on_gone=save_on_stop)
+    server = ServerGuard(client, sync, cfg.vllm_server_timeout, on_gone=save_on_stop, stop_requested=lambda: stop.flag)
     scorer.start()  # its process imports the reward functions while the first push and samples are under way
     server.run(sync.push)  # the server = our step-0 policy (LoRA: its adapter starts at zero, but the names must map)
     barrier()  # no rank samples while weights are being pushed

@@ -195,9 +195,8 @@ class VLLMClient:
                  seed: int | None = None) -> list[dict]:
         """n completions of each prompt (token ids). Returns len(prompts) * n dicts, prompt-major:
         {token_ids, logprobs (the sampler's, per token), finish_reason ('stop' or 'length')}.
-        With a `seed` the samples depend only on it and the weights, not on what else the server runs. vLLM seeds
-        every prompt of a request alike (the j-th of n with seed + j): prompts that must not share a random
-        stream go in requests of their own (generate_each)."""
+        With a `seed` the samples depend only on it and the weights, not on what else the server runs; every prompt
+        gets that seed (the j-th of n seed + j): for streams of their own, see generate_each."""
         if not prompts:
             return []
         body = dict(model=self.model_name, prompt=prompts, n=n, max_tokens=max_tokens, temperature=temperature,
@@ -208,8 +207,7 @@ class VLLMClient:
         return [dict(token_ids=c["token_ids"], logprobs=c["logprobs"]["token_logprobs"],
                      finish_reason=c["finish_reason"]) for c in choices]
 
-    def generate_each(self, prompts: list[list[int]], max_tokens: list[int], seeds: list[int],
-                      **sampling) -> list[dict]:
+    def generate_each(self, prompts: list[list[int]], max_tokens: list[int], seeds: list[int], **sampling):
         """One completion of each prompt, each a request of its own with its own max_tokens and seed, all sent at
         once (the server batches them), as generate returns them."""
         calls = [InThread(self.generate, [p], 1, m, seed=s, **sampling) for p, m, s in zip(prompts, max_tokens, seeds)]
@@ -284,10 +282,12 @@ class ServerGuard:
     weight transfer is joined again, the current weights are pushed, and the call runs again on every
     rank (it may hold collectives: FSDP2 gathers, or a sync push). A restarted server serves the model
     from disk, so nothing is sampled before the push. If it is not back within `timeout` seconds, or a
-    call fails `attempts` times in a row, `on_gone()` runs (save a checkpoint) and ServerGone is raised."""
+    call fails `attempts` times in a row, `on_gone()` runs (save a checkpoint) and ServerGone is raised; at once if
+    `stop_requested()` (a preempted job's server dies first, and its trainer has seconds before it is killed)."""
 
-    def __init__(self, client, sync, timeout: float, on_gone, attempts: int = 3):
+    def __init__(self, client, sync, timeout: float, on_gone, attempts: int = 3, stop_requested=lambda: False):
         self.client, self.sync, self.timeout, self.on_gone, self.attempts = client, sync, timeout, on_gone, attempts
+        self.stop_requested = stop_requested
         self.reconnects = 0  # times the server was lost and found again (a metric)
 
     def run(self, fn, *args, **kwargs):
@@ -331,19 +331,23 @@ class ServerGuard:
               f"({error or 'on another rank'}); waiting up to {self.timeout:.0f}s for it", flush=True)
         deadline = time.monotonic() + self.timeout
         while True:
-            try:  # every rank waits (each samples from it), then rank 0 joins the transfer again and all push
-                self.client.wait_for_health(max(deadline - time.monotonic(), 0))
+            try:  # every rank waits (each samples from it), 2 s at a time (a stop request is seen within them)
+                self.client.wait_for_health(min(max(deadline - time.monotonic(), 0), 2))
                 back = True
             except UsageError:  # not answering, or not with our key
                 back = False
-            if self._anywhere(not back or time.monotonic() > deadline):
+            waiting, late, stopping = self._anywhere(not back, time.monotonic() > deadline, self.stop_requested())
+            if stopping:
+                raise ServerGone(f"stopped by a signal while waiting for the vLLM server. {self._saved()}")
+            if late:
                 self._give_up(f"the vLLM server at {self.client.base} did not answer within {self.timeout:.0f}s")
+            if waiting:
+                continue
             if self._joined(self.sync.connect, "join the weight transfer of") and \
                     self._joined(self.sync.push, "push the weights into"):
                 self.reconnects += 1
                 if int(os.environ.get("RANK", 0)) == 0:
-                    print(f"the vLLM server is back; pushed the current weights (reconnect {self.reconnects})",
-                          flush=True)
+                    print(f"the vLLM server is back; pushed the weights (reconnect {self.reconnects})", flush=True)
                 return
 
     def _joined(self, fn, what: str) -> bool:
@@ -363,8 +367,7 @@ class ServerGuard:
         return not self._anywhere(problem is not None)
 
     def _give_up(self, why: str, hint: str = "raise --vllm_server_timeout to wait longer"):
-        saved = self._saved()
-        port = self.client.base.rsplit(":", 1)[1]
+        saved, port = self._saved(), self.client.base.rsplit(":", 1)[1]
         raise ServerGone(f"{why}. {saved} once the server is back (same --model, port {port}); {hint}.")
 
     @staticmethod

@@ -233,6 +233,29 @@ def test_a_server_killed_mid_run_is_waited_for_and_else_the_run_is_saved(tiny_mo
     assert len(names) == 1 and int(names[0].split("-")[1]) >= 2
 
 
+def test_a_preempted_run_whose_server_died_first_saves_and_stops_within_seconds(tiny_model, tmp_path):
+    """Preemption sends SIGTERM to the server and the trainer together; the server dies first. The trainer, waiting
+    for it (--vllm_server_timeout 300), sees the stop request, saves the steps done and exits long before torchrun
+    would kill it (30 s after the signal)."""
+    out = tmp_path / "out"
+    with running_server(tiny_model, tmp_path / "server.log") as server:
+        proc = start_run(server, out, *RUN, "--max_steps", "50", "--vllm_server_timeout", "300")
+        try:
+            wait_for_steps(proc, out, 2)
+            os.killpg(server["proc"].pid, signal.SIGKILL)
+            time.sleep(3)  # the ranks find the server gone and wait for it
+            os.kill(proc.pid, signal.SIGTERM)
+            started = time.monotonic()
+            stdout, stderr = proc.communicate(timeout=60)
+        finally:
+            stop(proc)
+    assert time.monotonic() - started < 25, stdout[-2000:] + stderr[-4000:]
+    assert "lost the vLLM server" in stdout and "stopped by a signal while waiting for the vLLM server" in stderr, \
+        stdout[-2000:] + stderr[-4000:]
+    names = complete_checkpoints_load(out)
+    assert len(names) == 1 and int(names[0].split("-")[1]) >= 2
+
+
 def test_a_server_with_another_model_refuses_the_weights_and_the_run_says_so(tiny_model, tmp_path):
     """The server runs a model of other shapes (two heads, not one): vLLM cannot load the pushed weights. Before,
     its HTTP 500 was a lost server (waited for, three times) while rank 0 blocked in the next bucket's

@@ -53,6 +53,19 @@ def lost_once(server: Server):
     return call
 
 
+def test_a_stop_request_while_waiting_for_a_lost_server_saves_and_stops_at_once():
+    """A preempted job: its server dies first, then SIGTERM arrives; the trainer has seconds, not the time-out."""
+    import time
+    server = Server()
+    server.up = False
+    g = ServerGuard(server, server, 300, on_gone=server.save, stop_requested=lambda: True)
+    started = time.monotonic()
+    with pytest.raises(ServerGone, match="stopped by a signal while waiting for the vLLM server. Saved "
+                                         "out/checkpoint-1: continue with --resume_from_checkpoint latest"):
+        g.run(lost_once(server))
+    assert time.monotonic() - started < 5 and server.saved == ["out/checkpoint-1"]
+
+
 def test_a_lost_server_that_comes_back_gets_the_weights_and_the_call_runs_again():
     server = Server(connects=[ServerLost("the new server is still starting its engine"), None],
                     pushes=[ServerLost("lost again during the push"), None])
