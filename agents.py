@@ -117,7 +117,7 @@ class RecordingClient:
         if not self.calls:
             return None
         last, eos = self.calls[-1], self._tokenizer.eos_token_id
-        before = last["messages"] + [{"role": "assistant", "content": last["content"]}]
+        before = last["messages"] + [as_message({"role": "assistant", "content": last["content"]})]
         if len(messages) <= len(before) or messages[:len(before)] != before:
             return None
         suffix = appended_ids(self._tokenizer, before, messages[len(before):], tools)

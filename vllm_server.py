@@ -109,7 +109,7 @@ class VLLMClient:
         self.base, self.api_key = f"http://{host}:{port}", api_key  # the key also goes to agents' OpenAI clients
         self.session, self.health_session = requests.Session(), requests.Session()
         for session in (self.session, self.health_session):  # many requests at once (generate_each)
-            session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=256))
+            session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=4096))
         if api_key:
             self.session.headers["Authorization"] = f"Bearer {api_key}"
         self.request_timeout, self.server_timeout = request_timeout, server_timeout

@@ -237,7 +237,7 @@ def test_a_preempted_run_whose_server_died_first_saves_and_stops_within_seconds(
     """Preemption sends SIGTERM to the server and the trainer together; the server dies first. The trainer, waiting
     for it (--vllm_server_timeout 300), sees the stop request, saves the steps done and exits long before torchrun
     would kill it (30 s after the signal)."""
-    out = tmp_path / "out"
+    out, started = tmp_path / "out", time.monotonic()
     with running_server(tiny_model, tmp_path / "server.log") as server:
         proc = start_run(server, out, *RUN, "--max_steps", "50", "--vllm_server_timeout", "300")
         try:
