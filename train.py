@@ -455,8 +455,8 @@ def main(cfg: Config):
 
     def draw_more(step: int, extra_round: int, wanted: bool) -> tuple:
         """--dynamic_sampling's extra round of `step`, scored: (episodes, texts, reward matrix, rewards, rows)."""
-        episodes = server.run(rollout_call(step, extra_round) if wanted else list)  # every rank: a collective
-        return (episodes, *score(episodes), rows_of(step, extra_round) if wanted else [])
+        episodes = guard.run(rollout_call(step, extra_round) if wanted else list)  # every rank: a collective
+        return (episodes, *guard.run(score, episodes), rows_of(step, extra_round) if wanted else [])
 
     # async generation: {step: (policy version, this rank's episodes)} drawn while the step before trained;
     # checkpoints keep every rank's, in rank order (the step's prompts in order), so a resumed run, with any
@@ -474,16 +474,18 @@ def main(cfg: Config):
                                {**sum_over_ranks({"scorer_failures": scorer.failures}), **extra})
         print0(f"saved {path}")
         return path
-    # If the server dies or restarts, wait for it, push the current weights and repeat the call; if it does
-    # not come back, save the rounds done (optimizer steps taken / steps per round) and stop with a message.
+    # guard.run(fn) runs the calls to the server, and every call that may stop the run, on every rank together.
+    # If the server dies or restarts, it waits for it, pushes the current weights and repeats the call; if it does
+    # not come back, or a call raises on any rank (a stop the code foresees too: a judge gone, the loss non-finite),
+    # every rank saves the rounds done (optimizer steps taken / steps per round), then the run stops with a message.
     updates_per_round = cfg.num_iterations * cfg.steps_per_generation  # optimizer steps per step (round) of the loop
     def save_on_stop() -> str | None:  # the steps done since the start (or the resume), if any
         steps_done = scheduler.last_epoch // updates_per_round
         return checkpoint(steps_done) if steps_done > state["step"] else None
 
-    server = ServerGuard(client, sync, cfg.vllm_server_timeout, on_gone=save_on_stop, stop_requested=lambda: stop.flag)
+    guard = ServerGuard(client, sync, cfg.vllm_server_timeout, on_gone=save_on_stop, stop_requested=lambda: stop.flag)
     scorer.start()  # its process imports the reward functions while the first push and samples are under way
-    server.run(sync.push)  # the server = our step-0 policy (LoRA: its adapter starts at zero, but the names must map)
+    guard.run(sync.push)  # the server = our step-0 policy (LoRA: its adapter starts at zero, but the names must map)
     barrier()  # no rank samples while weights are being pushed
     parallel = "FSDP2" if cfg.fsdp else "DDP" if world_size > 1 else "single process"
     print0(f"nanogrpo | model {cfg.model} | {world_size} process(es) on {device.type} | {cfg.prompts_per_step} prompts "
@@ -510,8 +512,8 @@ def main(cfg: Config):
         n, mine = cfg.eval_num_generations, list(range(rank, len(eval_rows), world_size))
         seed = ((cfg.seed * 1_000_000 + 999_999) * 1000 + rank) % SEED_LIMIT  # the same every time
         ctx = RolloutContext(client, tokenizer, n, sampling, seed, cfg.system_prompt, processor, cfg.max_prompt_length)
-        episodes = server.run(run_rollout, rollout_fn, [eval_rows[i] for i in mine], ctx)
-        texts, matrix, rewards = score(episodes)
+        episodes = guard.run(run_rollout, rollout_fn, [eval_rows[i] for i in mine], ctx)
+        texts, matrix, rewards = guard.run(score, episodes)
         logger.log_rollouts(rollout_records(episodes, texts, matrix, names, rewards, tokenizer,
                                             [mine[i // n] for i in range(len(episodes))], split="eval",
                                             step=scheduler.last_epoch // updates_per_round,
@@ -540,7 +542,7 @@ def main(cfg: Config):
         mine = rows_of(step)
         # version: the policy that samples, after this many optimizer steps. Async, the batch was sampled
         # during the step before (by the weights before it), except the first one.
-        presampled = {step: presampled.get(step) or (scheduler.last_epoch, server.run(rollout_call(step)))}
+        presampled = {step: presampled.get(step) or (scheduler.last_epoch, guard.run(rollout_call(step)))}
         version, episodes = presampled[step]  # G per row, row by row
         pending = None
         if cfg.async_generation:  # the server samples the next batch while we train (after the last step too:
@@ -549,8 +551,8 @@ def main(cfg: Config):
         timer.lap("generate")
 
         # ---------------------------------------------------------------------- score
-        texts, reward_matrix, rewards = score(episodes)  # (N, k) per function, NaN = not scored; (N,) weighted sum
-        scoring.update(scorer.failed, scorer.attempted, rewards, step + 1)  # stops a run whose rewards stopped coming
+        texts, reward_matrix, rewards = guard.run(score, episodes)  # (N, k) per function (NaN: not scored); (N,)
+        guard.run(scoring.update, scorer.failed, scorer.attempted, rewards, step + 1)  # a judge gone: saves, stops
         dynamic = {}
         if cfg.dynamic_sampling:  # DAPO: groups whose rewards all agree make way for more, sampled now
             (episodes, texts, reward_matrix, rewards, mine), dynamic = keep_groups_with_signal(
@@ -609,7 +611,7 @@ def main(cfg: Config):
                     grad_norms.append(optimizer_step(optimizer, scheduler, trainable, cfg.max_grad_norm))
                 if iteration == 0:
                     first_pass_logp[part] = logp
-        bad_steps = check_finite(sum(not g.isfinite() for g in grad_norms), bad_steps, step + 1)
+        bad_steps = guard.run(check_finite, sum(not g.isfinite() for g in grad_norms), bad_steps, step + 1)
         # the server's log-probs of what it sampled vs ours for the same weights: a sync check
         compared = (tokens["sampled"] * ~sampler_logp.isnan()  # sampled, its sampler log-prob known, in rows we ran
                     * (1 if data["keep"] is None else data["keep"].unsqueeze(1)))
@@ -618,17 +620,17 @@ def main(cfg: Config):
 
         # ---------------------------------------------------------------------- sync weights
         if pending:  # the server samples the next batch with the weights before this update: wait for it
-            reconnects = server.reconnects
-            next_samples = server.run(pending.result)  # sampled again with the new weights if the server was lost
-            version_next = scheduler.last_epoch - updates_per_round * (server.reconnects == reconnects)
+            reconnects = guard.reconnects
+            next_samples = guard.run(pending.result)  # sampled again with the new weights if the server was lost
+            version_next = scheduler.last_epoch - updates_per_round * (guard.reconnects == reconnects)
             presampled[step + 1] = version_next, next_samples
         timer.lap("generate")
-        server.run(sync.push)
+        guard.run(sync.push)
         barrier()  # no rank samples again before the server has the new weights
         timer.lap("sync")
         probe = {}
         if cfg.sync_check_steps and (step + 1) % cfg.sync_check_steps == 0:  # stops if the server's weights differ
-            probe = server.run(check_sync, client, model, sync_probe, autocast, is_main, sync_tolerance, step + 1)
+            probe = guard.run(check_sync, client, model, sync_probe, autocast, is_main, sync_tolerance, step + 1)
         timer.lap("probe")
 
         # ---------------------------------------------------------------------- log
@@ -639,7 +641,7 @@ def main(cfg: Config):
                    **training_metrics(sums, grad_norms, tokens["mask"].sum(dim=1).float(), truncated, diff, compared,
                                      kl=cfg.beta > 0),
                    **(trajectory_metrics(mixture.multi_turn_only(episodes), is_main) if mixture.multi_turn else {}),
-                   **dynamic, **probe, "server_reconnects": server.reconnects, "lr": scheduler.get_last_lr()[0],
+                   **dynamic, **probe, "server_reconnects": guard.reconnects, "lr": scheduler.get_last_lr()[0],
                    "optimizer_steps": scheduler.last_epoch,
                    "old_logprob_pass": int(off_policy or cfg.top_entropy_quantile < 1), **timer.metrics()}
         logger.log_rollouts(rollout_records(episodes, texts, reward_matrix, names, rewards, tokenizer,

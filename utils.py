@@ -7,6 +7,7 @@ import dataclasses
 import errno
 import fcntl
 import functools
+import gc
 import json
 import math
 import os
@@ -459,7 +460,8 @@ def run_and_exit(main, *args):
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     finally:
-        teardown_distributed()
+        gc.collect()  # main()'s objects that an exception's frames hold in a cycle end now, with their finalizers
+        teardown_distributed()  # (the reward scorer's process pool); os._exit below runs none
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -1376,8 +1378,8 @@ class ScoringWatch:
                        f"{self.limit} such steps in a row.")
             if self.limit and self.streak[name] >= self.limit:
                 raise RunStopped(f"{what} in {self.streak[name]} steps in a row (up to step {step}); nothing was "
-                                 "learned from them. Fix the function (or the service it calls) and continue with "
-                                 "--resume_from_checkpoint latest, or raise --max_unscored_steps (0 = never stop)")
+                                 "learned from them. Fix the function (or the service it calls), or raise "
+                                 "--max_unscored_steps (0 = never stop).")
 
 
 def training_metrics(sums: dict, grad_norms: list[torch.Tensor], lengths: torch.Tensor, truncated: torch.Tensor,
@@ -1440,13 +1442,13 @@ def console_line(metrics: dict, names: list[str], max_steps: int) -> str:
 
 def check_finite(skipped: int, bad_steps: int, step: int, limit: int = 3) -> int:
     """Steps in a row, up to `step`, with an update skipped for a NaN/inf loss or gradient; stops the run at
-    `limit` of them (the weights have not changed since)."""
+    `limit` of them (the weights have not changed since). `skipped` is the same on every rank: so is the stop."""
     bad_steps = bad_steps + 1 if skipped else 0
     if skipped:
         print0(f"step {step}: the loss or gradient was not finite (NaN/inf) in {skipped} update(s), skipped")
     if bad_steps == limit:
         raise RunStopped(
-            f"the loss or gradient was not finite in {bad_steps} steps in a row (up to step {step}); stopping. The "
-            "weights have not changed since; the checkpoints in --output_dir are from before. Likely causes: a reward "
-            "function returning inf, a learning rate too high for the model, fp16/bf16 overflow.")
+            f"the loss or gradient was not finite in {bad_steps} steps in a row (up to step {step}); stopping. Their "
+            "updates were skipped: the weights are those from before them. Likely causes: a reward function "
+            "returning inf, a learning rate too high for the model, fp16/bf16 overflow.")
     return bad_steps

@@ -277,13 +277,13 @@ class ServerGone(RunStopped):
 
 
 class ServerGuard:
-    """Runs the trainer's calls to the server on every rank. If the server was lost on any rank (killed,
-    restarted, its engine died: vllm_server.ServerLost), every rank waits for it to answer again, the
-    weight transfer is joined again, the current weights are pushed, and the call runs again on every
-    rank (it may hold collectives: FSDP2 gathers, or a sync push). A restarted server serves the model
-    from disk, so nothing is sampled before the push. If it is not back within `timeout` seconds, or a
-    call fails `attempts` times in a row, `on_gone()` runs (save a checkpoint) and ServerGone is raised; at once if
-    `stop_requested()` (a preempted job's server dies first, and its trainer has seconds before it is killed)."""
+    """Runs the trainer's calls to the server, and its calls that may stop the run, on every rank. If the server was
+    lost on any rank (killed, restarted, its engine died: ServerLost), every rank waits for it, joins the weight
+    transfer again, pushes the current weights (a restarted server serves the model from disk: nothing is sampled
+    before), and runs the call again on every rank (it may hold collectives: FSDP2 gathers, a sync push). If it is
+    not back within `timeout` seconds, or a call fails `attempts` times in a row, or any other error is raised on
+    any rank (a RunStopped too: a foreseen stop), every rank runs `on_gone()` (saves a checkpoint) and the run
+    stops; at once if `stop_requested()` (a preempted job's server dies first, its trainer has seconds to live)."""
 
     def __init__(self, client, sync, timeout: float, on_gone, attempts: int = 3, stop_requested=lambda: False):
         self.client, self.sync, self.timeout, self.on_gone, self.attempts = client, sync, timeout, on_gone, attempts
@@ -316,9 +316,10 @@ class ServerGuard:
         except Exception as e:
             saved = f"Could not save a checkpoint ({e})"
         if failure is None:
-            raise RunStopped(f"another rank stopped with an error (see its traceback). {saved}.")
-        print(f"[rank {os.environ.get('RANK', 0)}] stopped by an error in a call to the vLLM server (below). {saved}.",
-              flush=True)
+            raise RunStopped(f"another rank stopped with an error (see its message). {saved}.")
+        if isinstance(failure, RunStopped):  # foreseen: its message says why, and now what was saved
+            raise RunStopped(f"{str(failure).rstrip('.')}. {saved}.") from None
+        print(f"[rank {os.environ.get('RANK', 0)}] stopped by an error (below). {saved}.", flush=True)
         raise failure
 
     def _saved(self) -> str:
@@ -378,7 +379,6 @@ class ServerGuard:
             dist.all_reduce(t)
         anywhere = tuple(bool(x > 0) for x in t)
         return anywhere if len(flags) > 1 else anywhere[0]
-
 
 
 class GlooWeightSender:

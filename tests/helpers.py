@@ -203,6 +203,16 @@ def stretch_near_target(matrix, names, tasks):
     return matrix
 
 
+def fails_on_rank_1_at_call_2(matrix, names, tasks):
+    """A --reward_postprocess hook that raises on rank 1's second call only (step 2 with no evaluation): a bug that
+    only some batches meet, on one rank."""
+    global _calls
+    _calls += 1
+    if os.environ.get("RANK") == "1" and _calls == 2:
+        raise ValueError("a hook that fails on one rank")
+    return matrix
+
+
 # ----------------------------------------------------------------------------- multi-turn (tests/test_multi_turn.py)
 
 def always_one(completions, **kwargs):

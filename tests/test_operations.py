@@ -287,12 +287,30 @@ def test_a_nan_loss_skips_the_update_and_several_in_a_row_stop_the_run(server, t
                      "--save_total_limit", "0", "--max_steps", "8", nproc=1, check=False,
                      env={"NANOGRPO_TEST_INF_CALLS": "2,3,5,6,7"})
     assert proc.returncode == 3 and "not finite in 3 steps in a row (up to step 7)" in proc.stderr, proc.stderr[-3000:]
-    assert proc.stderr.strip().splitlines()[-1].startswith("stopped: the loss") and "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("stopped: the loss") and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert last.endswith(f"Saved {out}/checkpoint-7: continue with --resume_from_checkpoint latest."), last
     assert [m["skipped_updates"] for m in metrics_of(out).values()] == [0, 1, 1, 0, 1, 1]
     names = complete_checkpoints_load(out)
-    assert names == [f"checkpoint-{k}" for k in range(1, 7)]
-    w = {k: weights_of(out / f"checkpoint-{k}") for k in (1, 3, 4, 6)}
+    assert names == [f"checkpoint-{k}" for k in range(1, 8)]  # the stop saved step 7: its weights are good
+    w = {k: weights_of(out / f"checkpoint-{k}") for k in (1, 3, 4, 6, 7)}
     assert all(torch.equal(w[1][name], w[3][name]) for name in w[1])  # skipped: unchanged
     assert not all(torch.equal(w[3][name], w[4][name]) for name in w[3])  # step 4 trained again
-    assert all(torch.equal(w[4][name], w[6][name]) for name in w[4])
+    assert all(torch.equal(w[4][name], w[6][name]) and torch.equal(w[4][name], w[7][name]) for name in w[4])
     assert all(t.isfinite().all() for name in names for t in weights_of(out / name).values())
+
+
+def test_an_error_on_one_rank_outside_the_server_calls_saves_on_every_rank(server, tmp_path):
+    """A --reward_postprocess hook raises on rank 1 alone, at step 2. Before, rank 1 exited at once and rank 0 died
+    in its next collective: with the default --save_steps 0, step 1 was lost. Now both ranks save step 1, rank 1
+    says what failed, rank 0 says where it is, and the run continues from the checkpoint."""
+    out = tmp_path / "out"
+    proc = run_train(server, out, *RUN, "--reward_postprocess", "tests.helpers:fails_on_rank_1_at_call_2",
+                     "--max_steps", "3", check=False)
+    saved = f"Saved {out}/checkpoint-1: continue with --resume_from_checkpoint latest."
+    assert proc.returncode != 0 and (f"stopped (rank 1): the reward postprocess hook fails_on_rank_1_at_call_2 raised "
+                                     f"ValueError: a hook that fails on one rank. {saved}") in proc.stderr, proc.stderr
+    assert f"stopped (rank 0): another rank stopped with an error (see its message). {saved}" in proc.stderr
+    assert complete_checkpoints_load(out) == ["checkpoint-1"] and list(metrics_of(out)) == [1]
+    _, metrics = run_train(server, out, *RUN, "--max_steps", "3", "--resume_from_checkpoint", "latest")
+    assert [m["step"] for m in metrics] == [1, 2, 3]

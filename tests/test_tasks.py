@@ -316,6 +316,8 @@ def test_a_reward_function_that_fails_on_everything_mid_run_warns_and_stops_the_
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("stopped: reward function tests.helpers:judge_down_after_first_call failed on every "
                            "completion in 2 steps in a row (up to step 3)"), proc.stderr[-3000:]
+    assert last.endswith(f"Saved {tmp_path / 'out'}/checkpoint-2: continue with --resume_from_checkpoint latest.")
+    assert os.listdir(tmp_path / "out" / "checkpoint-2")  # the steps that trained are kept (--save_steps 0)
     metrics = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == [1, 2]  # step 3 stopped before training on it
     judge = "rewards/tests.helpers:judge_down_after_first_call_nan_frac"
