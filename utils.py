@@ -982,10 +982,14 @@ def save_checkpoint(output_dir: str, step: int, model, optimizer, scheduler, tok
     scheduler, RNG of every rank, step, `extra`) and checkpoint.json (step, config, git revision). Written
     into checkpoint-{step}.tmp, flushed to the disk and renamed when complete, so a crash, kill -9, full disk or
     power loss at any moment leaves the earlier checkpoints as they were; then only the newest `keep` are kept
-    (0 = all).
+    (0 = all). A complete checkpoint of this step already there holds this state (the one the run resumed from,
+    and it stopped before training; or saved, and the server then lost): it is kept, never deleted and rewritten
+    (on NFS a file of it still memory-mapped would stay behind, and the new one could not take its name).
     Called on every rank (FSDP2 gathers); rank 0 writes. A failed write raises on every rank."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     path = os.path.join(output_dir, f"checkpoint-{step}")
+    if sum_over_ranks({"there": is_main and os.path.isfile(os.path.join(path, "checkpoint.json"))})["there"]:
+        return path  # rank 0's view, shared: another node's may lag behind
     staging = path + ".tmp"
     sharded_parameters(getattr(model, "module", model))  # FSDP2: weights a forward left gathered are shards again
     optim = get_optimizer_state_dict(getattr(model, "module", model), optimizer,

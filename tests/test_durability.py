@@ -108,6 +108,39 @@ def test_a_checkpoint_is_on_the_disk_before_it_counts_and_an_old_one_held_open_i
     assert set(files) <= set(staged) and path in staged and out in staged  # the files, the folder, its parent
 
 
+def test_a_save_never_deletes_the_checkpoint_of_its_own_step(tiny_model, tmp_path, monkeypatch):
+    """A run resumed from checkpoint-2 and stopped (SIGTERM) in its first step saves step 2 again. Before, the save
+    deleted checkpoint-2 and renamed the new one in: on NFS its memory-mapped trainer_state.pt stays behind as a
+    .nfsXXXX file, the rename fails, the error path deletes the new copy, and no checkpoint is left. Now the
+    complete checkpoint of that step, which holds this very state, is kept as it is."""
+    import shutil
+    import torch
+    from transformers import AutoTokenizer
+    from utils import checkpoints, load_model, save_checkpoint
+    model = load_model(tiny_model, "cpu")
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    args = (model, optimizer, scheduler, AutoTokenizer.from_pretrained(tiny_model), {"seed": 1}, True, 1)
+    out = str(tmp_path / "out")
+    path = save_checkpoint(out, 2, *args)
+    state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True, mmap=True)  # as a resume holds it
+    inode, rmtree = os.stat(os.path.join(path, "trainer_state.pt")).st_ino, shutil.rmtree
+
+    def as_on_nfs(target, *a, **kw):  # an open file of a deleted folder stays as .nfsXXXX: the folder stays too
+        if os.path.abspath(target) == os.path.abspath(path):
+            rmtree(target, *a, **kw)
+            os.makedirs(target)
+            open(os.path.join(target, ".nfs0000000000000001"), "w").close()
+            if not kw.get("ignore_errors"):
+                raise OSError(16, "Device or resource busy")
+            return
+        return rmtree(target, *a, **kw)
+    monkeypatch.setattr(shutil, "rmtree", as_on_nfs)
+    assert save_checkpoint(out, 2, *args) == path
+    assert checkpoints(out) == [path] and os.stat(os.path.join(path, "trainer_state.pt")).st_ino == inode
+    assert state["step"] == 2 and sorted(os.listdir(out)) == ["checkpoint-2"]
+
+
 def test_logs_are_strict_json_without_nan_or_inf(tmp_path):
     """A step with no token to average (is_ratio/min was Infinity) or a completion not scored (NaN) is written as
     null: strict readers (jq, JavaScript, json.loads refusing the constants) take every line."""
