@@ -883,9 +883,9 @@ LOGS = ("metrics.jsonl", "rollouts.jsonl")
 def prepare_output_dir(output_dir: str, resume: str | None, step: int = 0):
     """Rank 0, at start (not at the first save, hours later). The folder must be writable, and it is locked for
     the run: a second run into it stops at once. A new run does not mix with an earlier run's output there. A run
-    resumed from a checkpoint of this folder keeps the logs up to its step; the checkpoints after it (of a run
-    abandoned from there) are moved aside with the logs as they were, so that `latest` never jumps back to
-    them. Resumed from another folder's checkpoint, this folder starts as a new run's, with the logs up to the
+    resumed from a checkpoint of this folder keeps the logs up to its step; if the run went further, the logs as
+    they were and the checkpoints after it are moved aside (set_aside_after), so that `latest` never jumps back
+    to them. Resumed from another folder's checkpoint, this folder starts as a new run's, with the logs up to the
     checkpoint copied in. Returns the lock: held while it is open (the kernel frees it when the process ends)."""
     try:
         os.makedirs(output_dir, exist_ok=True)
@@ -912,35 +912,55 @@ def prepare_output_dir(output_dir: str, resume: str | None, step: int = 0):
             raise UsageError(f"--output_dir {output_dir} holds an earlier run's output ({', '.join(earlier)}): "
                              + ("continue that run with --resume_from_checkpoint latest, " if resume is None else "")
                              + "choose another --output_dir, or delete them")
-    aside = retire_checkpoints_after(output_dir, step) if same_folder else None
+    aside = set_aside_after(output_dir, step) if same_folder else None
     for name in LOGS:
         source = os.path.join(os.path.dirname(os.path.abspath(resume)) if resume else output_dir, name)
         if resume and os.path.exists(source) and (torn := keep_steps_up_to(source, step, os.path.join(output_dir, name))):
             print(f"warning: dropped {torn} line(s) of {source} cut short by an earlier run's end (a kill or a full "
-                  "disk while writing); the records before them are kept", flush=True)
+                  "disk while writing); the records before them are kept" + (f", and all in {aside}" if aside else ""),
+                  flush=True)
     if aside:
-        print(f"resuming from step {step} of a run that went further: its later checkpoints and its logs as they "
-              f"were are moved to {aside} (`latest` would resume them)", flush=True)
+        print(f"resuming from step {step} of a run that went further: its logs as they were, and its checkpoints after "
+              f"step {step} if any, are in {aside} (`latest` would resume those)", flush=True)
     return lock
 
 
-def retire_checkpoints_after(output_dir: str, step: int) -> str | None:
-    """Move the checkpoints of `output_dir` after `step` into output_dir/abandoned-after-step-{step}-{time}, with
-    hard links (else copies) of the logs as they are; returns that folder (None if there were none)."""
+def set_aside_after(output_dir: str, step: int) -> str | None:
+    """Before a run resumes from step `step` in its own folder: if the run there went further (a checkpoint after
+    `step`, or a log record after it or cut short: the records a crash leaves, which often explain it), make
+    output_dir/abandoned-after-step-{step}-{time} with hard links (else copies) of the logs as they are, and move
+    those checkpoints into it; returns that folder (None if the run went no further)."""
     later = [path for path in checkpoints(output_dir) if int(CHECKPOINT.fullmatch(os.path.basename(path))[1]) > step]
-    if not later:
+    logs = [path for name in LOGS if os.path.exists(path := os.path.join(output_dir, name))]
+    if not later and not any(went_past(path, step) for path in logs):
         return None
     aside = os.path.join(output_dir, f"abandoned-after-step-{step}-{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(aside)
-    for name in LOGS:  # linked first: the logs are cut back to `step` (a new file) only after
-        if os.path.exists(path := os.path.join(output_dir, name)):
-            try:
-                os.link(path, os.path.join(aside, name))
-            except OSError:
-                shutil.copyfile(path, os.path.join(aside, name))
+    for path in logs:  # linked first: the logs are cut back to `step` (a new file) only after
+        try:
+            os.link(path, os.path.join(aside, os.path.basename(path)))
+        except OSError:
+            shutil.copyfile(path, os.path.join(aside, os.path.basename(path)))
     for path in reversed(later):
         os.replace(path, os.path.join(aside, os.path.basename(path)))
     return aside
+
+
+def went_past(path: str, step: int, block: int = 1 << 20) -> bool:
+    """Whether a JSONL log (its records in the order of their steps) ends after `step`, or in a line cut short.
+    Reads the last line only, from the end: rollouts.jsonl can be large."""
+    with open(path, "rb") as f:
+        end = f.seek(0, os.SEEK_END)
+        tail = b""
+        while end > 0 and tail.count(b"\n") < 2:  # the last line, whole (it ends in one newline, if not cut short)
+            start = max(end - block, 0)
+            f.seek(start)
+            tail, end = f.read(end - start) + tail, start
+    last = tail.rstrip(b"\n").rsplit(b"\n", 1)[-1] if tail.strip() else b""
+    try:
+        return bool(last) and (not tail.endswith(b"\n") or json.loads(last)["step"] > step)
+    except ValueError:
+        return True
 
 
 def find_checkpoint(spec: str, output_dir: str) -> str:

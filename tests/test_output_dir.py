@@ -75,7 +75,7 @@ def test_resuming_an_older_checkpoint_moves_the_later_ones_and_their_logs_aside(
     logs(tmp_path, [0, 1, 2, 3, 4, 5, 6, 7])  # the run went on to step 7, then was abandoned
     prepare_output_dir(str(tmp_path), str(tmp_path / "checkpoint-2"), 2).close()
     aside = [n for n in visible(tmp_path) if n.startswith("abandoned-after-step-2-")]
-    assert len(aside) == 1 and f"moved to {tmp_path / aside[0]}" in capsys.readouterr().out
+    assert len(aside) == 1 and f"are in {tmp_path / aside[0]}" in capsys.readouterr().out
     assert visible(tmp_path) == sorted(["checkpoint-2", "metrics.jsonl", "rollouts.jsonl", aside[0]])
     assert sorted(os.listdir(tmp_path / aside[0])) == ["checkpoint-4", "checkpoint-6", "metrics.jsonl", "rollouts.jsonl"]
     for name in ("metrics.jsonl", "rollouts.jsonl"):
@@ -83,6 +83,34 @@ def test_resuming_an_older_checkpoint_moves_the_later_ones_and_their_logs_aside(
     assert find_checkpoint("latest", str(tmp_path)) == str(tmp_path / "checkpoint-2")  # not the abandoned 6
     prepare_output_dir(str(tmp_path), str(tmp_path / "checkpoint-2"), 2).close()  # again: nothing more to move
     assert len([n for n in visible(tmp_path) if n.startswith("abandoned")]) == 1
+
+
+def test_resuming_latest_after_a_crash_keeps_the_log_records_written_after_it(tmp_path, capsys):
+    """A crash at step 57 with the last checkpoint at 50: before, the resume cut the logs back to step 50 and kept
+    no copy of steps 51-57, often what explains the crash. Now the logs as they were are kept aside, as the
+    abandoned checkpoints are; a resume with nothing after its step sets nothing aside."""
+    from utils import went_past
+    fake_checkpoint(tmp_path, 50)
+    logs(tmp_path, list(range(1, 58)))
+    with open(tmp_path / "rollouts.jsonl", "a") as f:
+        f.write('{"step": 58, "prompt": "cut sh')  # killed while writing
+    prepare_output_dir(str(tmp_path), str(tmp_path / "checkpoint-50"), 50).close()
+    aside = [n for n in visible(tmp_path) if n.startswith("abandoned-after-step-50-")]
+    said = capsys.readouterr().out
+    assert len(aside) == 1 and f"are in {tmp_path / aside[0]}" in said and f"and all in {tmp_path / aside[0]}" in said
+    assert sorted(os.listdir(tmp_path / aside[0])) == ["metrics.jsonl", "rollouts.jsonl"]
+    assert steps_in(tmp_path / aside[0] / "metrics.jsonl") == list(range(1, 58))
+    assert (tmp_path / aside[0] / "rollouts.jsonl").read_text().endswith('"cut sh')
+    for name in ("metrics.jsonl", "rollouts.jsonl"):
+        assert steps_in(tmp_path / name) == list(range(1, 51))
+    prepare_output_dir(str(tmp_path), str(tmp_path / "checkpoint-50"), 50).close()  # again: nothing went further
+    assert len([n for n in visible(tmp_path) if n.startswith("abandoned")]) == 1
+    assert not went_past(tmp_path / "metrics.jsonl", 50) and went_past(tmp_path / "metrics.jsonl", 49)
+    big = tmp_path / "big.jsonl"  # lines longer than the block read from the end
+    big.write_text("".join(json.dumps({"step": s, "x": "y" * 300}) + "\n" for s in (1, 2, 3)))
+    assert [went_past(big, s, block=64) for s in (2, 3)] == [True, False]
+    (tmp_path / "empty.jsonl").write_text("")
+    assert not went_past(tmp_path / "empty.jsonl", 0)
 
 
 def test_resuming_another_folders_checkpoint_starts_this_folder_with_its_logs(tmp_path):
