@@ -964,7 +964,25 @@ def went_past(path: str, step: int, block: int = 1 << 20) -> bool:
 
 
 def find_checkpoint(spec: str, output_dir: str) -> str:
-    """--resume_from_checkpoint: "latest" (the newest complete one in output_dir) or a checkpoint folder."""
+    """--resume_from_checkpoint: "latest" (the newest complete one in output_dir) or a checkpoint folder. Called
+    on every rank; rank 0 finds it, and every rank must see it. On NFS a folder's listing can lag behind another
+    node's by a minute: ranks that resumed from different steps would drift apart without a word."""
+    found = ["", ""]  # the checkpoint, or what is wrong
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            found[0] = newest_or_given_checkpoint(spec, output_dir)
+        except UsageError as e:
+            found[1] = str(e)
+    path, error = json.loads(text_of_rank0(json.dumps(found)))
+    if error:
+        raise UsageError(error)
+    if unseen := int(sum_over_ranks({"unseen": not os.path.isfile(os.path.join(path, "checkpoint.json"))})["unseen"]):
+        raise UsageError(f"--resume_from_checkpoint {spec}: {path} (as rank 0 sees it) is not there for {unseen} of the "
+                         "processes: put --output_dir on a filesystem that every node shares, or let it catch up")
+    return path
+
+
+def newest_or_given_checkpoint(spec: str, output_dir: str) -> str:
     if spec == "latest":
         found = checkpoints(output_dir)
         if not found:
@@ -1092,8 +1110,9 @@ def restore_training_state(state: dict, model, optimizer, scheduler, rank: int, 
     set_optimizer_state_dict(getattr(model, "module", model), optimizer, saved,
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=sharded))
     scheduler.load_state_dict(state["scheduler"])  # its base_lrs are the checkpoint's too
-    changed = [f"{keys[k]} {g[k]} -> {mine[k]}" for g, mine in zip(optimizer.param_groups, ours) for k in keys
-               if g[k] != mine[k]]
+    plain = lambda v: list(v) if isinstance(v, tuple) else v  # the checkpoint's betas come back as a list
+    changed = [f"{keys[k]} {plain(g[k])} -> {plain(mine[k])}" for g, mine in zip(optimizer.param_groups, ours)
+               for k in keys if plain(g[k]) != plain(mine[k])]
     for g, mine in zip(optimizer.param_groups, ours):
         g.update(mine)
     scheduler.base_lrs = [g["initial_lr"] for g in optimizer.param_groups]
@@ -1166,6 +1185,18 @@ def mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
     parts = [json.loads(line) for line in gather_lines([json.dumps(values)])]
     keys = dict.fromkeys(k for part in parts for k in part)
     return {k: sum(p[k] for p in parts if k in p) / sum(k in p for p in parts) for k in keys}
+
+
+def text_of_rank0(text: str) -> str:
+    """Rank 0's `text`, on every rank (the others' is not read). As byte tensors, as gather_lines."""
+    if not dist.is_initialized():
+        return text
+    data = torch.tensor(list(text.encode()) if dist.get_rank() == 0 else [], dtype=torch.uint8)
+    size = torch.tensor([len(data)])
+    dist.broadcast(size, src=0)
+    data = data if dist.get_rank() == 0 else torch.zeros(int(size), dtype=torch.uint8)
+    dist.broadcast(data, src=0)
+    return data.numpy().tobytes().decode()
 
 
 def gather_lines(lines: list[str]) -> list[str]:

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import die_with_parent, free_port, launcher, run_train, running_server, stop, train_args
+from conftest import ROOT, die_with_parent, free_port, launcher, run_train, running_server, stop, train_args
 
 pytestmark = pytest.mark.slow
 RUN = ["--reward_funcs", "tests.helpers:brevity", "--num_generations", "4", "--prompts_per_step", "4",
@@ -314,3 +314,22 @@ def test_an_error_on_one_rank_outside_the_server_calls_saves_on_every_rank(serve
     assert complete_checkpoints_load(out) == ["checkpoint-1"] and list(metrics_of(out)) == [1]
     _, metrics = run_train(server, out, *RUN, "--max_steps", "3", "--resume_from_checkpoint", "latest")
     assert [m["step"] for m in metrics] == [1, 2, 3]
+
+
+def test_every_rank_resumes_from_the_checkpoint_rank_0_finds(server, tmp_path):
+    """`latest` on NFS after a quick requeue: rank 1's listing of the folder lags and misses checkpoint-4. Before,
+    rank 1 resumed from step 2 and rank 0 from step 4, and their collectives no longer matched; now rank 0 finds
+    the checkpoint and every rank takes it. A checkpoint some rank cannot see at all stops the start."""
+    out = tmp_path / "out"
+    run_train(server, out, *RUN, "--max_steps", "4", "--save_steps", "2")
+    resumed = [*launcher(2), os.path.join(ROOT, "tests", "lagging_listing.py"),
+               *train_args(server, out, *RUN, "--max_steps", "6", "--save_steps", "2", "--resume_from_checkpoint", "latest")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", NANOGRPO_TEST_HIDDEN="checkpoint-4")
+    proc = subprocess.run(resumed, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"resuming from {out}/checkpoint-4 after step 4; --max_steps 4 -> 6 (this run's flag applies)\n" in proc.stdout
+    assert list(metrics_of(out)) == [1, 2, 3, 4, 5, 6]
+    env["NANOGRPO_TEST_HIDDEN"] = "checkpoint.json"  # every file of it, as a node not sharing the folder
+    proc = subprocess.run(resumed, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode != 0 and (f"{out}/checkpoint-6 (as rank 0 sees it) is not there for 1 of the processes: "
+                                     "put --output_dir on a filesystem that every node shares") in proc.stderr, proc.stderr
