@@ -58,7 +58,8 @@ from utils import (MetricsLogger, Probe, ScoringWatch, ServerWeights, StepTimer,
                    save_checkpoint, save_model, setup_distributed, sum_over_ranks, take, to_device,
                    training_metrics, trim_padding)
 from vision import freeze_vision_tower, load_processor, parameter_groups, vision_probe
-from vllm_server import InThread, ServerGuard, VLLMClient, WeightSync
+from guard import ServerGuard
+from vllm_server import InThread, VLLMClient, WeightSync
 
 
 

@@ -56,6 +56,7 @@ from config import DEFAULT_MODEL, RunStopped, UsageError, native_bf16, resolve_m
 DEFAULT_PORT = 8000
 DEFAULT_GROUP_PORT = 51216  # the TCP port of the trainer<->server weight-transfer rendezvous
 HEALTH_EVERY_S = 10  # while a request runs, the client asks the server's /health this often
+INSTANCE_HEADER = "X-Nanogrpo-Server-Instance"  # names the server process on every answer: a restart is seen
 
 
 # -----------------------------------------------------------------------------
@@ -98,7 +99,7 @@ def gloo_group(address: str, port: int, rank: int, world_size: int, timeout_s: f
 
 class ServerLost(ConnectionError):
     """The server stopped answering (killed, restarting, its engine died) or the weight transfer broke:
-    the trainer can wait for it, push its weights again and carry on (ServerGuard)."""
+    the trainer can wait for it, push its weights again and carry on (guard.ServerGuard)."""
 
 
 class VLLMClient:
@@ -114,7 +115,7 @@ class VLLMClient:
             self.session.headers["Authorization"] = f"Bearer {api_key}"
         self.request_timeout, self.server_timeout = request_timeout, server_timeout
         self.group = None  # the weight-transfer process group, after init_weight_transfer
-        self.model_name = None
+        self.model_name = self.instance = None  # the server's, as found by wait_for_health
 
     def _post(self, path: str, json: dict | None = None) -> dict:
         return self._request("POST", path, json=json)
@@ -144,6 +145,9 @@ class VLLMClient:
             r = call.result()
         except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as e:
             raise ServerLost(f"{path}: {type(e).__name__}: {e}") from e
+        if self.instance and r.headers.get(INSTANCE_HEADER, self.instance) != self.instance:
+            raise ServerLost(f"{path}: the server restarted (another instance answered): it computes with the model on "
+                             "disk, not with the weights the trainer pushed")
         if r.status_code >= 500:  # the engine died or the server is going down
             raise ServerLost(f"vLLM server {path} answered {r.status_code}: {r.text[:500]}")
         if r.status_code != 200:
@@ -152,7 +156,8 @@ class VLLMClient:
 
     def wait_for_health(self, timeout: float = 300):
         """Wait until the server answers /health and names its model on /v1/models; a clear error if it does
-        not within `timeout` s (a server that dies in between, or another program on the port, is waited for)."""
+        not within `timeout` s (a server that dies in between, or another program on the port, is waited for).
+        From then on an answer from another instance of the server (restarted since) is a lost server."""
         deadline, problem = time.monotonic() + timeout, ""
         while True:
             if self.healthy():
@@ -160,6 +165,7 @@ class VLLMClient:
                     models = self.session.get(self.base + "/v1/models", timeout=30)
                     if models.status_code != 401:
                         self.model_name = models.json()["data"][0]["id"]
+                        self.instance = models.headers.get(INSTANCE_HEADER)  # the one that gets our weights next
                         return
                 except (requests.RequestException, ValueError, KeyError, IndexError, TypeError) as e:
                     problem = f" (/health answers, but /v1/models: {type(e).__name__}: {str(e)[:200]})"
@@ -270,115 +276,6 @@ class VLLMClient:
     def reset_encoder_cache(self):
         """Forget the vision encoder's outputs: vLLM keeps them by image, and reset_prefix_cache leaves them."""
         self._post("/reset_encoder_cache")
-
-
-class ServerGone(RunStopped):
-    """The server did not come back within the timeout (after the run's work was saved)."""
-
-
-class ServerGuard:
-    """Runs the trainer's calls to the server, and its calls that may stop the run, on every rank. If the server was
-    lost on any rank (killed, restarted, its engine died: ServerLost), every rank waits for it, joins the weight
-    transfer again, pushes the current weights (a restarted server serves the model from disk: nothing is sampled
-    before), and runs the call again on every rank (it may hold collectives: FSDP2 gathers, a sync push). If it is
-    not back within `timeout` seconds, or a call fails `attempts` times in a row, or any other error is raised on
-    any rank (a RunStopped too: a foreseen stop), every rank runs `on_gone()` (saves a checkpoint) and the run
-    stops; at once if `stop_requested()` (a preempted job's server dies first, its trainer has seconds to live)."""
-
-    def __init__(self, client, sync, timeout: float, on_gone, attempts: int = 3, stop_requested=lambda: False):
-        self.client, self.sync, self.timeout, self.on_gone, self.attempts = client, sync, timeout, on_gone, attempts
-        self.stop_requested = stop_requested
-        self.reconnects = 0  # times the server was lost and found again (a metric)
-
-    def run(self, fn, *args, **kwargs):
-        for attempt in range(self.attempts):
-            failure = None
-            try:
-                return_value, error = fn(*args, **kwargs), None
-            except ServerLost as e:
-                return_value, error = None, str(e)  # not the exception: its frames would keep the broken transfer alive
-            except Exception as e:  # what waiting cannot mend (the server refused a request, a rollout raised, ...)
-                return_value, error, failure = None, None, e
-            lost, failed = self._anywhere(error is not None, failure is not None)
-            if failed:
-                self._stop_for(failure)
-            if not lost:
-                return return_value
-            self._reconnect(error)
-        self._give_up(f"a call to the server failed {self.attempts} times in a row "
-                      f"(last: {error or 'on another rank'})")
-
-    def _stop_for(self, failure: Exception | None):
-        """An error on some rank that stops the run: every rank saves (the run's work is not lost with the
-        default --save_steps 0), then the rank that had it raises it, the others say where it is."""
-        try:
-            saved = self._saved()
-        except Exception as e:
-            saved = f"Could not save a checkpoint ({e})"
-        if failure is None:
-            raise RunStopped(f"another rank stopped with an error (see its message). {saved}.")
-        if isinstance(failure, RunStopped):  # foreseen: its message says why, and now what was saved
-            raise RunStopped(f"{str(failure).rstrip('.')}. {saved}.") from None
-        print(f"[rank {os.environ.get('RANK', 0)}] stopped by an error (below). {saved}.", flush=True)
-        raise failure
-
-    def _saved(self) -> str:
-        path = self.on_gone()  # None: no step done since the start (or the resume) that a checkpoint would keep
-        return (f"Saved {path}: continue with --resume_from_checkpoint latest" if path else
-                "No step was done since the start, nothing new to save")
-
-    def _reconnect(self, error):
-        print(f"[rank {os.environ.get('RANK', 0)}] lost the vLLM server at {self.client.base} "
-              f"({error or 'on another rank'}); waiting up to {self.timeout:.0f}s for it", flush=True)
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:  # every rank waits (each samples from it), 2 s at a time (a stop request is seen within them)
-                self.client.wait_for_health(min(max(deadline - time.monotonic(), 0), 2))
-                back = True
-            except UsageError:  # not answering, or not with our key
-                back = False
-            waiting, late, stopping = self._anywhere(not back, time.monotonic() > deadline, self.stop_requested())
-            if stopping:
-                raise ServerGone(f"stopped by a signal while waiting for the vLLM server. {self._saved()}")
-            if late:
-                self._give_up(f"the vLLM server at {self.client.base} did not answer within {self.timeout:.0f}s")
-            if waiting:
-                continue
-            if self._joined(self.sync.connect, "join the weight transfer of") and \
-                    self._joined(self.sync.push, "push the weights into"):
-                self.reconnects += 1
-                if int(os.environ.get("RANK", 0)) == 0:
-                    print(f"the vLLM server is back; pushed the weights (reconnect {self.reconnects})", flush=True)
-                return
-
-    def _joined(self, fn, what: str) -> bool:
-        """fn() on every rank: True if it worked everywhere, False if the server was lost again somewhere
-        (wait for it again). Any other error (the server is back but cannot take our weights: its
-        transfer port taken meanwhile, another backend or model) saves the run and stops it."""
-        try:
-            fn()
-            problem = None
-        except ServerLost:
-            problem = ""
-        except Exception as e:
-            problem = (str(e) if isinstance(e, UsageError) else "") or f"{type(e).__name__}: {e}"
-        if self._anywhere(bool(problem)):
-            self._give_up(f"could not {what} the vLLM server at {self.client.base} again: "
-                          f"{problem or 'on another rank'}", "flags such as --vllm_group_port may change when resuming")
-        return not self._anywhere(problem is not None)
-
-    def _give_up(self, why: str, hint: str = "raise --vllm_server_timeout to wait longer"):
-        saved, port = self._saved(), self.client.base.rsplit(":", 1)[1]
-        raise ServerGone(f"{why}. {saved} once the server is back (same --model, port {port}); {hint}.")
-
-    @staticmethod
-    def _anywhere(*flags: bool):
-        """Whether each flag is true on any rank (a collective): a bool, or a tuple for several flags."""
-        t = torch.tensor([float(f) for f in flags])
-        if dist.is_initialized():
-            dist.all_reduce(t)
-        anywhere = tuple(bool(x > 0) for x in t)
-        return anywhere if len(flags) > 1 else anywhere[0]
 
 
 class GlooWeightSender:
@@ -655,18 +552,21 @@ TRAINING_ROUTES = {"/health", "/v1/models", "/v1/completions", "/v1/chat/complet
 async def route_guard(request, call_next):
     """HTTP middleware of the server (vLLM's --middleware). Every other route vLLM would serve answers 404 (its
     dev mode also opens /collective_rpc, /sleep, /pause, ...: arbitrary calls into the workers). With --api-key
-    (or VLLM_API_KEY) every route but /health wants `Authorization: Bearer <key>`; vLLM's own check covers /v1 only."""
+    (or VLLM_API_KEY) every route but /health wants `Authorization: Bearer <key>`; vLLM's own check covers /v1 only.
+    Every answer names this instance of the server (INSTANCE_HEADER): the trainer sees a restart at once."""
     from starlette.responses import JSONResponse
-    path = request.url.path
+    path, instance = request.url.path, {INSTANCE_HEADER: os.environ.get("NANOGRPO_SERVER_INSTANCE", "")}
     if path not in TRAINING_ROUTES:
         return JSONResponse({"error": f"{path} is not served here (vllm_server.py serves only what training uses)"},
-                            status_code=404)
+                            status_code=404, headers=instance)
     keys = [k for k in os.environ.get("NANOGRPO_SERVER_API_KEYS", "").split("\n") if k]
     if keys and path != "/health":
         given = request.headers.get("authorization", "").removeprefix("Bearer ").encode()
         if not any(hmac.compare_digest(given, key.encode()) for key in keys):
-            return JSONResponse({"error": "Unauthorized"}, status_code=401)
-    return await call_next(request)
+            return JSONResponse({"error": "Unauthorized"}, status_code=401, headers=instance)
+    response = await call_next(request)
+    response.headers.update(instance)
+    return response
 
 
 class WorkerExtension:
@@ -843,6 +743,7 @@ def main(argv: list[str] | None = None):
     args = parser.parse_args(argv)
     validate_parsed_serve_args(args)
     os.environ["NANOGRPO_SERVER_API_KEYS"] = "\n".join(args.api_key or [os.environ.get("VLLM_API_KEY", "")])
+    os.environ["NANOGRPO_SERVER_INSTANCE"] = f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"  # every process
     uvloop.run(run_server(args))
 
 

@@ -13,7 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from utils import Probe, check_sync, completion_logprobs, setup_distributed, teardown_distributed  # noqa: E402
-from vllm_server import ServerGuard, ServerLost  # noqa: E402
+from guard import ServerGuard  # noqa: E402
+from vllm_server import ServerLost  # noqa: E402
 
 rank, _, world_size, _, is_main = setup_distributed()
 torch.manual_seed(0)

@@ -256,6 +256,20 @@ def with_secret(rows, ctx):
     return episodes
 
 
+def gated_at_call_2(rows, ctx):
+    """The default rollout; its second call (step 2 with one process) first writes NANOGRPO_TEST_GATE + ".waiting"
+    and waits until NANOGRPO_TEST_GATE + ".open" exists: a test can change the server while no request runs."""
+    global _calls
+    _calls += 1
+    gate = os.environ["NANOGRPO_TEST_GATE"]
+    if _calls == 2:
+        open(gate + ".waiting", "w").close()
+        while not os.path.exists(gate + ".open"):
+            time.sleep(0.1)
+    from rollout import generate
+    return generate(rows, ctx)
+
+
 def reads_secret(completions, secret, **kwargs):
     return list(secret)
 

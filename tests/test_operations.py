@@ -333,3 +333,32 @@ def test_every_rank_resumes_from_the_checkpoint_rank_0_finds(server, tmp_path):
     proc = subprocess.run(resumed, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode != 0 and (f"{out}/checkpoint-6 (as rank 0 sees it) is not there for 1 of the processes: "
                                      "put --output_dir on a filesystem that every node shares") in proc.stderr, proc.stderr
+
+
+def test_a_server_restarted_while_no_request_runs_gets_the_weights_before_its_samples_count(tiny_model, tmp_path,
+                                                                                              monkeypatch):
+    """The server is restarted between step 1's push and step 2's sampling, while no request runs. Before, step 2
+    trained on a batch the new server sampled from the model on disk, without a word. Now its first answer names
+    another instance: every rank reconnects, the weights are pushed, step 2 is sampled again, and the batch is the
+    trainer's policy's (fp32: the sampler's log-probs equal the trainer's)."""
+    out, port, gate = tmp_path / "out", free_port(), tmp_path / "gate"
+    monkeypatch.setenv("NANOGRPO_TEST_GATE", str(gate))
+    proc = None
+    try:
+        with running_server(tiny_model, tmp_path / "server1.log", port=port) as first:
+            proc = start_run(first, out, *RUN, "--rollout", "tests.helpers:gated_at_call_2", "--max_steps", "3")
+            deadline = time.monotonic() + 300
+            while not os.path.exists(f"{gate}.waiting") and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert proc.poll() is None and os.path.exists(f"{gate}.waiting"), proc.communicate()
+        with running_server(tiny_model, tmp_path / "server2.log", port=port):  # the first one is gone, all of it
+            open(f"{gate}.open", "w").close()
+            stdout, stderr = proc.communicate(timeout=600)
+    finally:
+        if proc:
+            stop(proc)
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
+    assert "the server restarted (another instance answered)" in stdout, stdout[-3000:]
+    metrics = list(metrics_of(out).values())
+    assert [m["server_reconnects"] for m in metrics] == [0, 1, 1]
+    assert max(m["sampler_logprob_diff_max"] for m in metrics) < 1e-3, [m["sampler_logprob_diff_max"] for m in metrics]

@@ -1,4 +1,4 @@
-"""vllm_server.ServerGuard's decisions in one process, with a stand-in for the server (its health and
+"""guard.ServerGuard's decisions in one process, with a stand-in for the server (its health and
 its weight transfer): wait and carry on when it comes back, save and stop when it cannot take the
 weights again. tests/test_operations.py kills and restarts the real server under torchrun."""
 import json
@@ -8,7 +8,8 @@ import pytest
 
 from conftest import ROOT, launcher, run
 from config import UsageError
-from vllm_server import ServerGone, ServerGuard, ServerLost
+from guard import ServerGone, ServerGuard
+from vllm_server import ServerLost
 
 
 class Server:
