@@ -50,6 +50,7 @@ from datetime import timedelta
 import requests
 import torch
 import torch.distributed as dist
+from urllib3.connection import HTTPConnection
 
 from config import DEFAULT_MODEL, RunStopped, UsageError, native_bf16, resolve_model, run_main
 
@@ -102,6 +103,19 @@ class ServerLost(ConnectionError):
     the trainer can wait for it, push its weights again and carry on (guard.ServerGuard)."""
 
 
+class KeepAliveAdapter(requests.adapters.HTTPAdapter):
+    """Connections with TCP keep-alive: a request whose connection carries nothing any more (the server's host
+    died, or its address went to a replacement) fails within about two minutes, as the peer answers the probes
+    with a reset or not at all; without them it would wait forever, a long generation being silent anyway."""
+
+    OPTIONS = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)] + [  # idle 60 s, then 4 probes 15 s apart (Linux)
+        (socket.IPPROTO_TCP, getattr(socket, name), value) for name, value in
+        (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 15), ("TCP_KEEPCNT", 4)) if hasattr(socket, name)]
+
+    def init_poolmanager(self, *args, **kwargs):
+        super().init_poolmanager(*args, socket_options=HTTPConnection.default_socket_options + self.OPTIONS, **kwargs)
+
+
 class VLLMClient:
     """What the trainer needs from the server: health, completions of token ids, weight pushes."""
 
@@ -110,7 +124,7 @@ class VLLMClient:
         self.base, self.api_key = f"http://{host}:{port}", api_key  # the key also goes to agents' OpenAI clients
         self.session, self.health_session = requests.Session(), requests.Session()
         for session in (self.session, self.health_session):  # many requests at once (generate_each)
-            session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=4096))
+            session.mount("http://", KeepAliveAdapter(pool_maxsize=4096))
         if api_key:
             self.session.headers["Authorization"] = f"Bearer {api_key}"
         self.request_timeout, self.server_timeout = request_timeout, server_timeout
@@ -136,7 +150,11 @@ class VLLMClient:
                 raise RunStopped(f"the vLLM server has not answered {path} within --vllm_request_timeout "
                                  f"{self.request_timeout:g}s, while it still answers /health: the work is slower than "
                                  "that limit (long generations, a large model, a slow machine); raise it, or 0 for none")
-            if self.healthy():
+            instance = self.health()
+            if instance and self.instance and instance != self.instance:  # this request's server is gone
+                raise ServerLost(f"{path}: the server restarted while the request ran (another instance answers "
+                                 "/health)")
+            if instance is not None:
                 answered = time.monotonic()
             elif now - answered > self.server_timeout:
                 raise ServerLost(f"{path}: the server stopped answering /health ({now - answered:.0f}s > "
@@ -182,10 +200,15 @@ class VLLMClient:
 
     def healthy(self) -> bool:
         """Whether the server answers /health now (its engine is alive)."""
+        return self.health() is not None
+
+    def health(self) -> str | None:
+        """The instance of the server that answers /health now ("" if it does not say), None if none does."""
         try:
-            return self.health_session.get(self.base + "/health", timeout=5).status_code == 200
+            r = self.health_session.get(self.base + "/health", timeout=5)
         except requests.RequestException:
-            return False
+            return None
+        return r.headers.get(INSTANCE_HEADER, "") if r.status_code == 200 else None
 
     def server_config(self) -> dict:
         """The server's vLLM config (model, parallel and weight-transfer settings) as JSON."""

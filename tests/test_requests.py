@@ -1,6 +1,7 @@
 """vllm_server.VLLMClient against a stand-in HTTP server: a slow request is not a lost server (it may take as
 long as its work does, while the server answers /health), a server that stops answering /health during a
-request is lost after --vllm_server_timeout, and --vllm_request_timeout stops a request that takes longer."""
+request is lost after --vllm_server_timeout, and --vllm_request_timeout stops a request that takes longer; an
+answer from a restarted server, or a replacement's /health while a request waits, is a lost server at once."""
 import json
 import threading
 import time
@@ -16,12 +17,14 @@ from vllm_server import ServerLost, VLLMClient
 class StandIn(BaseHTTPRequestHandler):
     work_s = 0.0  # how long /v1/completions takes
     healthy = True  # /health answers; else it hangs as a stopped process does
+    instance = "A"  # the server's instance, as its answers name it
 
     def do_GET(self):
         if self.path == "/health":
             while not self.healthy:
                 time.sleep(0.05)
             self.send_response(200)
+            self.send_header(vllm_server.INSTANCE_HEADER, self.instance)
             self.end_headers()
         else:  # not a vLLM server: no model list
             self.send_response(404)
@@ -33,6 +36,7 @@ class StandIn(BaseHTTPRequestHandler):
                                         "finish_reason": "stop"}]}).encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
+        self.send_header(vllm_server.INSTANCE_HEADER, self.instance)
         self.end_headers()
         self.wfile.write(body)
 
@@ -85,3 +89,44 @@ def test_another_program_answering_health_is_not_taken_for_the_server(stand_in):
     _, port = stand_in
     with pytest.raises(UsageError, match="within 1s \\(/health answers, but /v1/models: .*Start one with"):
         VLLMClient(port=port).wait_for_health(timeout=1)
+
+
+def test_an_answer_from_a_restarted_server_is_a_lost_server(stand_in):
+    """The client knows the instance it found (and pushed weights into); a server restarted since answers from the
+    model on disk: that answer is refused as a lost server, so the guard pushes the weights and asks again."""
+    handler, port = stand_in
+    client = VLLMClient(port=port)
+    client.instance = "A"  # as wait_for_health found it
+    assert client.generate([[1, 2]], n=1, max_tokens=4)[0]["token_ids"] == [5]
+    handler.instance = "B"
+    with pytest.raises(ServerLost, match="the server restarted \\(another instance answered\\): it computes with the "
+                                         "model on disk"):
+        client.generate([[1, 2]], n=1, max_tokens=4)
+
+
+def test_a_request_whose_server_was_replaced_does_not_wait_forever(stand_in):
+    """A request's connection carries nothing any more, and a new instance of the server answers /health at the
+    same address. Before, each of its answers reset the wait, forever; now the request is lost at the first."""
+    handler, port = stand_in
+    handler.work_s, handler.instance = 30.0, "B"  # the request never comes back; a replacement answers /health
+    client = VLLMClient(port=port, server_timeout=300)
+    client.instance = "A"
+    t = time.monotonic()
+    with pytest.raises(ServerLost, match="restarted while the request ran \\(another instance answers /health\\)"):
+        client.generate([[1, 2]], n=1, max_tokens=4)
+    assert time.monotonic() - t < 10
+
+
+def test_the_client_s_connections_probe_a_silent_peer(stand_in):
+    """TCP keep-alive on every connection of the client: a connection to a host that died, or whose address went
+    to another machine, fails after the probes instead of holding a request forever."""
+    import socket
+    _, port = stand_in
+    client = VLLMClient(port=port)
+    conn = client.session.get_adapter(client.base).poolmanager.connection_from_url(client.base)._new_conn()
+    conn.connect()  # a connection as the client's requests open them
+    sock = conn.sock
+    assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 60
+    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 4
+    conn.close()
