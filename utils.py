@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zlib
 from contextlib import contextmanager, nullcontext, suppress
@@ -460,6 +461,7 @@ def run_and_exit(main, *args):
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     finally:
+        release_locks()  # the output folder is free for the next run (after kill -9, its lock goes stale)
         gc.collect()  # main()'s objects that an exception's frames hold in a cycle end now, with their finalizers
         teardown_distributed()  # (the reward scorer's process pool); os._exit below runs none
     sys.stdout.flush()
@@ -891,24 +893,16 @@ def prepare_output_dir(output_dir: str, resume: str | None, step: int = 0):
         os.makedirs(output_dir, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=output_dir):
             pass
-        lock = open(os.path.join(output_dir, ".lock"), "a+")
     except OSError as e:
         raise UsageError(f"--output_dir {output_dir} is not a writable folder ({e.strerror}): choose another") from None
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        raise UsageError(f"--output_dir {output_dir} is in use by another run ({lock.read().strip() or 'starting'}): "
-                         "wait for it to end, or choose another --output_dir") from None
-    lock.truncate(0)
-    lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    lock.flush()
+    lock = OutputLock(output_dir)
     same_folder = resume is not None and os.path.samefile(os.path.dirname(os.path.abspath(resume)), output_dir)
     if not same_folder:
         earlier = [name for name in sorted(os.listdir(output_dir), key=lambda n: (not CHECKPOINT.fullmatch(n), n))
                    if CHECKPOINT.fullmatch(name) or name in OUTPUTS
                    and not (name in LOGS and os.path.getsize(os.path.join(output_dir, name)) == 0)]
         if earlier:
+            lock.close()
             raise UsageError(f"--output_dir {output_dir} holds an earlier run's output ({', '.join(earlier)}): "
                              + ("continue that run with --resume_from_checkpoint latest, " if resume is None else "")
                              + "choose another --output_dir, or delete them")
@@ -923,6 +917,73 @@ def prepare_output_dir(output_dir: str, resume: str | None, step: int = 0):
         print(f"resuming from step {step} of a run that went further: its logs as they were, and its checkpoints after "
               f"step {step} if any, are in {aside} (`latest` would resume those)", flush=True)
     return lock
+
+
+class OutputLock:
+    """output_dir/.lock while a run uses the folder: a second run into it stops at once, on this node or another.
+    flock(2) frees it the moment its process ends, however it ends. The file names the run (pid and host) and the
+    run renews its time every RENEW_S s: where flock is missing (NFSv3 without lockd: ENOLCK; Lustre mounted
+    noflock: ENOSYS) or holds on one node only (Lustre localflock), a lock of another node (or of a dead process of
+    this one) that was not renewed for STALE_S s is left by a run that is gone, and is taken over. close() (or
+    release_locks(), as the process ends) removes it."""
+
+    RENEW_S, STALE_S = 15, 60
+    held: list["OutputLock"] = []
+
+    def __init__(self, output_dir: str):
+        self.path, self.me = os.path.join(output_dir, ".lock"), f"pid {os.getpid()} on {socket.gethostname()}"
+        self.file = open(self.path, "a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            flocked = True
+        except BlockingIOError:  # held by a live process (of this node, or of any where flock spans nodes)
+            self.file.seek(0)
+            owner = self.file.read().strip() or "starting"
+            self.file.close()
+            raise UsageError(f"--output_dir {output_dir} is in use by another run ({owner}): wait for it to end, or "
+                             "choose another --output_dir") from None
+        except OSError as e:  # no flock on this filesystem: the renewed time alone tells a live run
+            print(f"warning: {output_dir} is on a filesystem without flock ({e.strerror}): it is locked by the time of "
+                  f"{self.path}, renewed every {self.RENEW_S} s", flush=True)
+            flocked = False
+        self.file.seek(0)
+        owner, age = self.file.read().strip(), time.time() - os.fstat(self.file.fileno()).st_mtime
+        pid, _, host = owner.removeprefix("pid ").partition(" on ")
+        gone = host == socket.gethostname() and (flocked or not os.path.exists(f"/proc/{pid}"))
+        if owner and not gone and age < self.STALE_S:
+            self.file.close()
+            raise UsageError(f"--output_dir {output_dir} is in use by another run ({owner}, which renewed its lock "
+                             f"{age:.0f} s ago): wait for it to end, or choose another --output_dir. If that run has "
+                             f"ended (it is renewed every {self.RENEW_S} s), delete {self.path}")
+        if owner and not gone:
+            print(f"warning: {self.path} was left by {owner}, not renewed for {age:.0f} s: taken over", flush=True)
+        self.file.truncate(0)
+        self.file.write(self.me + "\n")
+        self.file.flush()
+        self.stop = threading.Event()
+        threading.Thread(target=self._renew, daemon=True).start()
+        OutputLock.held.append(self)
+
+    def _renew(self):
+        while not self.stop.wait(self.RENEW_S):
+            with suppress(OSError):
+                os.utime(self.file.fileno())
+
+    def close(self):
+        """The folder is free: the file goes (if it is still ours), then the flock."""
+        if self in OutputLock.held:
+            OutputLock.held.remove(self)
+            self.stop.set()
+            with suppress(OSError):
+                self.file.seek(0)
+                if self.file.read().strip() == self.me:
+                    os.unlink(self.path)
+            self.file.close()
+
+
+def release_locks():
+    for lock in list(OutputLock.held):
+        lock.close()
 
 
 def set_aside_after(output_dir: str, step: int) -> str | None:

@@ -34,7 +34,7 @@ def test_resumed_run_continues_exactly(server, tmp_path, mode):
     generation the checkpoint holds the batch sampled ahead, by the weights of step 1; resumed without async
     generation, the run samples afresh instead."""
     run_train(server, tmp_path / "a", *RUN, *mode, "--max_steps", "4", "--save_steps", "2", "--save_total_limit", "0")
-    assert set(os.listdir(tmp_path / "a")) == {".lock", "checkpoint-2", "checkpoint-4", "metrics.jsonl", "rollouts.jsonl",
+    assert set(os.listdir(tmp_path / "a")) == {"checkpoint-2", "checkpoint-4", "metrics.jsonl", "rollouts.jsonl",
                                                "metrics.png", "adapter" if "--use_peft" in mode else "model"}
     state = json.load(open(tmp_path / "a" / "checkpoint-2" / "checkpoint.json"))
     assert state["step"] == 2 and state["config"]["max_steps"] == 4 and state["world_size"] == 2 and state["git_revision"]
@@ -156,7 +156,7 @@ def test_full_disk_while_saving_keeps_the_earlier_checkpoint_and_says_so(server,
                      preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20)))
     assert proc.returncode != 0 and "could not write checkpoint" in proc.stderr and "intact" in proc.stderr
     assert complete_checkpoints_load(out) == ["checkpoint-1"]  # whole, and no half-written checkpoint-2 left behind
-    assert sorted(os.listdir(out)) == [".lock", "checkpoint-1", "metrics.jsonl", "metrics.png", "model", "rollouts.jsonl"]
+    assert sorted(os.listdir(out)) == ["checkpoint-1", "metrics.jsonl", "metrics.png", "model", "rollouts.jsonl"]
 
 
 def test_sigterm_saves_a_checkpoint_and_stops_every_rank(server, tmp_path):

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -52,6 +53,45 @@ def test_a_second_run_into_a_folder_in_use_stops_and_the_folder_is_free_after(tm
         holder.kill()
         holder.wait()
     prepare_output_dir(str(tmp_path), None).close()  # the kernel freed it with the process
+
+
+def test_a_filesystem_without_flock_is_locked_by_the_renewed_lock_file(tmp_path, monkeypatch, capsys):
+    """NFSv3 without lockd (ENOLCK) or Lustre mounted noflock (ENOSYS): before, the start crashed with a traceback.
+    Now it says so in one line and the lock file alone keeps a second run out while the first renews it."""
+    import errno
+    import fcntl
+    from utils import OutputLock
+
+    def no_flock(f, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    monkeypatch.setattr(OutputLock, "RENEW_S", 0.05)
+    first = prepare_output_dir(str(tmp_path), None)
+    assert capsys.readouterr().out.count("is on a filesystem without flock (No locks available)") == 1
+    mtime = os.stat(tmp_path / ".lock").st_mtime_ns
+    time.sleep(0.3)
+    assert os.stat(tmp_path / ".lock").st_mtime_ns > mtime  # renewed
+    with pytest.raises(UsageError, match=f"in use by another run \\(pid {os.getpid()} on .*, which renewed its lock 0 s "
+                                         "ago\\).*If that run has ended .*delete .*\\.lock"):
+        prepare_output_dir(str(tmp_path), None)
+    first.close()
+    assert not os.path.exists(tmp_path / ".lock")  # free
+    prepare_output_dir(str(tmp_path), None).close()
+
+
+def test_a_lock_of_another_node_is_respected_while_renewed_and_taken_over_once_stale(tmp_path, capsys):
+    """Where flock holds on one node only (Lustre localflock), a run on another node holds the folder as long as it
+    renews its lock file; one not renewed for a minute was left by a run that is gone (kill -9, a node lost)."""
+    (tmp_path / ".lock").write_text("pid 4242 on another-node\n")
+    with pytest.raises(UsageError, match="in use by another run \\(pid 4242 on another-node, which renewed its lock"):
+        prepare_output_dir(str(tmp_path), None)
+    os.utime(tmp_path / ".lock", (time.time() - 120, time.time() - 120))
+    prepare_output_dir(str(tmp_path), None).close()
+    assert "was left by pid 4242 on another-node, not renewed for 120 s: taken over" in capsys.readouterr().out
+    import socket
+    (tmp_path / ".lock").write_text(f"pid 999999999 on {socket.gethostname()}\n")  # this node's, its process gone
+    prepare_output_dir(str(tmp_path), None).close()  # flock says it is free: at once, without a word
+    assert capsys.readouterr().out == ""
 
 
 def test_a_new_run_refuses_an_earlier_runs_output_and_touches_nothing(tmp_path):
