@@ -867,6 +867,7 @@ RESUME_MUST_MATCH = ("model", "dataset", "tasks", "dataset_split", "num_arithmet
                      "prompts_per_step", "num_generations", "use_peft", "freeze_vision_tower",  # what decides the
                      # weights and the order of the prompts ("tasks": a mixture's sources and weights, mixture.py)
                      "num_iterations", "steps_per_generation")  # how optimizer steps map to steps (the schedule)
+LORA_MUST_MATCH = ("lora_r", "lora_alpha", "lora_target_modules", "lora_dropout")  # the saved adapter's own config
 
 
 def checkpoints(output_dir: str) -> list[str]:
@@ -1143,7 +1144,8 @@ def check_checkpoint(path: str, config: dict) -> tuple[int, list[str]]:
     flags this run changes (e.g. ["--max_steps 24 -> 48"]), to be said: they apply from the next step."""
     with open(os.path.join(path, "checkpoint.json")) as f:
         saved = json.load(f)
-    changed = [f"--{k} {saved['config'].get(k)!r} -> {config.get(k)!r}" for k in RESUME_MUST_MATCH
+    must_match = RESUME_MUST_MATCH + (LORA_MUST_MATCH if config.get("use_peft") else ())  # (else they do nothing)
+    changed = [f"--{k} {saved['config'].get(k)!r} -> {config.get(k)!r}" for k in must_match
                if saved["config"].get(k) != config.get(k)]
     if changed:
         raise UsageError(f"cannot resume from {path} exactly: {', '.join(changed)}. Use the checkpoint's values "

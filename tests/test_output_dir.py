@@ -190,3 +190,12 @@ def test_a_resume_names_every_flag_it_changes_and_refuses_one_that_breaks_the_ru
     assert check_checkpoint(str(tmp_path / "checkpoint-8"), saved) == (8, [])
     with pytest.raises(UsageError, match="cannot resume from .* exactly: --seed 42 -> 7"):
         check_checkpoint(str(tmp_path / "checkpoint-8"), saved | {"seed": 7})
+    # the adapter is loaded with its saved config: before, a changed LoRA flag was said to apply, and did not
+    lora = saved | {"use_peft": True}
+    (tmp_path / "checkpoint-8" / "checkpoint.json").write_text(json.dumps({"step": 8, "config": lora}))
+    for flag, value in (("lora_r", 64), ("lora_alpha", 1.0), ("lora_target_modules", "q_proj"), ("lora_dropout", 0.3)):
+        with pytest.raises(UsageError, match=f"exactly: --{flag} {lora[flag]!r} -> {value!r}"):
+            check_checkpoint(str(tmp_path / "checkpoint-8"), lora | {flag: value})
+    assert check_checkpoint(str(tmp_path / "checkpoint-8"), lora) == (8, [])
+    (tmp_path / "checkpoint-8" / "checkpoint.json").write_text(json.dumps({"step": 8, "config": saved}))
+    assert check_checkpoint(str(tmp_path / "checkpoint-8"), saved | {"lora_r": 64})[1] == ["--lora_r 16 -> 64"]
