@@ -137,6 +137,7 @@ class Config:
     overlong_buffer_length: int = 0  # ... falling from 0 over this many tokens before it; 0 = a fifth of the max
     max_unscored_steps: int = 5  # stop after this many steps in a row in which a reward function failed on every
                                  # completion, or none was scored; 0 = never
+    reward_timeout: float = 60  # seconds the reward functions may take on one batch; then it is unscored (a slow judge)
     # optimization
     max_steps: int = 36  # optimizer steps (= generation rounds); tuned*
     learning_rate: float = 5e-5  # peak AdamW learning rate; tuned* (TRL's default is 1e-6, for larger models).
@@ -237,6 +238,11 @@ class Config:
         if self.drop_zero_std_groups == "auto":
             return self.beta == 0 and self.entropy_coef == 0 and self.loss_type != "bnpo"
         return self.drop_zero_std_groups
+
+    def collective_timeout(self) -> float:
+        """Seconds a collective may wait for a rank (gloo's default is 30 min): longer than a rank can spend on one
+        call to the server while the others wait for it (--vllm_server_timeout for a lost server, one request)."""
+        return max(1800.0, self.vllm_server_timeout + 300, self.vllm_request_timeout + 300)
 
     def reward_options(self) -> dict:
         """The settings of built-in reward functions, by name (bound as keyword arguments)."""
@@ -391,6 +397,8 @@ class Config:
                           "limit)")
         if self.max_unscored_steps < 0:
             errors.append("--max_unscored_steps must be >= 0 (0 = never stop)")
+        if self.reward_timeout <= 0:
+            errors.append("--reward_timeout must be > 0 (seconds)")
         if self.save_steps < 0 or self.save_total_limit < 0:
             errors.append("--save_steps and --save_total_limit must be >= 0 (0 = never / keep all)")
         if errors:

@@ -22,6 +22,7 @@ reward is the weighted sum of its own task's columns with its task's weights.
 import concurrent.futures
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import os
@@ -504,9 +505,20 @@ def _rows_of(task: Task, dataset: str, rows: list[dict], mixed: bool, held_out: 
 
 
 def resume_signature(cfg) -> dict:
-    """What of a mixture a resumed run must share with the run it continues (a mixture file can change between
-    them): each task's name, source and weight, in order ({} for one dataset: --dataset says it all)."""
-    if not is_mixture(cfg):
-        return {}
-    return {"tasks": [{"name": t.name, "dataset": t.dataset, "split": t.dataset_split, "environment": t.environment,
-                       "weight": None if math.isnan(t.weight) else t.weight} for t in parse_tasks(cfg)]}
+    """What of the data a resumed run shares with the run it continues: a mixture's tasks (a mixture file can change
+    between them), each task's name, source and weight, in order (none for one dataset: --dataset says it all); and
+    the content hash of each local dataset file (an edited file is said on resume)."""
+    tasks = parse_tasks(cfg) if is_mixture(cfg) else []
+    files = [path for path in [t.dataset for t in tasks] or [cfg.dataset] if os.path.isfile(path)]
+    return {"dataset_files": {path: file_hash(path) for path in files}} | ({} if not tasks else {"tasks": [
+        {"name": t.name, "dataset": t.dataset, "split": t.dataset_split, "environment": t.environment,
+         "weight": None if math.isnan(t.weight) else t.weight} for t in tasks]})
+
+
+def file_hash(path: str) -> str:
+    """The sha256 of a file's content, read a megabyte at a time."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

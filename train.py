@@ -355,7 +355,7 @@ def lr_factor(step: int, cfg: Config) -> float:
 
 def main(cfg: Config):
     # -------------------------------------------------------------------------- setup
-    rank, local_rank, world_size, device, is_main = setup_distributed()
+    rank, local_rank, world_size, device, is_main = setup_distributed(cfg.collective_timeout())
     cfg.validate(world_size)
     cfg.bf16 = native_bf16(device) if cfg.bf16 == "auto" else cfg.bf16  # fp32 where bf16 is emulated (slow)
     cfg.drop_zero_std_groups = cfg.drops_zero_std_groups()  # auto: where the gradient stays the same
@@ -393,7 +393,7 @@ def main(cfg: Config):
                          f"exceeds the server's max model length {max_model_len}: lower them or restart the server "
                          "with a larger --max-model-len")
     scorer = RewardScorer(mixture.functions, {name: mixture.columns_of(name) for name in mixture.functions}, device,
-                          cfg.max_steps, options=cfg.reward_options())  # signatures checked now
+                          cfg.max_steps, cfg.reward_timeout, cfg.reward_options())  # signatures checked now
     postprocess = load_postprocess(cfg.reward_postprocess)  # the reward matrix's hook (rewards.postprocess_rewards)
     sampling = dict(max_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                     min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty)
@@ -480,7 +480,10 @@ def main(cfg: Config):
     # not come back, or a call raises on any rank (a stop the code foresees too: a judge gone, the loss non-finite),
     # every rank saves the rounds done (optimizer steps taken / steps per round), then the run stops with a message.
     updates_per_round = cfg.num_iterations * cfg.steps_per_generation  # optimizer steps per step (round) of the loop
+    unlogged = {}  # the metrics of a step that has updated the weights, until its log line
     def save_on_stop() -> str | None:  # the steps done since the start (or the resume), if any
+        if unlogged:
+            logger.log(unlogged)
         steps_done = scheduler.last_epoch // updates_per_round
         return checkpoint(steps_done) if steps_done > state["step"] else None
 
@@ -530,7 +533,7 @@ def main(cfg: Config):
                          f"{metrics[f'eval/task/{t.name}/pass@1']:.3f}" for t in mixture.tasks
                          if f"eval/task/{t.name}/reward" in metrics))
 
-    if eval_rows and state["step"] == 0:  # the starting point, to compare with
+    if eval_rows and resume is None:  # the starting point, to compare with (a resumed run's log has it)
         metrics = {"step": 0, **evaluate()}
         logger.log(metrics)
         log_eval(0, metrics)
@@ -612,12 +615,28 @@ def main(cfg: Config):
                     grad_norms.append(optimizer_step(optimizer, scheduler, trainable, cfg.max_grad_norm))
                 if iteration == 0:
                     first_pass_logp[part] = logp
-        bad_steps = guard.run(check_finite, sum(not g.isfinite() for g in grad_norms), bad_steps, step + 1)
         # the server's log-probs of what it sampled vs ours for the same weights: a sync check
         compared = (tokens["sampled"] * ~sampler_logp.isnan()  # sampled, its sampler log-prob known, in rows we ran
                     * (1 if data["keep"] is None else data["keep"].unsqueeze(1)))
         diff = ((first_pass_logp if old_logp is None else old_logp) - sampler_logp).abs().where(compared > 0, 0.0)
         timer.lap("train")
+
+        # ---------------------------------------------------------------------- metrics (a stop from here to the
+        # log line, after this step's update, logs them before it saves: no step is missing in metrics.jsonl)
+        metrics = {**mean_over_ranks(scorer.metrics), "step": step + 1,  # the reward functions' log_metric first
+                   **reward_metrics(rewards, reward_matrix, names, zero_std, scorer.failures,
+                                    mixture.own[mixture.task_index([e.row for e in episodes])]),
+                   **mixture.metrics([e.row for e in episodes], rewards, reward_matrix, zero_std, G),
+                   **training_metrics(sums, grad_norms, tokens["mask"].sum(dim=1).float(), truncated, diff, compared,
+                                     kl=cfg.beta > 0),
+                   **(trajectory_metrics(mixture.multi_turn_only(episodes), is_main) if mixture.multi_turn else {}),
+                   **dynamic, "lr": scheduler.get_last_lr()[0], "optimizer_steps": scheduler.last_epoch,
+                   "old_logprob_pass": int(off_policy or cfg.top_entropy_quantile < 1)}
+        unlogged.update(metrics)
+        logger.log_rollouts(rollout_records(episodes, texts, reward_matrix, names, rewards, tokenizer,
+                                            [mine[i // G] for i in range(len(episodes))], scorer.extra, advantages,
+                                            step=step + 1, split="train", policy_version=version, rank=rank))
+        bad_steps = guard.run(check_finite, sum(not g.isfinite() for g in grad_norms), bad_steps, step + 1)
 
         # ---------------------------------------------------------------------- sync weights
         if pending:  # the server samples the next batch with the weights before this update: wait for it
@@ -635,24 +654,13 @@ def main(cfg: Config):
         timer.lap("probe")
 
         # ---------------------------------------------------------------------- log
-        metrics = {**mean_over_ranks(scorer.metrics), "step": step + 1,  # the reward functions' log_metric first
-                   **reward_metrics(rewards, reward_matrix, names, zero_std, scorer.failures,
-                                    mixture.own[mixture.task_index([e.row for e in episodes])]),
-                   **mixture.metrics([e.row for e in episodes], rewards, reward_matrix, zero_std, G),
-                   **training_metrics(sums, grad_norms, tokens["mask"].sum(dim=1).float(), truncated, diff, compared,
-                                     kl=cfg.beta > 0),
-                   **(trajectory_metrics(mixture.multi_turn_only(episodes), is_main) if mixture.multi_turn else {}),
-                   **dynamic, **probe, "server_reconnects": guard.reconnects, "lr": scheduler.get_last_lr()[0],
-                   "optimizer_steps": scheduler.last_epoch,
-                   "old_logprob_pass": int(off_policy or cfg.top_entropy_quantile < 1), **timer.metrics()}
-        logger.log_rollouts(rollout_records(episodes, texts, reward_matrix, names, rewards, tokenizer,
-                                            [mine[i // G] for i in range(len(episodes))], scorer.extra, advantages,
-                                            step=step + 1, split="train", policy_version=version, rank=rank))
+        metrics |= {**probe, "server_reconnects": guard.reconnects, **timer.metrics()}
         if eval_rows and ((step + 1) % cfg.eval_every() == 0 or step + 1 == cfg.max_steps):
             t_eval = time.perf_counter()
             metrics |= evaluate()
             metrics["time/eval"] = time.perf_counter() - t_eval
         logger.log(metrics)
+        unlogged.clear()
         print0(console_line(metrics, names, cfg.max_steps) + " | "
                + progress(step + 1 - state["step"], cfg.max_steps - state["step"], time.perf_counter() - t_start))
         scoring.signal(metrics["frac_zero_std_groups"], step + 1, last=step + 1 == cfg.max_steps)  # warns once

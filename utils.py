@@ -4,6 +4,7 @@ checkpoints, logging.
 """
 import collections
 import dataclasses
+import datetime
 import errno
 import fcntl
 import functools
@@ -428,18 +429,20 @@ def no_grad_logprobs(model, inputs: dict, num_completion_tokens: int, temperatur
 # -----------------------------------------------------------------------------
 # distributed: process groups, collectives, the model wrapped in DDP or FSDP2 (and LoRA), processes
 
-def setup_distributed():
-    """Returns rank, local_rank, world_size, device, is_main. Works under torchrun and plain python."""
+def setup_distributed(timeout_s: float = 1800):
+    """Returns rank, local_rank, world_size, device, is_main. Works under torchrun and plain python. A collective
+    waits up to `timeout_s` for the other ranks."""
     if "RANK" not in os.environ:  # plain `python train.py`
         return 0, 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu"), True
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)  # small CPU tensors (metrics) go over gloo
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device,  # small CPU tensors (metrics) go over gloo
+                                timeout=datetime.timedelta(seconds=timeout_s))
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
     return rank, local_rank, world_size, device, rank == 0
 
 
@@ -904,6 +907,9 @@ def prepare_output_dir(output_dir: str, resume: str | None, step: int = 0):
                    and not (name in LOGS and os.path.getsize(os.path.join(output_dir, name)) == 0)]
         if earlier:
             lock.close()
+            if resume and os.path.abspath(resume).startswith(os.path.join(os.path.abspath(output_dir), "")):
+                raise UsageError(f"--output_dir {output_dir} holds the run that {resume} was set aside from: resume it "
+                                 "into another --output_dir, which starts with its logs up to its step")
             raise UsageError(f"--output_dir {output_dir} holds an earlier run's output ({', '.join(earlier)}): "
                              + ("continue that run with --resume_from_checkpoint latest, " if resume is None else "")
                              + "choose another --output_dir, or delete them")
@@ -1150,8 +1156,12 @@ def check_checkpoint(path: str, config: dict) -> tuple[int, list[str]]:
     if changed:
         raise UsageError(f"cannot resume from {path} exactly: {', '.join(changed)}. Use the checkpoint's values "
                          "(see its checkpoint.json), or start a new run")
-    return saved["step"], [f"--{k} {saved['config'][k]!r} -> {v!r}" for k, v in config.items()
-                           if k in saved["config"] and saved["config"][k] != v and k not in RESUME_MAY_MOVE]
+    edited = [f"--dataset file {path} edited since the checkpoint (another content hash)"
+              for path, digest in saved["config"].get("dataset_files", {}).items()
+              if config.get("dataset_files", {}).get(path, digest) != digest]
+    return saved["step"], edited + [f"--{k} {saved['config'][k]!r} -> {v!r}" for k, v in config.items()
+                                    if k in saved["config"] and saved["config"][k] != v
+                                    and k not in RESUME_MAY_MOVE + ("dataset_files",)]
 
 
 def load_checkpoint(path: str) -> dict:

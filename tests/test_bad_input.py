@@ -46,6 +46,7 @@ GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
     (["--use_peft", "--lora_dropout", "1"], "--lora_dropout in [0, 1)"),
     (["--save_steps", "-1"], "--save_steps and --save_total_limit must be >= 0"),
     (["--max_unscored_steps", "-1"], "--max_unscored_steps must be >= 0"),
+    (["--reward_timeout", "0"], "--reward_timeout must be > 0 (seconds)"),
     (["--fsdp"], "launch with torchrun"),
     (["--async_generation", "--vllm_importance_sampling_correction", "false"], "needs the importance-sampling correction"),
     (["--eval_steps", "5", "--eval_pass_k", "16"], "each k must be between 1 and --eval_num_generations (4)"),

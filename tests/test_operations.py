@@ -290,7 +290,7 @@ def test_a_nan_loss_skips_the_update_and_several_in_a_row_stop_the_run(server, t
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("stopped: the loss") and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert last.endswith(f"Saved {out}/checkpoint-7: continue with --resume_from_checkpoint latest."), last
-    assert [m["skipped_updates"] for m in metrics_of(out).values()] == [0, 1, 1, 0, 1, 1]
+    assert [m["skipped_updates"] for m in metrics_of(out).values()] == [0, 1, 1, 0, 1, 1, 1]  # step 7 logged too
     names = complete_checkpoints_load(out)
     assert names == [f"checkpoint-{k}" for k in range(1, 8)]  # the stop saved step 7: its weights are good
     w = {k: weights_of(out / f"checkpoint-{k}") for k in (1, 3, 4, 6, 7)}
@@ -362,3 +362,26 @@ def test_a_server_restarted_while_no_request_runs_gets_the_weights_before_its_sa
     metrics = list(metrics_of(out).values())
     assert [m["server_reconnects"] for m in metrics] == [0, 1, 1]
     assert max(m["sampler_logprob_diff_max"] for m in metrics) < 1e-3, [m["sampler_logprob_diff_max"] for m in metrics]
+
+
+def test_a_run_stopped_in_its_first_step_resumes_without_a_second_starting_evaluation(server, tmp_path, monkeypatch):
+    """SIGTERM while step 1 samples: the run saves checkpoint-0 (after the step-0 evaluation). Before, resuming it
+    evaluated step 0 again and logged it twice."""
+    out, gate = tmp_path / "out", tmp_path / "gate"
+    monkeypatch.setenv("NANOGRPO_TEST_GATE", str(gate))
+    evaluated = ["--eval_steps", "2", "--eval_num_prompts", "4", "--eval_num_generations", "2", "--eval_pass_k", "1"]
+    proc = start_run(server, out, *RUN, *evaluated, "--rollout", "tests.helpers:gated_at_call_2", "--max_steps", "2")
+    try:
+        deadline = time.monotonic() + 300
+        while not os.path.exists(f"{gate}.waiting") and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()
+        os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(1)
+        open(f"{gate}.open", "w").close()
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        stop(proc)
+    assert complete_checkpoints_load(out) == ["checkpoint-0"], stdout[-2000:] + stderr[-3000:]
+    run_train(server, out, *RUN, *evaluated, "--max_steps", "2", "--resume_from_checkpoint", "latest")
+    assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl")] == [0, 1, 2]

@@ -153,6 +153,46 @@ def test_resuming_latest_after_a_crash_keeps_the_log_records_written_after_it(tm
     assert not went_past(tmp_path / "empty.jsonl", 0)
 
 
+def test_a_checkpoint_set_aside_resumes_into_another_folder_and_the_refusal_says_so(tmp_path):
+    """Before, resuming a checkpoint of abandoned-after-step-2-.../ into its parent folder was refused with advice
+    to delete the main run's checkpoints."""
+    for step in (2, 4):
+        fake_checkpoint(tmp_path, step)
+    logs(tmp_path, [0, 1, 2, 3, 4])
+    prepare_output_dir(str(tmp_path), str(tmp_path / "checkpoint-2"), 2).close()
+    aside = tmp_path / [n for n in visible(tmp_path) if n.startswith("abandoned")][0]
+    with pytest.raises(UsageError, match="holds the run that .*checkpoint-4 was set aside from: resume it into another "
+                                         "--output_dir, which starts with its logs up to its step"):
+        prepare_output_dir(str(tmp_path), str(aside / "checkpoint-4"), 4)
+    prepare_output_dir(str(tmp_path / "b"), str(aside / "checkpoint-4"), 4).close()
+    assert steps_in(tmp_path / "b" / "metrics.jsonl") == [0, 1, 2, 3, 4]
+
+
+def test_a_resume_says_that_a_dataset_file_was_edited(tmp_path):
+    from dataclasses import asdict
+
+    from config import parse_config
+    from mixture import resume_signature
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1 + 1", "answer": "2"}\n')
+    config = asdict(parse_config(["--dataset", str(data)])) | resume_signature(parse_config(["--dataset", str(data)]))
+    os.makedirs(tmp_path / "checkpoint-8")
+    (tmp_path / "checkpoint-8" / "checkpoint.json").write_text(json.dumps({"step": 8, "config": config}))
+    assert check_checkpoint(str(tmp_path / "checkpoint-8"), config) == (8, [])
+    data.write_text('{"prompt": "1 + 2", "answer": "3"}\n')
+    now = config | resume_signature(parse_config(["--dataset", str(data)]))
+    assert check_checkpoint(str(tmp_path / "checkpoint-8"), now)[1] == [
+        f"--dataset file {data} edited since the checkpoint (another content hash)"]
+
+
+def test_a_collective_waits_longer_than_a_rank_may_wait_for_the_server():
+    """gloo's 30 min: a --vllm_server_timeout above it stopped the other ranks, waiting in a collective, first."""
+    from config import parse_config
+    assert parse_config([]).collective_timeout() == 1800
+    assert parse_config(["--vllm_server_timeout", "3600"]).collective_timeout() > 3600
+    assert parse_config(["--vllm_request_timeout", "7200"]).collective_timeout() > 7200
+
+
 def test_resuming_another_folders_checkpoint_starts_this_folder_with_its_logs(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
