@@ -43,6 +43,7 @@ from contextlib import nullcontext
 import torch
 
 from config import Config, UsageError, native_bf16, parse_config, resolve_model
+from guard import ServerGuard
 from mixture import load_mixture, resume_signature
 from plot import plot_run
 from rewards import RewardScorer, load_postprocess, postprocessed, weighted_rewards
@@ -51,14 +52,13 @@ from rollout import (SEED_LIMIT, RolloutContext, collate, episodes_to_json, pres
 from tools import environment_rewards, probe_trajectory, read_chat_template, trajectory_metrics
 from utils import (MetricsLogger, Probe, ScoringWatch, ServerWeights, StepTimer, StopRequest, add_lora, barrier,
                    check_checkpoint, check_finite, check_sync, completion_logprobs, console_line, disable_dropout,
-                   distribute, encode_prompt, eval_summary, extremes_over_ranks, find_checkpoint, full_tensor,
-                   gather_lines, gradient_sync, length_sorted, load_checkpoint, load_model, mean_over_ranks,
-                   merge_stats, no_grad_logprobs, prepare_output_dir, print0, progress, quantile_over_ranks,
-                   reference_model, restore_training_state, reward_metrics, rollout_records, run_and_exit,
-                   save_checkpoint, save_model, setup_distributed, sum_over_ranks, take, to_device,
+                   distribute, encode_prompt, eval_summary, evaluated_last, extremes_over_ranks, find_checkpoint,
+                   full_tensor, gather_lines, gradient_sync, length_sorted, load_checkpoint, load_model,
+                   mean_over_ranks, merge_stats, no_grad_logprobs, prepare_output_dir, print0, progress,
+                   quantile_over_ranks, reference_model, restore_training_state, reward_metrics, rollout_records,
+                   run_and_exit, save_checkpoint, save_model, setup_distributed, sum_over_ranks, take, to_device,
                    training_metrics, trim_padding)
 from vision import freeze_vision_tower, load_processor, parameter_groups, vision_probe
-from guard import ServerGuard
 from vllm_server import InThread, VLLMClient, WeightSync
 
 
@@ -533,10 +533,11 @@ def main(cfg: Config):
                          f"{metrics[f'eval/task/{t.name}/pass@1']:.3f}" for t in mixture.tasks
                          if f"eval/task/{t.name}/reward" in metrics))
 
-    if eval_rows and resume is None:  # the starting point, to compare with (a resumed run's log has it)
-        metrics = {"step": 0, **evaluate()}
+    # the starting point, to compare with; resumed after the last step, its evaluation if a stop came before it
+    if eval_rows and (resume is None or state["step"] == cfg.max_steps and not evaluated_last(cfg.output_dir)):
+        metrics = {"step": state["step"], **evaluate()}
         logger.log(metrics)
-        log_eval(0, metrics)
+        log_eval(state["step"], metrics)
     bad_steps, t_start = 0, time.perf_counter()  # steps in a row whose loss was not finite; for the progress bar
     warned_short = False  # --dynamic_sampling could not fill a batch with groups with signal (said once)
     scoring = ScoringWatch(names, cfg.max_unscored_steps)  # steps in a row with a reward function down, or alike

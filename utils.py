@@ -1015,8 +1015,16 @@ def set_aside_after(output_dir: str, step: int) -> str | None:
 
 
 def went_past(path: str, step: int, block: int = 1 << 20) -> bool:
-    """Whether a JSONL log (its records in the order of their steps) ends after `step`, or in a line cut short.
-    Reads the last line only, from the end: rollouts.jsonl can be large."""
+    """Whether a JSONL log (its records in the order of their steps) ends after `step`, or in a line cut short."""
+    last = last_record(path, block)
+    return last is not None and (last == {} or last["step"] > step)
+
+
+def last_record(path: str, block: int = 1 << 20) -> dict | None:
+    """The last record of a JSONL log, read from the end (rollouts.jsonl can be large): None if there is none, {}
+    if its last line is cut short (not whole JSON)."""
+    if not os.path.exists(path):
+        return None
     with open(path, "rb") as f:
         end = f.seek(0, os.SEEK_END)
         tail = b""
@@ -1026,9 +1034,14 @@ def went_past(path: str, step: int, block: int = 1 << 20) -> bool:
             tail, end = f.read(end - start) + tail, start
     last = tail.rstrip(b"\n").rsplit(b"\n", 1)[-1] if tail.strip() else b""
     try:
-        return bool(last) and (not tail.endswith(b"\n") or json.loads(last)["step"] > step)
+        return None if not last else json.loads(last) if tail.endswith(b"\n") else {}
     except ValueError:
-        return True
+        return {}
+
+
+def evaluated_last(output_dir: str) -> bool:
+    """Whether metrics.jsonl ends with an evaluation, as rank 0 reads it (every rank gets its answer)."""
+    return text_of_rank0(str(int("eval/reward" in (last_record(os.path.join(output_dir, "metrics.jsonl")) or {})))) == "1"
 
 
 def find_checkpoint(spec: str, output_dir: str) -> str:
