@@ -29,12 +29,14 @@ import ctypes
 import functools
 import importlib
 import inspect
+import itertools
 import math
 import multiprocessing as mp
 import os
 import re
 import signal
 import sys
+import threading
 import traceback
 from types import SimpleNamespace
 
@@ -102,13 +104,34 @@ def boxed_accuracy(completions, answer, **kwargs) -> list[float]:
 def _matches(text: str, ref: str) -> bool:
     """Whether a completion's final answer equals one reference answer (math-verify, with its timeouts)."""
     from math_verify import parse, verify
+    from math_verify.errors import TimeoutException
     gold = parse(ref if "$" in ref or "\\boxed" in ref else f"${ref}$", parsing_timeout=MATH_TIMEOUT)
     if NUMBER.fullmatch(ref):
         number = final_answer(text).strip("$ ").rstrip(".").replace(",", "")  # "12." is 12; ".5" is not 5
         if not NUMBER.fullmatch(number):
             return False
         text = f"${number}$"
-    return bool(gold) and bool(verify(gold, parse(text, parsing_timeout=MATH_TIMEOUT), timeout_seconds=MATH_TIMEOUT))
+    target = [t for t in parse(text, parsing_timeout=MATH_TIMEOUT) if _tower_height(t) < 3]
+    for g, t in itertools.product(gold, target):  # math-verify's own loop, but the first time-out ends it
+        try:
+            if verify(g, t, timeout_seconds=MATH_TIMEOUT, raise_on_error=True):
+                return True
+        except TimeoutException:  # (its alarm fires only after the arithmetic running then, e.g. a huge power)
+            return False
+        except Exception:  # this pair cannot be compared: as math-verify, not equal
+            continue
+    return False
+
+
+def _tower_height(expr) -> int:
+    """How many numbers stack as exponents in a parsed answer (10^{10^{10}}: 2). A tower of 3 is no answer
+    anyone means, and comparing it runs arithmetic in C that math-verify's time-out cannot stop (10 s and
+    more, where 2 is at most 2.5 s): it is not compared."""
+    from sympy import Basic, Pow
+    if not isinstance(expr, Basic):
+        return 0  # math-verify's string form
+    below = max((_tower_height(a) for a in expr.args), default=0)
+    return max(below, 1 + _tower_height(expr.exp)) if isinstance(expr, Pow) and expr.is_number else below
 
 
 def format(completions, **kwargs) -> list[float]:  # noqa: A001 - TRL's name for it
@@ -360,6 +383,21 @@ def _score(jobs: list[tuple[str, dict]], options: dict) -> list[dict]:
 
 
 SECRETS = ("VLLM_API_KEY", "WANDB_API_KEY")  # the trainer's; reward functions are user code and need neither
+@contextlib.contextmanager
+def _ctrl_c_ignored_by_children():
+    """Processes started inside are born ignoring SIGINT (an ignored signal stays ignored across exec), and this
+    one holds it back meanwhile (blocked, it reaches its own handler after). Main thread only. (SIGTERM is left
+    alone: the pool's end stops a worker still starting with it.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _scorer_process():
@@ -369,7 +407,9 @@ def _scorer_process():
       reward function started (a code sandbox, a judge's client) by signalling that group (RewardScorer.stop);
     - it ends with the trainer even when the trainer is killed (SIGKILL) mid-call (Linux: the parent's death
       signals it, and it takes its group along); an idle scorer also ends when its task pipe closes;
-    - the trainer's secrets are not in its environment (nor in what it starts)."""
+    - the trainer's secrets are not in its environment (nor in what it starts).
+    It was born ignoring Ctrl-C (RewardScorer.start): until the line below it is in the trainer's group, which
+    a terminal's Ctrl-C reaches; it killed a scorer still starting, and the pool's end then waited forever."""
     os.setsid()
     for name in SECRETS:
         os.environ.pop(name, None)
@@ -440,7 +480,8 @@ class RewardScorer:
         the first call starts it. Nothing to start if no function runs in it (reward models run here)."""
         if self._pool is None and any(name not in self.models for name in self.names):
             # spawn, not fork: math-verify's timeouts use signals, which work in a process's main thread
-            self._pool = mp.get_context("spawn").Pool(1, initializer=_scorer_process)
+            with _ctrl_c_ignored_by_children():
+                self._pool = mp.get_context("spawn").Pool(1, initializer=_scorer_process)
             self._pid_of = self._pool.apply_async(os.getpid)  # also its process group's id
 
     def stop(self, busy: bool = False):
