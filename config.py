@@ -63,7 +63,8 @@ def run_main(main, *args):
 class Config:
     # model and data
     model: str = DEFAULT_MODEL  # "smollm2-135m" (embedded), a Hugging Face model id, or a local folder
-    dataset: str = DEFAULT_DATASET  # "arithmetic" (embedded), a hub dataset name, or a local .json/.jsonl/.parquet file;
+    dataset: str = DEFAULT_DATASET  # "arithmetic" (embedded), a hub dataset name (or a local folder laid out as one),
+                                    # or a local .json/.jsonl/.parquet file;
                                     # "none" with an --env that makes its prompts; "parity", "shapes": embedded
                                     # tasks (each sets the flags of EMBEDDED_TASKS not given); a mixture of several:
                                     # source[:weight],... or a mixture file, .yaml/.json (README: Task mixtures)

@@ -31,10 +31,20 @@ def had_reference(train: list[dict]) -> bool:
 def plot_run(output_dir: str, reference: bool | None = None) -> str | None:
     """Writes output_dir/metrics.png and returns its path; None if no step has been logged yet. `reference`:
     whether the run had a reference model (--beta > 0); None: judged from the log (a KL of 0 at every step)."""
-    import matplotlib
-    matplotlib.use("Agg")  # no display needed
-    import matplotlib.pyplot as plt
-    rows = read_jsonl(os.path.join(output_dir, "metrics.jsonl"))
+    fig = draw(read_jsonl(os.path.join(output_dir, "metrics.jsonl")), reference)
+    if fig is None:
+        return None
+    fig.suptitle(os.path.abspath(output_dir))
+    out = os.path.join(output_dir, "metrics.png")
+    fig.savefig(out + ".tmp.png", dpi=100)
+    os.replace(out + ".tmp.png", out)  # a reader never sees half a picture
+    return out
+
+
+def draw(rows: list[dict], reference: bool | None = None):
+    """The figure of a run's log records (four panels), or None if no step was logged. A matplotlib Figure of its
+    own, not pyplot's: nothing global, no display (matplotlib is imported here, by a run that draws)."""
+    from matplotlib.figure import Figure
     train, evals = [r for r in rows if "reward" in r], [r for r in rows if "eval/reward" in r]
     if not train:
         return None
@@ -42,7 +52,8 @@ def plot_run(output_dir: str, reference: bool | None = None) -> str | None:
     def series(rs, key):
         return [r["step"] for r in rs if key in r], [r[key] for r in rs if key in r]
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    fig = Figure(figsize=(11, 7), layout="constrained")
+    axes = fig.subplots(2, 2)
     ax = axes[0, 0]
     ax.plot(*series(train, "reward"), label="train")
     if evals:
@@ -77,13 +88,9 @@ def plot_run(output_dir: str, reference: bool | None = None) -> str | None:
     for ax in axes.flat:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
-    fig.suptitle(os.path.abspath(output_dir))
-    out = os.path.join(output_dir, "metrics.png")
-    fig.savefig(out + ".tmp.png", dpi=100)
-    plt.close(fig)
-    os.replace(out + ".tmp.png", out)  # a reader never sees half a picture
-    return out
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small")
+    return fig
 
 
 if __name__ == "__main__":

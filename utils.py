@@ -87,11 +87,11 @@ def check_prompt(prompt, where: str):
 
 def load_rows(dataset: str, split: str, prompt_column: str, answer_column: str, num_arithmetic: int,
               seed: int, num_starts: int = 0) -> list[dict]:
-    """The rows of the embedded task, a local json/jsonl/parquet file or a hub dataset, every column kept as it
-    is, with the prompt also under "prompt" (text, or a list of chat messages) and the reference answer, if the
-    dataset has one, under "answer" (the built-in accuracy reads GSM8K's "... #### 42" as 42). With no dataset
-    ("none": an environment makes the prompts), `num_starts` rows {"prompt": "", "seed": k} for its reset(**row),
-    the held-out ones ("test") with seeds no training row has."""
+    """The rows of the embedded task, a local json/jsonl/parquet file or a hub dataset (or a local folder in its
+    layout, read the same way), every column kept as it is, with the prompt also under "prompt" (text, or a list
+    of chat messages) and the reference answer, if the dataset has one, under "answer" (the built-in accuracy
+    reads GSM8K's "... #### 42" as 42). With no dataset ("none": an environment makes the prompts), `num_starts`
+    rows {"prompt": "", "seed": k} for its reset(**row), the held-out ones ("test") with seeds no training row has."""
     if dataset == DEFAULT_DATASET:
         return arithmetic_problems(num_arithmetic, seed, "test" if split == "test" else "train")
     if dataset == "parity":
@@ -115,9 +115,9 @@ def load_rows(dataset: str, split: str, prompt_column: str, answer_column: str, 
         except Exception as e:  # datasets wraps the parser's error; show that one
             raise UsageError(f"--dataset {dataset}: not a readable {ext} file ({e.__cause__ or e}); a .jsonl file "
                              "has one JSON object per line") from e
-    elif os.path.exists(dataset) or dataset.endswith((".json", ".jsonl", ".parquet")):
+    elif not os.path.isdir(dataset) and (os.path.exists(dataset) or dataset.endswith((".json", ".jsonl", ".parquet"))):
         raise UsageError(f"--dataset {dataset}: no such file")
-    else:
+    else:  # a hub dataset, or a folder laid out as one (a clone of its repository: its files name the splits)
         try:
             data = datasets.load_dataset(dataset, split=split)
         except Exception as e:
@@ -1218,7 +1218,9 @@ def restore_training_state(state: dict, model, optimizer, scheduler, rank: int, 
 
 class StopRequest:
     """SIGTERM or SIGINT (Ctrl-C) asks the run to save a checkpoint and stop at the next safe point;
-    a second SIGINT stops at once. `requested()` is a collective: every rank gets the same answer."""
+    a second SIGINT stops at once. (torchrun's ranks run in sessions of their own: a terminal's Ctrl-C reaches
+    them through torchrun, which passes on the first only.) `requested()` is a collective: every rank gets the
+    same answer."""
 
     def __init__(self):
         self.flag = self.stopping = False  # this rank got a signal / some rank did (known at the last check)

@@ -157,10 +157,12 @@ def prompt_lengths(tokenizer, processor, rows: list[dict], system_prompt: str = 
     """Each row's prompt length in tokens as the model sees it, image tokens included. Every image is read now:
     a row whose image cannot be read, or a dataset with images for a model without an image processor, is a
     UsageError naming it (so a run does not fail on it hours in)."""
-    sizes = []  # each row's image sizes, (width, height): the images themselves are not kept
+    sizes, prompts = [], []  # each row's image sizes, (width, height): the images themselves are not kept
     for i, row in enumerate(rows):
         try:
             sizes.append([image.size for image in row_images(row, longest_edge(processor))])
+            if processor is not None:  # its image parts, as many as its images
+                prompts.append(with_image_parts(prompt_messages(row["prompt"], system_prompt), len(sizes[-1])))
         except ValueError as e:
             raise UsageError(f"dataset row {i}: {e}; fix or drop that row") from None
         if sizes[-1] and processor is None:
@@ -170,7 +172,6 @@ def prompt_lengths(tokenizer, processor, rows: list[dict], system_prompt: str = 
     if processor is None:
         return list(map(len, encode_prompts(tokenizer, [r["prompt"] for r in rows], system_prompt, tools)))
     count = image_token_counts(processor)
-    prompts = [with_image_parts(prompt_messages(r["prompt"], system_prompt), len(s)) for r, s in zip(rows, sizes)]
     texts = [processor.apply_chat_template(m, add_generation_prompt=True) for m in prompts]
     return [len(processor.tokenizer(text, add_special_tokens=False)["input_ids"]) + sum(count(size) - 1 for size in s)
             for text, s in zip(texts, sizes)]
