@@ -67,6 +67,13 @@ def left_running() -> list[tuple[int, str]]:
     return found
 
 
+RUNNING = {"slow": True}  # whether the test being set up is marked slow
+
+
+def pytest_runtest_setup(item):  # before its fixtures, a session's server among them
+    RUNNING["slow"] = item.get_closest_marker("slow") is not None
+
+
 def pytest_configure(config):
     def interrupted(signum, frame):  # a test run stopped with SIGTERM tears its fixtures (servers) down, as Ctrl-C
         raise KeyboardInterrupt(f"signal {signum}")
@@ -180,7 +187,10 @@ def tiny_model(tmp_path_factory) -> str:
 @contextlib.contextmanager
 def running_server(model: str, log_path, *extra: str, port: int | None = None):
     """The real vllm_server.py on a free loopback port (or `port`), fp32 so log-probs can be compared
-    tightly; stopped (its whole process group) on exit, also when the test fails."""
+    tightly; stopped (its whole process group) on exit, also when the test fails. Only for a test marked slow:
+    README's `-m "not slow"` runs no server."""
+    if not RUNNING["slow"]:
+        raise RuntimeError("this test starts the vLLM server: mark it @pytest.mark.slow")
     port = port or free_port()
     log = open(log_path, "w+")
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")

@@ -5,8 +5,10 @@ written to a file by rank 0. Usage: grad_invariance.py JOBS_FILE, a JSON list of
 model built after re-seeding, so each is the gradient a launch of its own gives (a launch costs seconds of
 imports; a job, a fraction of one). Rank 0 prints "job I: ..." as a job starts, so a failure shows its job.
 options: checkpointing (gradient checkpointing), fsdp (FSDP2 instead of DDP), uneven (rows 4-6 are
-dropped, as zero-std groups are, so rank 0 runs 2 micro-batches of 2 and rank 1 one), and NAME=VALUE (a
-Config field, e.g. epsilon_high=5; top_entropy_quantile makes the high-entropy mask of the step as train.py
+dropped, as zero-std groups are, so rank 0 runs 2 micro-batches of 2 and rank 1 one), sgd or adamw (then the
+step is taken too, by train.optimizer_step with --max_grad_norm's clipping: the file holds a dict of the
+gradient, the weights before and after, and the norm it returned), and NAME=VALUE (a Config field, e.g.
+epsilon_high=5 or max_grad_norm=0.01; top_entropy_quantile makes the high-entropy mask of the step as train.py
 does: each rank's entropies, the quantile over all ranks)."""
 import json
 import os
@@ -18,7 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from config import Config  # noqa: E402
-from train import accumulate_gradients, high_entropy_mask  # noqa: E402
+from train import accumulate_gradients, high_entropy_mask, optimizer_step  # noqa: E402
 from rollout import collate, sampled_episode  # noqa: E402
 from utils import distribute, full_tensor, no_grad_logprobs, run_and_exit, setup_distributed, take  # noqa: E402
 
@@ -36,7 +38,8 @@ def main(jobs_file: str):
 
 
 def gradient(loss_type: str, micro_batch_size: int, options: list[str], rank: int, world_size: int, device):
-    """The gradient of the step (every parameter's, flattened into one tensor), on every rank."""
+    """The gradient of the step (every parameter's, flattened into one tensor), on every rank; with sgd or adamw
+    in `options`, a dict of it and the step taken with it."""
     checkpointing = "checkpointing" in options
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -68,7 +71,16 @@ def gradient(loss_type: str, micro_batch_size: int, options: list[str], rank: in
         entropy = no_grad_logprobs(model, data["inputs"], C, cfg.temperature, micro_batch_size, nullcontext())[1]
         data["entropy_mask"] = high_entropy_mask(entropy, data["loss_mask"], cfg.top_entropy_quantile)
     accumulate_gradients(model, data, cfg, world_size, nullcontext())
-    return torch.cat([full_tensor(p.grad).flatten() for p in model.parameters()])  # FSDP2: gathered on every rank
+    flat = lambda tensors: torch.cat([full_tensor(t).flatten() for t in tensors])  # FSDP2: gathered on every rank
+    grad = flat(p.grad for p in model.parameters())
+    if not {"sgd", "adamw"} & set(options):
+        return grad
+    before = flat(p.detach() for p in model.parameters())
+    optimizer = (torch.optim.SGD(model.parameters(), lr=1.0) if "sgd" in options  # the step is the clipped gradient
+                 else torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+    norm = optimizer_step(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
+                          list(model.parameters()), cfg.max_grad_norm)
+    return {"grad": grad, "before": before, "after": flat(p.detach() for p in model.parameters()), "norm": norm}
 
 
 if __name__ == "__main__":  # as train.py ends: no abort at exit after FSDP2 (utils.run_and_exit)

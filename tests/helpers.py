@@ -94,6 +94,14 @@ def starts_a_child_and_hangs(completions, **kwargs):
     return [0.0] * len(completions)
 
 
+def sees_secrets(completions, **kwargs):
+    """brevity, writing "<VLLM_API_KEY> <WANDB_API_KEY>" as the function sees them ("none" if unset) to
+    NANOGRPO_TEST_PID_FILE."""
+    with open(os.environ["NANOGRPO_TEST_PID_FILE"], "w") as f:
+        f.write(" ".join(os.environ.get(k, "none") for k in ("VLLM_API_KEY", "WANDB_API_KEY")))
+    return brevity(completions)
+
+
 def brevity_on_some_prompts(prompts, completions, **kwargs):
     """brevity for prompts of an odd length (in characters), 0 for the others: their groups have no signal."""
     return [max(0.0, 1 - len(c) / 80) if len(str(p)) % 2 else 0.0 for p, c in zip(prompts, completions)]

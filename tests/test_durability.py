@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 from conftest import ROOT
-from plot import plot_run, read_jsonl
-from utils import MetricsLogger, prepare_output_dir
+from plot import draw, had_reference, plot_run, read_jsonl
+from utils import MetricsLogger, finite_json, prepare_output_dir
 
 
 def write(path, steps: list[int], torn: str = ""):
@@ -31,23 +31,30 @@ def test_a_torn_last_line_is_dropped_on_resume_and_said(tmp_path, capsys):
     assert [json.loads(line)["step"] for line in open(tmp_path / "rollouts.jsonl")] == [1, 2]
 
 
+def drawn(fig, panel: int) -> dict[str, list]:
+    """{label: (steps, values)} of the lines drawn in one of the figure's four panels."""
+    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in fig.axes[panel].lines}
+
+
 def test_the_plot_skips_a_torn_line(tmp_path):
     write(tmp_path / "metrics.jsonl", [1, 2], torn='{"step": 3, "rew')
-    assert plot_run(str(tmp_path)) == str(tmp_path / "metrics.png")
+    assert plot_run(str(tmp_path)) == str(tmp_path / "metrics.png") and os.path.getsize(tmp_path / "metrics.png")
+    assert drawn(draw(read_jsonl(tmp_path / "metrics.jsonl")), 0) == {"train": ([1, 2], [0.1, 0.2])}
 
 
 def test_the_plot_says_there_is_no_kl_without_a_reference_model(tmp_path):
-    from plot import had_reference
     without = [{"step": s, "reward": 0.5, "kl": 0.0, "entropy": 1.0} for s in (1, 2, 3)]
     assert not had_reference(without) and had_reference(without[:1] + [{"step": 2, "kl": 1e-4}])
     # a step that trained no token (every group's rewards agreed, and were dropped) measured no KL or entropy: nan,
     # which metrics.jsonl holds as null
-    from utils import finite_json
     without.append(json.loads(finite_json({"step": 4, "reward": 0.5, "kl": math.nan, "entropy": math.nan})))
     assert without[-1]["kl"] is None and not had_reference(without)
-    write_lines = "".join(json.dumps(r) + "\n" for r in without)
-    (tmp_path / "metrics.jsonl").write_text(write_lines)
-    assert plot_run(str(tmp_path)) == plot_run(str(tmp_path), reference=False) == str(tmp_path / "metrics.png")
+    for fig in (draw(without), draw(without, reference=False)):  # judged from the log, or said
+        assert list(drawn(fig, 2)) == ["entropy"] and fig.axes[2].get_title() == "entropy (per token)"
+        assert [t.get_text() for t in fig.axes[2].texts] == ["no KL: no reference model (--beta 0)"]
+    with_kl = draw(without[:1] + [{"step": 2, "reward": 0.5, "kl": 1e-4, "entropy": 1.0}])
+    assert drawn(with_kl, 2)["KL to the reference"] == ([1, 2], [0.0, 1e-4]) and not with_kl.axes[2].texts
+    assert draw([{"step": 1, "eval/reward": 0.5}]) is None  # no training step yet: nothing to draw
 
 
 FILL = """

@@ -30,6 +30,8 @@ GRADIENTS = {  # every gradient the tests below compare, once each: (loss type, 
     ("bnpo", 1, 2), ("bnpo", 1, 8),
     ("dapo", 1, 2), ("dapo", 2, 2, "checkpointing"),
     ("grpo", 1, 2, "uneven"), ("grpo", 2, 2, "uneven"), ("grpo", 2, 2, "fsdp"), ("grpo", 2, 2, "fsdp", "uneven"),
+    *[("grpo", n, size, *where, step, clip) for n, size, where in ((1, 8, []), (2, 2, []), (2, 2, ["fsdp"]))
+      for step, clip in (("sgd", "max_grad_norm=0.01"), ("adamw", "max_grad_norm=1.0"))],  # and the step taken
 }
 
 
@@ -83,6 +85,24 @@ def test_fsdp2_gives_the_gradient_of_one_process_also_when_ranks_run_different_r
         assert (gradients[(loss_type, 2, 2, "fsdp", *rows)] - one).abs().max() < 1e-6, rows
         assert (gradients[(loss_type, 2, 2, *rows)] - one).abs().max() < 1e-6, rows  # DDP
     assert (gradients[(loss_type, 1, 2, "uneven")] - gradients[(loss_type, 1, 2)]).abs().max() > 1e-6
+
+
+def test_clipping_and_the_optimizer_step_are_those_of_one_process_on_sharded_tensors(gradients):
+    """--max_grad_norm and the AdamW step, through train.optimizer_step: one process, DDP and FSDP2 (DTensor shards)
+    report the norm of the whole gradient, clip it alike and take the same step. With SGD at lr 1 the step is the
+    clipped gradient itself, written out here: g min(1, c / |g|)."""
+    one = gradients[("grpo", 1, 8)]
+    for where in ([], ["fsdp"]):
+        sgd, adamw = (gradients[("grpo", 2, 2, *where, step, clip)] for step, clip in (
+            ("sgd", "max_grad_norm=0.01"), ("adamw", "max_grad_norm=1.0")))
+        alone = gradients[("grpo", 1, 8, "adamw", "max_grad_norm=1.0")]
+        norm = one.norm().item()
+        assert norm > 0.01 and abs(sgd["norm"].item() - norm) < 1e-9 and abs(adamw["norm"].item() - norm) < 1e-9
+        # (the gradients of one and two processes agree to 1e-6 in float64: summed in another order)
+        assert (sgd["after"] - (sgd["before"] - one * 0.01 / norm)).abs().max() < 1e-8, where  # clipped to 0.01
+        assert (adamw["before"] - alone["before"]).abs().max() == 0  # the same start
+        assert (adamw["after"] - alone["after"]).abs().max() < 1e-7 < (adamw["after"] - adamw["before"]).abs().max()
+    assert (gradients[("grpo", 1, 8, "sgd", "max_grad_norm=0.01")]["after"] - sgd["after"]).abs().max() < 1e-8
 
 
 KEYS = """

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from utils import descendants, stop_process_group
 
 # a parent (like torchrun) that starts a child in its own session; the child ignores SIGTERM
@@ -81,3 +83,68 @@ def test_a_process_left_running_after_the_tests_is_killed_listed_and_fails_the_r
     assert "processes started by the tests were still running after them (killed now; the run fails):" in inner.stderr
     pid = int(inner.stderr.split("(killed now; the run fails):")[1].split()[0])
     assert "sleep 600" in inner.stderr and not alive(pid)
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(e.decode(errors="replace").split("=", 1) for e in f.read().split(b"\0") if b"=" in e)
+
+
+@pytest.mark.slow
+def test_run_sh_gives_each_run_a_fresh_key_in_the_environment_and_stops_its_server_on_every_way_out(tiny_model,
+                                                                                                    tmp_path):
+    """run.sh as a user runs it: a key of its own for each run, handed to the server and the trainer in their
+    environment (a command line is readable by every local user); the server it started is gone when the run is
+    stopped with Ctrl-C (which the server, in a session of its own, does not get), and when the server itself
+    fails to start (a flag vLLM does not know: it exits while importing, and run.sh shows its log)."""
+    from conftest import ROOT, die_with_parent, stop
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"} | {"VLLM_CPU_KVCACHE_SPACE": "1",
+                                                                          "OMP_NUM_THREADS": "1"}
+    keys = []
+    for way in ("ctrl-c", "server fails"):
+        out = tmp_path / way.replace(" ", "-")
+        proc = subprocess.Popen(["bash", os.path.join(ROOT, "run.sh"), "--model", tiny_model, "--reward_funcs",
+                                 "tests.helpers:brevity", "--num_generations", "2", "--prompts_per_step", "2",
+                                 "--max_completion_length", "8", "--max_steps", "500", "--eval_steps", "0",
+                                 "--no_save_model", "--output_dir", str(out)], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=die_with_parent,
+                                env=env | ({"SERVER_ARGS": "--no-such-flag"} if way == "server fails" else {}), cwd=ROOT)
+        server = trainer = None
+        try:
+            deadline = time.monotonic() + 300
+            while not (server and (trainer or way == "server fails")) and proc.poll() is None and \
+                    time.monotonic() < deadline:
+                tree = {pid: cmdline(pid) for pid, _ in descendants(proc.pid)}
+                server = server or next((p for p, c in tree.items() if "vllm_server.py" in c and "setsid" not in c), None)
+                trainer = next((p for p, c in tree.items() if "train.py" in c), None)
+                time.sleep(0.1)
+            assert server, proc.communicate(timeout=60)[0][-3000:]
+            key = environ_of(server)["VLLM_API_KEY"]
+            assert len(key) >= 24 and (trainer is None or environ_of(trainer)["VLLM_API_KEY"] == key)
+            tree = [proc.pid] + [pid for pid, _ in descendants(proc.pid)]
+            assert not [c for c in map(cmdline, tree) if key in c]  # on no command line
+            keys.append(key)
+            if way == "ctrl-c":  # early: as the run starts (its reward process too)
+                while not (out / "metrics.jsonl").exists() and proc.poll() is None:
+                    time.sleep(0.1)
+                os.killpg(proc.pid, signal.SIGINT)  # the terminal's foreground group: run.sh and the trainer
+            output = proc.communicate(timeout=300)[0]
+            deadline = time.monotonic() + 30
+            while alive(server) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not alive(server) and (way == "ctrl-c" or proc.returncode != 0), output[-3000:]
+            said = "stopped by a signal" if way == "ctrl-c" else "the vLLM server exited; its log:"
+            assert said in output, output[-3000:]
+        finally:
+            stop(proc)
+            if server and alive(server):
+                os.killpg(server, signal.SIGKILL)
+    assert keys[0] != keys[1]  # fresh for each run

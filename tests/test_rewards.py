@@ -1,7 +1,8 @@
+import itertools
 import time
 
 
-from rewards import accuracy, boxed_accuracy, final_answer, format, tag_count
+from rewards import MATH_TIMEOUT, accuracy, boxed_accuracy, final_answer, format, tag_count
 
 
 def test_accuracy_uses_math_verify_on_the_final_answer():
@@ -29,13 +30,15 @@ PATHOLOGICAL = ["\\boxed{" * 3000, "9" * 50_000, "\\boxed{10^{10^{10^{10^{10^{10
 
 def test_accuracy_survives_pathological_input_in_bounded_time():
     """math-verify on input built to be slow or to break a parser: a score for each (never a crash), each within
-    its timeouts (a bound on a hang, not a speed claim)."""
-    for text in PATHOLOGICAL:
+    its timeouts: the reference's parse, the completion's and the comparison, MATH_TIMEOUT each (a bound on a
+    hang, not a speed claim). Against a symbolic reference too, which a number's final answer does not shortcut
+    (a tower of powers took 10 s there: its arithmetic runs past the time-out)."""
+    for text, ref in itertools.product(PATHOLOGICAL, ["27", "x^{2}"]):
         t = time.monotonic()
-        got = accuracy([text], ["27"])
+        got = accuracy([text], [ref])
         assert got in ([0.0], [1.0]), (text[:40], got)
-        assert time.monotonic() - t < 30, text[:40]
-    assert accuracy(["so it is \\boxed{27}"], ["27"]) == [1.0]  # and it still scores normal input
+        assert time.monotonic() - t < 3 * MATH_TIMEOUT, (text[:40], ref, time.monotonic() - t)
+    assert accuracy(["so it is \\boxed{27}", "\\boxed{x^{2^{1}}}"], ["27", "x^2"]) == [1.0, 1.0]  # normal input
 
 
 def test_boxed_accuracy_counts_only_a_right_answer_in_the_box():
@@ -69,3 +72,24 @@ def test_format_wants_exactly_one_boxed_number():
 
 def test_tag_count():
     assert tag_count(["<think>a</think><answer>1</answer>", "<think>", "none"]) == [1.0, 0.25, 0.0]
+
+
+def test_choice_reads_the_boxed_choice_or_the_first_one_named():
+    from rewards import choice
+    completions = ["It is odd.", "\\boxed{Even}", "odd? no: even", "oddly, it is even", "neither", "\\boxed{odd}.",
+                   [{"role": "assistant", "content": "EVEN"}], "even \\boxed{odd}"]
+    answers = ["odd", "even", "odd", "even", "odd", "even", "even", "odd"]
+    got = choice(completions, answers, [["even", "odd"]] * len(completions))
+    # a whole word only ("oddly" is not "odd"); the box wins over a word named before it
+    assert got == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0]
+    assert choice(["B) Paris"], ["Paris"], [["London", "Paris"]]) == [1.0]  # phrases of a multiple-choice column
+
+
+def test_the_parity_task_holds_out_the_multiples_of_11_and_its_answers_are_right():
+    from utils import parity_problems
+    number = lambda row: int(row["prompt"].split()[1])
+    test, train = parity_problems(0, seed=0, split="test"), parity_problems(2000, seed=0)
+    assert sorted(map(number, test)) == list(range(11, 1000, 11))  # each once
+    assert not any(number(r) % 11 == 0 for r in train) and len({number(r) for r in train}) > 800
+    assert all(r["answer"] == ("even" if number(r) % 2 == 0 else "odd") and r["choices"] == ["even", "odd"]
+               for r in test + train)

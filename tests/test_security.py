@@ -1,9 +1,13 @@
 """A server started with --api-key: every route but /health wants the key, routes training does not use
 are not there at all, and the trainer sends the key from VLLM_API_KEY (or says that it needs it)."""
+import itertools
+import os
+
 import pytest
 import requests
 
 from conftest import run_train, running_server
+from vllm_server import TRAINING_ROUTES
 
 pytestmark = pytest.mark.slow
 KEY = "test-key-4711"
@@ -18,10 +22,8 @@ def keyed_server(tiny_model, tmp_path_factory):
 def test_the_key_guards_every_route_and_unused_routes_are_closed(keyed_server):
     base, auth = f"http://127.0.0.1:{keyed_server['port']}", {"Authorization": f"Bearer {KEY}"}
     assert requests.get(base + "/health", timeout=10).status_code == 200  # for load balancers and the trainer's wait
-    for method, path in [("get", "/v1/models"), ("post", "/v1/completions"), ("post", "/v1/chat/completions"),
-                         ("get", "/server_info"),
-                         ("post", "/update_weights"), ("post", "/init_weight_transfer_engine"), ("post", "/reset_prefix_cache"),
-                         ("post", "/reset_encoder_cache")]:
+    assert len(TRAINING_ROUTES) > 10
+    for path, method in itertools.product(TRAINING_ROUTES - {"/health"}, ("get", "post")):  # the server's own list
         assert getattr(requests, method)(base + path, timeout=10).status_code == 401, path
         wrong = {"Authorization": "Bearer not-the-key"}
         assert getattr(requests, method)(base + path, headers=wrong, timeout=10).status_code == 401, path
@@ -51,9 +53,17 @@ def test_the_trainer_sends_the_key_and_says_when_it_is_missing(keyed_server, tmp
             "--max_completion_length", "4", "--max_steps", "1", "--bf16", "false", "--no_save_model"]
     proc = run_train(keyed_server, tmp_path / "nokey", *args, nproc=1, check=False, env={"VLLM_API_KEY": ""})
     assert proc.returncode != 0 and "VLLM_API_KEY" in proc.stderr and "step 1/1" not in proc.stdout
-    _, metrics = run_train(keyed_server, tmp_path / "key", *args, nproc=1, env={"VLLM_API_KEY": KEY})
-    assert len(metrics) == 1 and metrics[0]["sync_probe_diff_max"] < 1e-4
-    assert KEY not in open(tmp_path / "key" / "metrics.jsonl").read()
+    # the key is written nowhere (logs, rollouts, the checkpoint), and the reward functions (user code, in a
+    # process of their own) see neither it nor wandb's
+    seen = tmp_path / "seen"
+    args = [{"tests.helpers:brevity": "tests.helpers:sees_secrets"}.get(a, a) for a in args[:-1]]  # saves the model
+    _, metrics = run_train(keyed_server, tmp_path / "key", *args, "--save_steps", "1", nproc=1, env={"VLLM_API_KEY": KEY, "WANDB_API_KEY": "wandb-secret",
+                                                              "NANOGRPO_TEST_PID_FILE": str(seen)})
+    assert len(metrics) == 1 and metrics[0]["sync_probe_diff_max"] < 1e-4 and seen.read_text() == "none none"
+    written = [os.path.join(d, f) for d, _, files in os.walk(tmp_path / "key") for f in files]
+    assert any(f.endswith("rollouts.jsonl") for f in written) and any("checkpoint-1" in f for f in written)
+    for path in written:
+        assert KEY.encode() not in open(path, "rb").read(), path
 
 
 def test_the_servers_processes_do_not_import_from_their_working_folder(keyed_server):

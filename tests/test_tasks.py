@@ -339,4 +339,32 @@ def test_a_tokenizer_without_a_pad_token_trains(server, tmp_path):
                            "--num_generations", "4", "--prompts_per_step", "2", "--max_completion_length", "8",
                            "--max_steps", "2", "--bf16", "false", nproc=1)
     assert [m["step"] for m in metrics] == [1, 2] and all(math.isfinite(m["loss"]) for m in metrics)
-    assert metrics[-1]["sync_probe_diff_max"] < 1e-3
+    assert metrics[-1]["sync_probe_diff_max"] < 1e-4
+    # the batches were padded (prompts and completions of several lengths), and the trainer's log-probs of every
+    # sampled token equal the sampler's in fp32: no padded position leaked into a real one
+    assert all(m["completion_length_min"] < m["completion_length_max"] for m in metrics)
+    assert max(m["sampler_logprob_diff_max"] for m in metrics) < 1e-4, [m["sampler_logprob_diff_max"] for m in metrics]
+
+
+@pytest.mark.slow
+def test_a_dataset_in_the_hubs_layout_evaluates_on_its_eval_split_and_a_parquet_file_loads(server, tmp_path):
+    """A hub dataset is read by datasets.load_dataset(name, split=...); a folder in a hub repository's layout (the
+    hub itself is out of reach here) is read by the same call: its train split trains, --eval_split names the
+    held-out one. Its .parquet files also load one by one, as a local --dataset."""
+    import datasets
+    from utils import load_rows
+    data = tmp_path / "org-name" / "data"
+    data.mkdir(parents=True)
+    for split, n in (("train", 8), ("validation", 3)):
+        datasets.Dataset.from_list([{"question": f"{split} question {i}", "answer": str(i)} for i in range(n)]) \
+            .to_parquet(data / f"{split}-00000-of-00001.parquet")
+    _, metrics = run_train(server, tmp_path / "out", "--dataset", str(data.parent), "--eval_split", "validation",
+                           "--eval_steps", "1", "--eval_num_prompts", "3", "--reward_funcs", "tests.helpers:brevity",
+                           "--num_generations", "2", "--prompts_per_step", "2", "--max_completion_length", "4",
+                           "--max_steps", "1", "--bf16", "false", "--no_save_model", nproc=1)
+    ledger = [json.loads(line) for line in open(tmp_path / "out" / "rollouts.jsonl")]
+    asked = {split: {r["columns"]["question"] for r in ledger if r["split"] == split} for split in ("train", "eval")}
+    assert asked["eval"] == {f"validation question {i}" for i in range(3)}
+    assert asked["train"] and all(q.startswith("train question") for q in asked["train"])
+    rows = load_rows(str(data / "train-00000-of-00001.parquet"), "train", "", "answer", 0, 0)
+    assert [(r["prompt"], r["answer"]) for r in rows] == [(f"train question {i}", str(i)) for i in range(8)]

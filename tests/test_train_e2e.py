@@ -3,6 +3,7 @@ import glob
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -38,12 +39,15 @@ def test_two_process_run_learns_keeps_server_in_sync_and_saves(server, tmp_path)
     AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model")
 
 
+NO_CORRECTION = ["--vllm_importance_sampling_correction", "false"]  # the sampler is not the policy: no weight of 1
+
+
 @pytest.mark.parametrize("loss_type, extra", [
     ("grpo", ["--scale_rewards", "batch", "--gradient_checkpointing"]),
-    ("bnpo", ["--mask_truncated_completions", "--drop_zero_std_groups"]),
-    ("dr_grpo", ["--scale_rewards", "none", "--delta", "4", "--top_k", "5000", "--min_p", "0.0001"]),
-    ("dapo", ["--epsilon_high", "0.28", "--repetition_penalty", "1.1"]),
-    ("cispo", ["--epsilon_high", "5", "--off_policy_mask_threshold", "0"]),
+    ("bnpo", ["--mask_truncated_completions", "--drop_zero_std_groups", "--micro_batch_size", "2"]),
+    ("dr_grpo", ["--scale_rewards", "none", "--delta", "4", "--top_k", "5000", "--min_p", "0.0001", *NO_CORRECTION]),
+    ("dapo", ["--epsilon_high", "0.28"]),
+    ("cispo", ["--epsilon_high", "5", "--off_policy_mask_threshold", "0", "--repetition_penalty", "1.1"]),
     ("sapo", ["--importance_sampling_level", "sequence", "--entropy_coef", "0.01"]),
     ("luspo", ["--importance_sampling_level", "sequence", "--vllm_importance_sampling_mode", "sequence_mask"]),
     ("vespo", ["--vllm_importance_sampling_mode", "token_mask", "--top_entropy_quantile", "0.5"]),
@@ -64,6 +68,53 @@ def test_each_loss_type_trains_through_the_server(server, tmp_path, loss_type, e
         assert all(m["old_logprob_pass"] == 1 and 0.3 < m["policy_masked_frac"] < 0.7 for m in metrics)
     else:
         assert all(m["old_logprob_pass"] == 0 and m["policy_masked_frac"] < 1 for m in metrics)
+    # the flags reached the loss: step 1's, from the ledger's rewards and lengths, in closed form
+    rows = [r for r in map(json.loads, open(tmp_path / "out" / "rollouts.jsonl")) if r["step"] == 1]
+    closed, dapo = step_1_loss(loss_type, extra, rows, metrics[0]["entropy"])
+    if closed is None:  # cispo, vespo: -A log pi per token, whose log-probs the ledger does not hold
+        assert abs(metrics[0]["loss"] - dapo) > 1e-3, (metrics[0]["loss"], dapo)
+        return
+    # completions of one length would make most forms 0 alike (a group's advantages sum to 0); and each form must
+    # differ from the default's (dapo), and dapo's from 0: a flag ignored would show
+    assert len({r["completion_tokens"] for r in rows}) > 1
+    assert abs(dapo) > 1e-3 and (loss_type == "dapo" or abs(closed - dapo) > 1e-3), (closed, dapo)
+    assert abs(metrics[0]["loss"] - closed) < 1e-4, (metrics[0]["loss"], closed, dapo)
+
+
+def step_1_loss(loss_type: str, flags: list[str], rows: list[dict], entropy: float) -> tuple[float | None, float]:
+    """Step 1's loss as the flags define it, written out from the ledger (8 rows in the order the step ran them, one
+    process; bnpo's micro-batches are --micro_batch_size rows in that order, of the groups it keeps).
+    On-policy every ratio is 1 (and the sampler's correction 1, or off), so a token's policy term is -A (sapo:
+    -sigmoid(0) 4 / tau A = -2 A / tau), and the loss types differ only in how they normalise the sum. Checks the
+    ledger's advantages against --scale_rewards on the way. Returns the loss (None where it needs log-probs) and
+    the default loss type's (dapo)."""
+    groups = {}  # (in the order of their first rows: a step's groups are consecutive)
+    for r in rows:
+        groups.setdefault(r["prompt_index"], []).append(r)
+    scale = flags[flags.index("--scale_rewards") + 1] if "--scale_rewards" in flags else "group"
+    rewards = torch.tensor([r["reward"] for r in rows], dtype=torch.float64)
+    terms, lengths, kept, N = [], [], [], len(rows)
+    for group in groups.values():
+        rs = torch.tensor([r["reward"] for r in group], dtype=torch.float64)
+        std = {"group": rs.std().item(), "batch": rewards.std().item(), "none": 0.0}[scale]
+        for r, reward in zip(group, rs):
+            advantage = (reward - rs.mean()).item() / (std + 1e-4 if scale != "none" else 1.0)
+            assert abs(advantage - r["advantage"]) < 1e-5, (advantage, r["advantage"], scale)
+            masked = "--mask_truncated_completions" in flags and r["finish_reason"] == "length"
+            tau = 1.0 if advantage > 0 else 1.05  # sapo's temperatures (the defaults)
+            terms.append(-2 * advantage / tau if loss_type == "sapo" else -advantage)
+            lengths.append(0 if masked else r["completion_tokens"])
+            kept.append(not ("--drop_zero_std_groups" in flags and rs.std().item() < 1e-6))
+    total = sum(t * n for t, n in zip(terms, lengths))
+    size = int(flags[flags.index("--micro_batch_size") + 1]) if "--micro_batch_size" in flags else 16
+    run = [(t, n) for t, n, k in zip(terms, lengths, kept) if k]  # bnpo: each micro-batch's token mean, averaged
+    micro = [run[i:i + size] for i in range(0, len(run), size)]
+    bnpo = sum(sum(t * n for t, n in m) / max(sum(n for _, n in m), 1) for m in micro) / len(micro)
+    closed = {"grpo": sum(t for t, n in zip(terms, lengths) if n) / N, "sapo": sum(t for t, n in zip(terms, lengths) if n) / N,
+              "bnpo": bnpo, "dr_grpo": total / (N * 8), "dapo": total / sum(lengths), "luspo": total / N}.get(loss_type)
+    if "--entropy_coef" in flags:
+        closed -= float(flags[flags.index("--entropy_coef") + 1]) * entropy
+    return closed, total / sum(lengths)
 
 
 def test_dynamic_sampling_fills_the_batch_with_groups_whose_rewards_differ(server, tmp_path):
@@ -121,13 +172,14 @@ def test_dropping_groups_without_signal_by_default_changes_no_update_also_for_a_
 
 
 def test_off_policy_updates_freeze_old_logprobs_and_clip(server, tmp_path):
-    # two passes over each batch at a large learning rate: the second pass sees ratios away from 1
-    _, metrics = run_train(server, tmp_path / "mu2", "--num_iterations", "2", "--steps_per_generation", "2",
+    # two passes over each batch, one update each, at a large learning rate: the second pass sees ratios away
+    # from 1 only against the log-probs frozen before the first (recomputed, they would be 1 again)
+    _, metrics = run_train(server, tmp_path / "mu2", "--num_iterations", "2", "--steps_per_generation", "1",
                            "--reward_funcs", "tests.helpers:brevity", "--num_generations", "4", "--prompts_per_step", "2",
                            "--max_completion_length", "8", "--max_steps", "2", "--learning_rate", "3e-2",
                            "--bf16", "false", "--no_save_model", "--micro_batch_size", "2", nproc=1)
     assert all(m["old_logprob_pass"] == 1 for m in metrics)
-    assert metrics[-1]["optimizer_steps"] == 2 * 2 * 2
+    assert metrics[-1]["optimizer_steps"] == 2 * 2
     assert max(m["clip_ratio/region"] for m in metrics) > 0
     assert max(m["sampler_logprob_diff_max"] for m in metrics) < 1e-4  # the old pass equals the sampler: still in sync
     # on-policy (the default): no old pass, and the clip cannot act. And the default evaluation on the embedded
@@ -144,6 +196,18 @@ def test_off_policy_updates_freeze_old_logprobs_and_clip(server, tmp_path):
         "(3 problems x 4 samples, steps 0 -> 2)")
     metrics = [m for m in metrics if "loss" in m]
     assert all(m["old_logprob_pass"] == 0 and m["clip_ratio/region"] == 0 for m in metrics)
+    # the two evaluations differ only by the weights: the same problems, and the same samples where the weights
+    # did not change (--learning_rate 1e-12: too small to change what the fp32 weights sample)
+    proc, _ = run_train(server, tmp_path / "lr0", "--reward_funcs", "tests.helpers:brevity", "--num_generations", "4",
+                        "--prompts_per_step", "2", "--max_completion_length", "8", "--max_steps", "1",
+                        "--learning_rate", "1e-12", "--bf16", "false", "--no_save_model", "--eval_steps", "-1",
+                        "--eval_num_prompts", "3", nproc=1)
+    for run, same in (("mu1", False), ("lr0", True)):
+        evals = [(r["step"], r["prompt"], r["completion"]) for r in map(json.loads, open(tmp_path / run / "rollouts.jsonl"))
+                 if r["split"] == "eval"]
+        before, after = ([e[1:] for e in evals if e[0] == step] for step in (0, max(e[0] for e in evals)))
+        assert len(before) == len(after) == 12 and [p for p, _ in before] == [p for p, _ in after]
+        assert (before == after) == same, run
     assert all(0.5 < m["is_ratio/mean"] < 2 and m["is_ratio/dropped_frac"] == 0 for m in metrics)
     assert max(m["sampler_logprob_diff_max"] for m in metrics) < 1e-4
 
@@ -153,14 +217,32 @@ def test_completions_too_long_for_the_server_fail_at_start_saying_what_to_change
     assert proc.returncode != 0 and "--max-model-len" in proc.stderr and "step 1/" not in proc.stdout
 
 
-def test_sync_check_stops_a_run_whose_push_skipped_a_weight(server, tmp_path):
+LORA = ["--use_peft", "--lora_r", "4", "--lora_alpha", "16", "--lora_dropout", "0"]
+
+
+@pytest.mark.parametrize("skipped, flags, tolerance, every", [
+    ("model.layers.1.mlp.down_proj.weight", ["--bf16", "false"], 1e-3, 1),
+    ("model.layers.1.mlp.down_proj.weight", ["--bf16", "false", "--fsdp", "--sync_check_steps", "2"], 1e-3, 2),
+    ("model.layers.0.self_attn.q_proj.weight", ["--bf16", "false", *LORA], 1e-3, 1),  # its merged weight
+    ("model.embed_tokens.weight", ["--bf16", "true", "--learning_rate", "0.1"], 0.5, 1),  # the server computes in fp32
+], ids=["ddp", "fsdp_every_2_steps", "lora", "bf16"])
+def test_sync_check_stops_a_run_whose_push_skipped_a_weight(server, tmp_path, skipped, flags, tolerance, every):
+    """A push that leaves one weight out, under each way of training: a probe checked after a push (every
+    --sync_check_steps) stops the run, at the default tolerance (1e-3 where trainer and server both compute in
+    fp32, else 0.5), at the first step the weight has moved enough (one update of one matrix may move the
+    probe's log-probs by less than 1e-3), before that step is logged."""
     proc = run_train(server, tmp_path / "out", "--reward_funcs", "tests.helpers:brevity", "--num_generations", "4",
-                     "--prompts_per_step", "2", "--max_completion_length", "8", "--max_steps", "3", "--learning_rate", "1e-2",
-                     "--bf16", "false", nproc=2, check=False,
-                     env={"NANOGRPO_FAULT_SKIP_WEIGHT": "model.layers.1.mlp.down_proj.weight"})
-    assert proc.returncode != 0
-    assert "weight sync check failed after step 1" in proc.stderr and "a weight not pushed" in proc.stderr
-    assert "step 1/3" not in proc.stdout  # it stopped before training on a server it cannot trust
+                     "--prompts_per_step", "2", "--max_completion_length", "8", "--max_steps", "4", "--learning_rate",
+                     "5e-2", *flags, nproc=2, check=False, env={"NANOGRPO_FAULT_SKIP_WEIGHT": skipped})
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    found = re.search(r"weight sync check failed after step (\d+): .* on average > (\S+)\. .*a weight not pushed",
+                      proc.stderr, re.S)
+    assert found and float(found[2]) == tolerance, proc.stderr[-3000:]
+    step = int(found[1])
+    assert step % every == 0 and f"step {step}/4" not in proc.stdout
+    records = list(map(json.loads, open(tmp_path / "out" / "metrics.jsonl")))  # the step stopped at: no probe
+    assert [m["step"] for m in records] in (list(range(1, step)), list(range(1, step + 1)))
+    assert [("sync_probe_diff_mean" in m) for m in records[:step - 1]] == [(s + 1) % every == 0 for s in range(step - 1)]
 
 
 def test_evaluation_rollout_ledger_plot_and_wandb_table(server, tmp_path):

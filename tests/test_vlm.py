@@ -1,6 +1,8 @@
 """Vision-language models: image inputs through the episode, the batch, the checkpoint and the forward."""
+import dataclasses
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -122,6 +124,7 @@ def vlm_server(tiny_vlm, tmp_path_factory):
         yield s
 
 
+@pytest.mark.slow
 def test_the_server_samples_with_the_image_and_the_trainer_scores_what_it_sampled(vlm_server, tiny_vlm):
     """The VLM rollout through the real server's chat route: its prompt ids are the processor's; the trainer's
     log-probs of the sampled tokens (fp32, the same images) equal the server's to 1e-4, and differ by more than
@@ -161,8 +164,36 @@ def test_the_server_samples_with_the_image_and_the_trainer_scores_what_it_sample
         other = type(first)(first.row, ids, first.completion_ids, first.sampled, first.logprobs, first.finish_reason,
                             model_inputs=inputs)
         assert worst_difference([other]) > 1e-2, images
+    # a trainer that renders the images otherwise than the server (another number of tokens per image) stops
+    # before it trains on log-probs of another prompt
+    import copy
+    other = copy.deepcopy(processor)
+    other.image_seq_len += 1
+    with pytest.raises(ValueError, match="the server rendered the prompt of row 0 with its images as"):
+        run_rollout(vision_rollout, rows[:1], dataclasses.replace(ctx, processor=other, tokenizer=other.tokenizer))
 
 
+def test_a_vlm_of_another_architecture_and_image_parts_that_miss_their_images_stop_at_start(tiny_vlm, tmp_path):
+    import json
+    import shutil
+    from PIL import Image
+    from config import UsageError
+    from vision import load_processor, prompt_lengths
+    processor = load_processor(tiny_vlm)
+    two_parts = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "?"}]}]
+    rows = [{"prompt": "one picture", "image": Image.new("RGB", (32, 32))}, {"prompt": two_parts,
+                                                                          "image": Image.new("RGB", (32, 32))}]
+    with pytest.raises(UsageError, match="dataset row 1: the prompt has 2 image parts but the row 1 images"):
+        prompt_lengths(processor.tokenizer, processor, rows)
+    other = tmp_path / "other"
+    shutil.copytree(tiny_vlm, other)
+    config = json.load(open(other / "config.json"))
+    json.dump(config | {"model_type": "llava"}, open(other / "config.json", "w"))
+    with pytest.raises(UsageError, match="is a vision-language model of type 'llava'; nanogrpo trains idefics3 and"):
+        load_processor(str(other))
+
+
+@pytest.mark.slow
 def test_a_vision_tower_push_reaches_a_repeated_image_and_the_probe_sees_a_stale_encoder_cache(vlm_server, tiny_vlm):
     """The server caches the vision encoder's output per image. After a push that changes only the vision tower,
     the log-probs of an image it has seen before move and equal the trainer's (the push resets that cache); a
@@ -328,11 +359,17 @@ def test_bad_image_input_stops_at_start_in_one_line(tiny_vlm, tiny_model, tmp_pa
 
 @pytest.mark.slow
 def test_the_vision_bench_runs_in_its_smallest_setting(vlm_server, tiny_vlm):
-    from test_benches import bench
+    from test_benches import bench, quotient
     out = bench("vision.py", "--model", tiny_vlm, "--steps", "2", "--prompts", "2", "--G", "2", "--length", "8",
                 env={"NANOGRPO_BENCH_SERVER": f"{vlm_server['port']}:{vlm_server['proc'].pid}"})
     assert "generation with images vs vllm.LLM" in out and "forward+backward with images vs the bare" in out
     assert "MiB held" in out
+    held, copied, ratio = re.search(r"(\S+) MiB held, (\S+) MiB with a copy per episode \((\S+)x\)", out).groups()
+    assert float(copied) > float(held) > 0 and quotient(ratio, copied, held)  # one image per prompt, not per sample
+    for line in out.splitlines():  # each ratio is of the two times before it
+        if re.match(r" +\d +", line):
+            cells = line.split()
+            assert quotient(cells[3], cells[1], cells[2]) and quotient(cells[6], cells[4], cells[5]), line
 
 
 def test_the_embedded_vision_task_its_reward_and_its_flags():
