@@ -57,8 +57,8 @@ def test_the_trainer_sends_the_key_and_says_when_it_is_missing(keyed_server, tmp
     # process of their own) see neither it nor wandb's
     seen = tmp_path / "seen"
     args = [{"tests.helpers:brevity": "tests.helpers:sees_secrets"}.get(a, a) for a in args[:-1]]  # saves the model
-    _, metrics = run_train(keyed_server, tmp_path / "key", *args, "--save_steps", "1", nproc=1, env={"VLLM_API_KEY": KEY, "WANDB_API_KEY": "wandb-secret",
-                                                              "NANOGRPO_TEST_PID_FILE": str(seen)})
+    env = {"VLLM_API_KEY": KEY, "WANDB_API_KEY": "wandb-secret", "NANOGRPO_TEST_PID_FILE": str(seen)}
+    _, metrics = run_train(keyed_server, tmp_path / "key", *args, "--save_steps", "1", nproc=1, env=env)
     assert len(metrics) == 1 and metrics[0]["sync_probe_diff_max"] < 1e-4 and seen.read_text() == "none none"
     written = [os.path.join(d, f) for d, _, files in os.walk(tmp_path / "key") for f in files]
     assert any(f.endswith("rollouts.jsonl") for f in written) and any("checkpoint-1" in f for f in written)

@@ -230,7 +230,8 @@ def test_sync_check_stops_a_run_whose_push_skipped_a_weight(server, tmp_path, sk
     """A push that leaves one weight out, under each way of training: a probe checked after a push (every
     --sync_check_steps) stops the run, at the default tolerance (1e-3 where trainer and server both compute in
     fp32, else 0.5), at the first step the weight has moved enough (one update of one matrix may move the
-    probe's log-probs by less than 1e-3), before that step is logged."""
+    probe's log-probs by less than 1e-3), before that step's console line (its metrics, without a probe, are
+    logged by the stop's save)."""
     proc = run_train(server, tmp_path / "out", "--reward_funcs", "tests.helpers:brevity", "--num_generations", "4",
                      "--prompts_per_step", "2", "--max_completion_length", "8", "--max_steps", "4", "--learning_rate",
                      "5e-2", *flags, nproc=2, check=False, env={"NANOGRPO_FAULT_SKIP_WEIGHT": skipped})
