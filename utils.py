@@ -121,6 +121,10 @@ def load_rows(dataset: str, split: str, prompt_column: str, answer_column: str, 
         try:
             data = datasets.load_dataset(dataset, split=split)
         except Exception as e:
+            if os.path.isdir(dataset):
+                raise UsageError(f"--dataset {dataset} (split {split}): the folder could not be read as a dataset "
+                                 f"({e}). Its data files name the splits (data/train-*.parquet, test.jsonl, ...); "
+                                 "check --dataset_split and --eval_split") from e
             raise UsageError(f"--dataset {dataset} (split {split}) could not be loaded from the Hugging Face hub: {e}. "
                              "Check the name, --dataset_split and the connection, or give a local "
                              ".jsonl/.json/.parquet file") from e

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from config import RunStopped, default_model_path
+from config import RunStopped, UsageError, default_model_path
 from conftest import ROOT, run_train
 from rewards import RewardScorer, load_reward_func
 import utils
@@ -368,3 +368,5 @@ def test_a_dataset_in_the_hubs_layout_evaluates_on_its_eval_split_and_a_parquet_
     assert asked["train"] and all(q.startswith("train question") for q in asked["train"])
     rows = load_rows(str(data / "train-00000-of-00001.parquet"), "train", "", "answer", 0, 0)
     assert [(r["prompt"], r["answer"]) for r in rows] == [(f"train question {i}", str(i)) for i in range(8)]
+    with pytest.raises(UsageError, match='the folder could not be read as a dataset .Unknown split "test"'):
+        load_rows(str(data.parent), "test", "", "answer", 0, 0)  # --eval_split left at its default: said so
