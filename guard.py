@@ -1,14 +1,15 @@
-"""The trainer's calls to the vLLM server, made safe on every rank: ServerGuard waits for a lost or restarted server,
-pushes the weights again and repeats the call; a server that does not come back, or an error on any rank, saves
-the run first on every rank and then stops it. The client and the weight transfer it drives are in vllm_server.py."""
+"""The trainer's link to the vLLM server: connect_server waits for it and checks the prompts fit, and ServerGuard makes
+the calls to it safe on every rank: it waits for a lost or restarted server, pushes the weights again and repeats the
+call; a server that does not come back, or an error on any rank, saves the run first on every rank and then stops it.
+The client and the weight transfer it drives are in vllm_server.py."""
 import os
 import time
 
 import torch
 import torch.distributed as dist
 
-from config import RunStopped, UsageError
-from vllm_server import ServerLost
+from config import Config, RunStopped, UsageError
+from vllm_server import ServerLost, VLLMClient
 
 
 class ServerGone(RunStopped):
@@ -118,3 +119,17 @@ class ServerGuard:
             dist.all_reduce(t)
         anywhere = tuple(bool(x > 0) for x in t)
         return anywhere if len(flags) > 1 else anywhere[0]
+
+
+def connect_server(cfg: Config, longest_prompt: int) -> tuple[VLLMClient, torch.dtype]:
+    """The client of the server at --vllm_server_host/port (waited for), and the dtype it computes in. Stops at once
+    if the longest prompt and completion do not fit its max model length."""
+    client = VLLMClient(cfg.vllm_server_host, cfg.vllm_server_port, os.environ.get("VLLM_API_KEY"),  # its --api-key
+                        cfg.vllm_request_timeout, cfg.vllm_server_timeout)
+    client.wait_for_health(cfg.vllm_server_timeout)
+    server_dtype, max_model_len = client.server_dtype_and_max_len()
+    if longest_prompt + cfg.max_completion_length > max_model_len:
+        raise UsageError(f"the longest prompt ({longest_prompt} tokens) + --max_completion_length "
+                         f"{cfg.max_completion_length} exceeds the server's max model length {max_model_len}: lower "
+                         "them or restart the server with a larger --max-model-len")
+    return client, server_dtype

@@ -7,7 +7,7 @@ prompt. A run with one --dataset is a mixture of one task and runs as it always 
 
     --dataset arithmetic:0.7,compare:0.3          # source[:weight],... (name=source to name one)
     --dataset mixture.yaml                        # a YAML or JSON file with a list `tasks:` (TASK_KEYS)
-    --env calc=environments:Calculator,guess=environments:Guess --dataset data.jsonl
+    --env calc=embedded:Calculator,guess=embedded:Guess --dataset data.jsonl
                                                   # TRL's form: each row's `environment` column picks its task
 
 Sampling: each step draws the task of each of its prompts by the weights, seeded by the step (a resumed run draws
@@ -31,10 +31,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from config import (EMBEDDED_ENVIRONMENTS, EMBEDDED_TASKS, NO_DATASET, NO_DATASET_STARTS, UsageError,
-                    is_mixture_spec, split_weight)
-from rollout import load_rollout, run_rollout
-from utils import epoch_order, load_rows, step_prompt_indices, sum_over_ranks
+from agents import agent_rollout_for, is_agent
+from config import (EMBEDDED_ENVIRONMENTS, EMBEDDED_TASKS, NO_DATASET, NO_DATASET_STARTS, UsageError, is_mixture_spec,
+                    split_weight)
+from data import encode_prompt, epoch_order, load_rows, step_prompt_indices
+from metrics import pass_at_k
+from rewards import is_reward_model, load_reward_func
+from rollout import generate, load_rollout, run_rollout
+from tools import probe_trajectory, tool_rollout_for, trajectory_metrics
+from utils import sum_over_ranks
+from vision import prompt_lengths, vision_probe, vision_rollout
+from weight_sync import Probe
 
 
 @dataclass
@@ -229,14 +236,21 @@ class Mixture:
     def env_reward_of(self, tasks: torch.Tensor) -> list[str | None]:
         return [self.tasks[t].env_reward for t in tasks.tolist()]
 
-    @property
-    def multi_turn(self) -> bool:
-        return any(t.tools or t.env for t in self.tasks)
+    def own_of(self, episodes: list) -> torch.Tensor:
+        """(N, k) which reward columns belong to each episode's task."""
+        return self.own[self.task_index([e.row for e in episodes])]
 
-    def multi_turn_only(self, episodes: list) -> list:
-        """The episodes of the tasks with tools or an environment (what tools.trajectory_metrics is about)."""
-        tasks = self.task_index([e.row for e in episodes]).tolist()
-        return [e for e, t in zip(episodes, tasks) if self.tasks[t].tools or self.tasks[t].env]
+    def sync_probe(self, tokenizer, processor) -> Probe:
+        """The fixed trajectory the server scores after pushes, to catch a sync that silently went wrong: the first
+        task's first prompt, with its system prompt and tools (a tool call, as the multi-turn rollout renders it),
+        or its image (a vision-language model), then a fixed answer."""
+        first, row = self.tasks[0], self.rows[0]
+        answer = " Let me think. 12 + 7 = 19, so the answer is \\boxed{19}."
+        if first.schemas:
+            return Probe(probe_trajectory(tokenizer, row["prompt"], first.system_prompt, first.schemas))
+        if processor:
+            return vision_probe(processor, row, first.system_prompt, answer)
+        return Probe(encode_prompt(tokenizer, row["prompt"], first.system_prompt) + tokenizer(answer)["input_ids"])
 
     def describe(self) -> str:
         """For the start line: `rewards ['accuracy', 'format'] x [1.0, 1.0]` (and the system prompt, if there is
@@ -249,7 +263,7 @@ class Mixture:
                                     for i, (t, p) in enumerate(zip(self.tasks, share)))
 
     def summary_names(self) -> dict[str, list[str]]:
-        """The reward functions of the run's last line (utils.eval_summary), under their metrics' prefix: all of
+        """The reward functions of the run's last line (metrics.eval_summary), under their metrics' prefix: all of
         them under eval/, or in a mixture each task's own under eval/task/<name>/."""
         if not self.mixed:
             return {"eval": self.names}
@@ -258,7 +272,6 @@ class Mixture:
 
     def longest_prompt(self, tokenizer, processor) -> int:
         """The longest prompt in tokens of any task's rows, with its system prompt and tools (every image is read)."""
-        from vision import prompt_lengths
         return max(max(prompt_lengths(tokenizer, processor, t.rows + t.eval_rows, t.system_prompt, t.schemas))
                    for t in self.tasks)
 
@@ -284,7 +297,7 @@ class Mixture:
         return out
 
     def _order(self, t: int, seed: int, epoch: int) -> list[int]:
-        """Task t's shuffled order of its rows in `epoch` (utils.epoch_order), the last two of each task and seed
+        """Task t's shuffled order of its rows in `epoch` (data.epoch_order), the last two of each task and seed
         kept: a step takes prompts of every task, in turn."""
         key = (t, seed)
         if epoch not in self._orders.setdefault(key, {}):
@@ -333,7 +346,6 @@ class Mixture:
         """An evaluation's metrics over all ranks (`rows`: this rank's, n completions each): the mean reward, each
         function's mean over the completions of its tasks (not scored = 0), pass@k (correct: the task's first
         reward function >= 1) and the mean length; per task too (eval/task/<name>/...) in a mixture."""
-        from utils import pass_at_k
         t = self.task_index(rows)  # (prompts,)
         correct = (matrix[torch.arange(len(matrix)), self.first[t.repeat_interleave(n)]] >= 1).view(-1, n).sum(dim=1)
         values = matrix.nan_to_num(0.0)
@@ -363,14 +375,19 @@ class Mixture:
                 out |= summary(f"eval/task/{task.name}", [i])
         return out
 
-    def metrics(self, rows: list[dict], rewards: torch.Tensor, matrix: torch.Tensor, zero_std: torch.Tensor,
-                G: int, prefix: str = "task") -> dict:
-        """Over all ranks, per task: `task/<name>/prompts` (this step's), `task/<name>/reward` (the mean over its
-        scored completions), `task/<name>/rewards/<fn>` for each of its functions (the mean over the completions
-        it scored), `task/<name>/frac_zero_std_groups`. Nothing for a run of one dataset."""
+    def metrics(self, episodes: list, rewards: torch.Tensor, matrix: torch.Tensor, zero_std: torch.Tensor,
+                G: int) -> dict:
+        """Over all ranks: the trajectories' metrics of the tasks with tools or an environment
+        (tools.trajectory_metrics), and in a mixture per task: `task/<name>/prompts` (this step's),
+        `task/<name>/reward` (the mean over its scored completions), `task/<name>/rewards/<fn>` for each of its
+        functions (the mean over the completions it scored), `task/<name>/frac_zero_std_groups`."""
+        t = self.task_index([e.row for e in episodes])  # (N,)
+        out = {}
+        if any(task.tools or task.env for task in self.tasks):
+            out = trajectory_metrics([e for e, i in zip(episodes, t.tolist()) if self.tasks[i].tools
+                                      or self.tasks[i].env])
         if not self.mixed:
-            return {}
-        t = self.task_index(rows)  # (N,)
+            return out
         sums = {}
         for i, task in enumerate(self.tasks):
             mine = t == i
@@ -381,9 +398,8 @@ class Mixture:
                 column = matrix[mine, j]
                 sums |= {f"{i}/r/{j}": column.nansum(), f"{i}/n/{j}": (~column.isnan()).sum()}
         s = sum_over_ranks(sums)
-        out = {}
         for i, task in enumerate(self.tasks):
-            key = f"{prefix}/{task.name}"
+            key = f"task/{task.name}"
             out[f"{key}/prompts"] = s[f"{i}/n"] / G
             if s[f"{i}/n"]:
                 out[f"{key}/reward"] = s[f"{i}/reward"] / s[f"{i}/scored"] if s[f"{i}/scored"] else math.nan
@@ -431,9 +447,6 @@ def load_mixture(cfg, tokenizer, processor=None) -> Mixture:
     rollouts (multi-turn with tools or an environment), their reward functions checked against their columns. A
     mistake is a one-line UsageError naming the task: a source that cannot be loaded, an unknown reward function,
     a task with fewer rows than one step takes."""
-    from rewards import is_reward_model, load_reward_func
-    from agents import agent_rollout_for, is_agent
-    from tools import tool_rollout_for
     tasks, mixed = parse_tasks(cfg), is_mixture(cfg)
     load = functools.cache(lambda dataset, split, prompt, answer, starts: load_rows(
         dataset, split, prompt, answer, cfg.num_arithmetic_problems, cfg.seed, num_starts=starts))
@@ -468,7 +481,8 @@ def load_mixture(cfg, tokenizer, processor=None) -> Mixture:
                     cfg, tokenizer, processor is not None, task.tools, task.env, _names(task.reward_funcs),
                     omit=("environment",) * bool(task.environment) + ("task",) * (mixed and not had_task))
             else:
-                task.rollout_fn = load_rollout(task.rollout, processor is not None)
+                task.rollout_fn = (load_rollout(task.rollout) if task.rollout else  # the user's, or one request
+                                   vision_rollout if processor else generate)  # with images, or of text
                 if not _names(task.reward_funcs):
                     raise UsageError("no reward functions: name reward_funcs (see rewards.py)")
             _weights(task)  # they parse, one per function

@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 import torch
 
 from config import UsageError
+from data import encode_prompt
+from logprobs import PerPrompt
 from rewards import EXTRA_ARGUMENTS
-from utils import PerPrompt, encode_prompt
 
 
 @dataclass
@@ -103,12 +104,8 @@ def generate(rows: list[dict], ctx: RolloutContext) -> list[Episode]:
             for i, s in enumerate(samples)]
 
 
-def load_rollout(name: str, vision: bool = False):
-    """rollout.generate for "" (vision.vision_rollout for a vision-language model), else the user's function named
-    module:function; UsageError saying what to change."""
-    if not name:
-        from vision import vision_rollout
-        return vision_rollout if vision else generate
+def load_rollout(name: str):
+    """The user's rollout function named module:function (--rollout); UsageError saying what to change."""
     module, _, fn = name.partition(":")
     if not module or not fn:
         raise UsageError(f"--rollout {name}: give module:function, e.g. my_rollouts:rollout for the function rollout "
@@ -225,7 +222,7 @@ def collate(episodes: list[Episode], pad_id: int) -> tuple[dict, dict]:
 
 
 def stack_model_inputs(episodes: list[Episode]) -> dict:
-    """The episodes' extra model inputs as one batch, a row per episode (utils.PerPrompt: episodes that share an
+    """The episodes' extra model inputs as one batch, a row per episode (logprobs.PerPrompt: episodes that share an
     input, the G of a group, share its one copy). Each is a tensor of one row for its prompt (leading dimension
     1), such as Idefics3's pixel_values (1, images, 3, H, W). Rows of unequal shape are padded with zeros to the
     largest (Idefics3 skips all-zero images, as its own processor pads a batch), and an episode without an input

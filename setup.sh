@@ -36,4 +36,4 @@ if [ ! -x .venv/bin/python ] || ! imports_ok 2>/dev/null; then
   imports_ok || { echo "installing requirements.txt failed"; exit 1; }
 fi
 stage "the embedded model (converted once)" \
-  .venv/bin/python -c "import config; print('default model:', config.default_model_path())"
+  .venv/bin/python -c "import embedded; print('default model:', embedded.default_model_path())"

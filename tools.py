@@ -26,9 +26,10 @@ import threading
 import traceback
 
 from config import UsageError
+from data import prompt_messages
 from rewards import named_parameters
 from rollout import Episode, RolloutContext, slot_seed
-from utils import prompt_messages, sum_over_ranks
+from utils import print0, sum_over_ranks
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
@@ -466,7 +467,7 @@ def environment_rewards(episodes: list[Episode], scores: list[list[float]], scor
     return [[math.nan if v is None else v for v in column] for column in scores]
 
 
-def trajectory_metrics(episodes: list[Episode], is_main: bool) -> dict:
+def trajectory_metrics(episodes: list[Episode]) -> dict:
     """Over all ranks: tool calls per trajectory, the completion tokens the model wrote and those the tools and the
     chat template added, trajectories ended because the template rewrote history, environments that failed, groups
     whose prompts differ (warned once: GRPO's baseline then compares answers to different prompts), agents' calls
@@ -478,12 +479,12 @@ def trajectory_metrics(episodes: list[Episode], is_main: bool) -> dict:
                         "failed": sum(bool(e.info.get("environment_error")) for e in episodes),
                         "differ": sum(bool(e.info.get("group_prompts_differ")) for e in episodes),
                         "forks": sum(e.info.get("forks", 0) for e in episodes)})
-    if t["differ"] and is_main and not _warned:
+    if t["differ"] and not _warned:
         _warned.append(True)
-        print(f"warning: in {t['differ']:g} group(s) the environment (reset(**row)) or the agent started the "
-              "G trajectories of one row with different prompts, and GRPO compares them as answers to one prompt. "
-              "Make the start depend on the row alone (with --dataset none, on its seed). Counted in "
-              "tools/groups_with_different_prompts", file=sys.stderr, flush=True)
+        print0(f"warning: in {t['differ']:g} group(s) the environment (reset(**row)) or the agent started the "
+               "G trajectories of one row with different prompts, and GRPO compares them as answers to one prompt. "
+               "Make the start depend on the row alone (with --dataset none, on its seed). Counted in "
+               "tools/groups_with_different_prompts", file=sys.stderr)
     n = max(t["n"], 1.0)
     return {"tools/calls": t["calls"] / n, "completion_length/model": t["model"] / n,
             "completion_length/environment": (t["all"] - t["model"]) / n,

@@ -36,31 +36,32 @@ import dataclasses
 import functools
 import json
 import math
-import os
 import time
 from contextlib import nullcontext
 
 import torch
+from transformers import AutoTokenizer
 
-from config import Config, UsageError, native_bf16, parse_config, resolve_model
-from guard import ServerGuard
+from checkpoints import (StopRequest, check_checkpoint, evaluated_last, find_checkpoint, load_checkpoint,
+                         prepare_output_dir, restore_training_state, save_checkpoint, save_model)
+from config import Config, UsageError, native_bf16, parse_config
+from embedded import resolve_model
+from guard import ServerGuard, connect_server
+from logprobs import completion_logprobs, length_sorted, no_grad_logprobs, take, to_device, trim_padding
+from metrics import (MetricsLogger, ScoringWatch, StepTimer, check_finite, console_line, eval_summary, mean_over_ranks,
+                     merge_stats, progress, reward_metrics, rollout_records, training_metrics)
 from mixture import load_mixture, resume_signature
+from models import build_models, build_optimizer, full_tensor, gradient_sync, reference_model
 from plot import plot_run
 from rewards import RewardScorer, load_postprocess, postprocessed, weighted_rewards
-from rollout import (SEED_LIMIT, RolloutContext, collate, episodes_to_json, presampled_from_json, run_rollout,
+from rollout import (RolloutContext, SEED_LIMIT, collate, episodes_to_json, presampled_from_json, run_rollout,
                      training_samples)
-from tools import environment_rewards, probe_trajectory, read_chat_template, trajectory_metrics
-from utils import (MetricsLogger, Probe, ScoringWatch, ServerWeights, StepTimer, StopRequest, add_lora, barrier,
-                   check_checkpoint, check_finite, check_sync, completion_logprobs, console_line, disable_dropout,
-                   distribute, encode_prompt, eval_summary, evaluated_last, extremes_over_ranks, find_checkpoint,
-                   full_tensor, gather_lines, gradient_sync, length_sorted, load_checkpoint, load_model,
-                   mean_over_ranks, merge_stats, no_grad_logprobs, prepare_output_dir, print0, progress,
-                   quantile_over_ranks, reference_model, restore_training_state, reward_metrics, rollout_records,
-                   run_and_exit, save_checkpoint, save_model, setup_distributed, sum_over_ranks, take, to_device,
-                   training_metrics, trim_padding)
-from vision import freeze_vision_tower, load_processor, parameter_groups, vision_probe
-from vllm_server import InThread, VLLMClient, WeightSync
-
+from tools import environment_rewards, read_chat_template
+from utils import (barrier, extremes_over_ranks, gather_lines, print0, quantile_over_ranks, run_and_exit,
+                   setup_distributed, std_over_ranks, sum_over_ranks)
+from vision import load_processor
+from vllm_server import InThread, WeightSync
+from weight_sync import ServerWeights, check_sync
 
 
 def group_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -343,14 +344,63 @@ def optimizer_step(optimizer, scheduler, params, max_grad_norm: float) -> torch.
     return norm
 
 
-def lr_factor(step: int, cfg: Config) -> float:
-    """LR multiplier at optimizer step `step` (0-based; a round makes num_iterations * steps_per_generation)."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    total = cfg.max_steps * cfg.num_iterations * cfg.steps_per_generation
-    progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
-    factors = {"constant": 1.0, "linear": 1.0 - progress, "cosine": 0.5 * (1 + math.cos(math.pi * progress))}
-    return factors[cfg.lr_scheduler_type]
+# -----------------------------------------------------------------------------
+# main()'s builds besides models.build_models and guard.connect_server: the tokenizer
+
+def load_tokenizer(cfg: Config, model_path: str):
+    """The model's processor (a vision-language model's, vision.py; else None) and its tokenizer, with
+    --chat_template if given (e.g. a template that renders tools, for a model whose own cannot)."""
+    processor = load_processor(model_path, cfg.chat_template, cfg.vision_learning_rate)
+    tokenizer = processor.tokenizer if processor else AutoTokenizer.from_pretrained(model_path)
+    if cfg.chat_template:
+        tokenizer.chat_template = read_chat_template(cfg.chat_template)
+    return processor, tokenizer
+
+
+# -----------------------------------------------------------------------------
+# the loop's mechanisms: pi_old and the reference, the updates of one step
+
+def old_and_ref_logprobs(model, ref_model, inputs: dict, loss_mask: torch.Tensor, cfg: Config, autocast,
+                         off_policy: bool) -> tuple:
+    """No-grad passes before the first update: pi_old's log-probs (off-policy only: on-policy the training forward's
+    detached log-probs are pi_old, and rho = 1), the high-entropy token mask (--top_entropy_quantile < 1, from pi_old's
+    entropies), the reference's log-probs (beta > 0; with LoRA the adapter is switched off). Each (N, C) or None."""
+    C, old_logp, ref_logp, entropy_mask = loss_mask.shape[1], None, None, None
+    if off_policy or cfg.top_entropy_quantile < 1:
+        old_logp, entropy = no_grad_logprobs(model, inputs, C, cfg.temperature, cfg.micro_batch_size, autocast)
+        old_logp = old_logp if off_policy else None
+        if cfg.top_entropy_quantile < 1:  # train on the step's high-entropy tokens only
+            entropy_mask = high_entropy_mask(entropy, loss_mask, cfg.top_entropy_quantile)
+    if cfg.beta > 0:
+        with reference_model(model, ref_model) as ref:
+            ref_logp = no_grad_logprobs(ref, inputs, C, cfg.temperature, cfg.micro_batch_size, autocast)[0]
+    return old_logp, ref_logp, entropy_mask
+
+
+def update(model, optimizer, scheduler, trainable: list, data: dict, step: int, cfg: Config, world_size: int,
+           autocast, timer) -> tuple[dict, list, torch.Tensor]:
+    """The optimizer steps of one generation round: num_iterations passes over `data`, each in steps_per_generation
+    shuffled parts, one optimizer step per part. Returns the summed statistics, each step's gradient norm, and the
+    policy's log-probs (N, C) in the first pass (before any update of this round: the sync check's)."""
+    sums, grad_norms, first_pass_logp = {}, [], torch.zeros(data["loss_mask"].shape)
+    for iteration in range(cfg.num_iterations):
+        seed = cfg.seed + step * 1000 + iteration
+        order = torch.randperm(len(data["loss_mask"]), generator=torch.Generator().manual_seed(seed))
+        for part in order.chunk(cfg.steps_per_generation):
+            part_sums, logp = accumulate_gradients(model, take(data, part), cfg, world_size, autocast)
+            merge_stats(sums, part_sums)
+            with timer.within("optimizer"):  # part of time/train
+                grad_norms.append(optimizer_step(optimizer, scheduler, trainable, cfg.max_grad_norm))
+            if iteration == 0:
+                first_pass_logp[part] = logp
+    return sums, grad_norms, first_pass_logp
+
+
+def sampler_diff(tokens: dict, keep, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sync check of every step: |logp - the sampler's log-prob| (N, C) of the tokens compared (the sampled ones
+    whose sampler log-prob is known, in rows that trained: `keep`, None = all), and those tokens (N, C)."""
+    compared = tokens["sampled"] * ~tokens["sampler_logp"].isnan() * (1 if keep is None else keep.unsqueeze(1))
+    return (logp - tokens["sampler_logp"]).abs().where(compared > 0, 0.0), compared
 
 
 def main(cfg: Config):
@@ -368,12 +418,8 @@ def main(cfg: Config):
     # writable, ours alone (locked), no earlier run's output to mix with: said now, not at the first save
     output_lock = prepare_output_dir(cfg.output_dir, resume, resume_step) if is_main else None
 
-    from transformers import AutoTokenizer
-    model_path = resolve_model(cfg.model)
-    processor = load_processor(model_path, cfg.chat_template, cfg.vision_learning_rate)  # a VLM's (vision.py) or None
-    tokenizer = processor.tokenizer if processor else AutoTokenizer.from_pretrained(model_path)
-    if cfg.chat_template:  # e.g. a template that renders tools, for a model whose own cannot
-        tokenizer.chat_template = read_chat_template(cfg.chat_template)
+    model_path = resolve_model(cfg.model)  # the embedded model's folder, a local folder or a hub id
+    processor, tokenizer = load_tokenizer(cfg, model_path)  # processor: a vision-language model's, else None
     pad_id = 0 if tokenizer.pad_token_id is None else tokenizer.pad_token_id  # masked out: any id (Llama 3 has none)
     # the tasks (mixture.py; one, for one dataset): their rows, rollouts (rows -> episodes through the server; tools
     # and environments: tools.py) and reward functions. `rows`: every task's, one list; eval_rows: held out
@@ -384,14 +430,7 @@ def main(cfg: Config):
     if longest > cfg.max_prompt_length:
         raise UsageError(f"the longest prompt has {longest} tokens > --max_prompt_length {cfg.max_prompt_length}: "
                          "raise it (and the server's --max-model-len) or drop the long prompts from the dataset")
-    client = VLLMClient(cfg.vllm_server_host, cfg.vllm_server_port, os.environ.get("VLLM_API_KEY"),  # its --api-key
-                        cfg.vllm_request_timeout, cfg.vllm_server_timeout)
-    client.wait_for_health(cfg.vllm_server_timeout)
-    server_dtype, max_model_len = client.server_dtype_and_max_len()
-    if longest + cfg.max_completion_length > max_model_len:
-        raise UsageError(f"the longest prompt ({longest} tokens) + --max_completion_length {cfg.max_completion_length} "
-                         f"exceeds the server's max model length {max_model_len}: lower them or restart the server "
-                         "with a larger --max-model-len")
+    client, server_dtype = connect_server(cfg, longest)  # waits for it; the prompts must fit
     scorer = RewardScorer(mixture.functions, {name: mixture.columns_of(name) for name in mixture.functions}, device,
                           cfg.max_steps, cfg.reward_timeout, cfg.reward_options())  # signatures checked now
     postprocess = load_postprocess(cfg.reward_postprocess)  # the reward matrix's hook (rewards.postprocess_rewards)
@@ -400,40 +439,19 @@ def main(cfg: Config):
     names = mixture.names  # k reward columns: every task's functions, then each environment's get_reward()
 
     state = load_checkpoint(resume) if resume else {"step": 0}  # optimizer, scheduler, RNG, step
-    policy = load_model(os.path.join(resume, "model") if resume and not cfg.use_peft else model_path, device, cfg.fsdp)
-    policy.config.use_cache = False
-    if cfg.gradient_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    frozen = freeze_vision_tower(policy) if processor and cfg.freeze_vision_tower else []  # VLMs: as loaded
-    if cfg.use_peft:  # train a LoRA adapter; the base weights stay frozen and serve as the reference
-        policy = add_lora(policy, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
-                          os.path.join(resume, "adapter") if resume else None, exclude=frozen)
-    if cfg.disable_dropout:  # the server samples without dropout: train that policy, and pi_old = its log-probs
-        disable_dropout(policy)
-    model = distribute(policy, device, cfg.fsdp, cfg.bf16, world_size)  # FSDP2 shards per layer; else DDP copies
-    ref_model = None
-    if cfg.beta > 0 and not cfg.use_peft:  # a frozen copy for the KL penalty (with LoRA: the adapter switched off)
-        ref_model = distribute(load_model(model_path, device, cfg.fsdp).eval().requires_grad_(False), device, cfg.fsdp,
-                               cfg.bf16, world_size, trainable=False)
+    policy, model, ref_model = build_models(cfg, model_path, processor is not None, resume, device, world_size)
     off_policy = cfg.num_iterations > 1 or cfg.steps_per_generation > 1  # then pi_old needs its own pass
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
     trainable = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(parameter_groups(policy, cfg.learning_rate, cfg.vision_learning_rate),  # VLMs: two
-                                  betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
+    optimizer, scheduler = build_optimizer(policy, cfg)
     if resume:
         changed = restore_training_state(state, model, optimizer, scheduler, rank, world_size)
         scorer.failures = state["scorer_failures"] if is_main else 0  # the sum over the ranks that wrote it
         print0(f"resuming from {resume} after step {state['step']}"
                + "".join(f"; {change} (this run's flag applies)" for change in changed + changed_flags))
 
-    # a fixed probe the server scores after pushes, to catch a sync that silently went wrong (a VLM's has an image);
-    # its prompt: the first task's first, with that task's system prompt and tools
-    first, prompt = mixture.tasks[0], rows[0]["prompt"]
-    answer = " Let me think. 12 + 7 = 19, so the answer is \\boxed{19}."
-    sync_probe = (Probe(probe_trajectory(tokenizer, prompt, first.system_prompt, first.schemas)) if first.schemas else
-                  vision_probe(processor, rows[0], first.system_prompt, answer) if processor else
-                  Probe(encode_prompt(tokenizer, prompt, first.system_prompt) + tokenizer(answer)["input_ids"]))
+    # a fixed probe the server scores after pushes, to catch a sync that silently went wrong (a VLM's has an image)
+    sync_probe = mixture.sync_probe(tokenizer, processor)
     exact = server_dtype == torch.float32 and not cfg.bf16
     sync_tolerance = cfg.sync_check_tolerance if cfg.sync_check_tolerance >= 0 else (1e-3 if exact else 0.5)
     # weights leave in the server's names and dtype, LoRA merged, FSDP2 shards gathered one tensor at a time;
@@ -454,10 +472,24 @@ def main(cfg: Config):
         ctx = RolloutContext(client, tokenizer, G, sampling, seed, cfg.system_prompt, processor, cfg.max_prompt_length)
         return functools.partial(run_rollout, rollout_fn, [rows[i] for i in rows_of(step, extra_round)], ctx)
 
-    def draw_more(step: int, extra_round: int, wanted: bool) -> tuple:
-        """--dynamic_sampling's extra round of `step`, scored: (episodes, texts, reward matrix, rewards, rows)."""
-        episodes = guard.run(rollout_call(step, extra_round) if wanted else list)  # every rank: a collective
-        return (episodes, *guard.run(score, episodes), rows_of(step, extra_round) if wanted else [])
+    def with_signal(step: int, batch: tuple) -> tuple[tuple, dict]:
+        """--dynamic_sampling (DAPO): the step's scored batch with its groups whose rewards all agree replaced by groups
+        of extra rounds, sampled and scored now (keep_groups_with_signal); without it, the batch as it is."""
+        if not cfg.dynamic_sampling:
+            return batch, {}
+
+        def draw_more(extra_round: int, wanted: bool) -> tuple:  # (episodes, texts, reward matrix, rewards, rows)
+            episodes = guard.run(rollout_call(step, extra_round) if wanted else list)  # every rank: a collective
+            return (episodes, *guard.run(score, episodes), rows_of(step, extra_round) if wanted else [])
+        batch, dynamic = keep_groups_with_signal(batch, draw_more, G, cfg.dynamic_sampling_max_rounds)
+        if dynamic["dynamic_sampling/groups_without_signal"] and not warned_short:
+            warned_short.append(step)  # said once
+            print0(f"warning: --dynamic_sampling found too few groups with signal in "
+                   f"{cfg.dynamic_sampling_max_rounds} extra rounds at step {step + 1}; the batch was filled "
+                   "with groups without (no policy gradient). Counted in dynamic_sampling/groups_without_signal; "
+                   "raise --dynamic_sampling_max_rounds or make the task easier")
+        return batch, dynamic
+    warned_short = []
 
     # async generation: {step: (policy version, this rank's episodes)} drawn while the step before trained;
     # checkpoints keep every rank's, in rank order (the step's prompts in order), so a resumed run, with any
@@ -539,7 +571,6 @@ def main(cfg: Config):
         logger.log(metrics)
         log_eval(state["step"], metrics)
     bad_steps, t_start = 0, time.perf_counter()  # steps in a row whose loss was not finite; for the progress bar
-    warned_short = False  # --dynamic_sampling could not fill a batch with groups with signal (said once)
     scoring = ScoringWatch(names, cfg.max_unscored_steps)  # steps in a row with a reward function down, or alike
     for step in range(state["step"], cfg.max_steps):
         timer = StepTimer()
@@ -549,52 +580,31 @@ def main(cfg: Config):
         # during the step before (by the weights before it), except the first one.
         presampled = {step: presampled.get(step) or (scheduler.last_epoch, guard.run(rollout_call(step)))}
         version, episodes = presampled[step]  # G per row, row by row
-        pending = None
-        if cfg.async_generation:  # the server samples the next batch while we train (after the last step too:
-            # the last checkpoint keeps it, so that a run continued from it goes on as if never stopped)
-            pending = InThread(rollout_call(step + 1))
+        # async: the server samples the next batch while we train (after the last step too: the last checkpoint
+        # keeps it, so that a run continued from it goes on as if never stopped)
+        pending = InThread(rollout_call(step + 1)) if cfg.async_generation else None
         timer.lap("generate")
 
         # ---------------------------------------------------------------------- score
         texts, reward_matrix, rewards = guard.run(score, episodes)  # (N, k) per function (NaN: not scored); (N,)
         guard.run(scoring.update, scorer.failed, scorer.attempted, rewards, step + 1)  # a judge gone: saves, stops
-        dynamic = {}
-        if cfg.dynamic_sampling:  # DAPO: groups whose rewards all agree make way for more, sampled now
-            (episodes, texts, reward_matrix, rewards, mine), dynamic = keep_groups_with_signal(
-                (episodes, texts, reward_matrix, rewards, mine), functools.partial(draw_more, step), G,
-                cfg.dynamic_sampling_max_rounds)
-            if dynamic["dynamic_sampling/groups_without_signal"] and not warned_short:
-                warned_short = True
-                print0(f"warning: --dynamic_sampling found too few groups with signal in "
-                       f"{cfg.dynamic_sampling_max_rounds} extra rounds at step {step + 1}; the batch was filled "
-                       "with groups without (no policy gradient). Counted in dynamic_sampling/groups_without_signal; "
-                       "raise --dynamic_sampling_max_rounds or make the task easier")
+        # --dynamic_sampling (DAPO): groups whose rewards all agree make way for more, sampled now
+        (episodes, texts, reward_matrix, rewards, mine), dynamic = with_signal(
+            step, (episodes, texts, reward_matrix, rewards, mine))
         timer.lap("score")
 
         # ---------------------------------------------------------------------- advantages
-        r = sum_over_ranks({"n": (~rewards.isnan()).sum(), "sum": rewards.nansum(), "sq": rewards.pow(2).nansum()})
-        batch_std = math.sqrt(max(r["sq"] - r["sum"] ** 2 / max(r["n"], 1), 0.0) / max(r["n"] - 1, 1))  # all ranks
-        advantages = group_advantages(rewards, G, cfg.scale_rewards, batch_std)  # (N,), 0 where not scored
+        advantages = group_advantages(rewards, G, cfg.scale_rewards, std_over_ranks(rewards))  # (N,), 0: not scored
         zero_std = without_signal(rewards, G).repeat_interleave(G)  # (N,) groups with no signal
 
         # ---------------------------------------------------------------------- old / ref log-probs
         samples, of = training_samples(episodes)  # (S,) what trains: the episodes (and agents' forks); of: theirs
         inputs, tokens = collate(samples, pad_id)  # the model's inputs; (S, C) mask, sampled, logp
-        C, sampler_logp = tokens["mask"].shape[1], tokens["sampler_logp"]
         truncated = torch.tensor([e.finish_reason == "length" for e in samples])  # (S,)
         loss_mask = loss_mask_of(tokens["sampled"], truncated, cfg.mask_truncated_completions)  # (S, C) sampled tokens
-        # Off-policy (several updates per generation batch), pi_old must be frozen before the first
-        # update. On-policy the training forward's detached log-probs are pi_old: no extra pass, and
-        # ratio = 1, so the clip metrics are 0 by construction.
-        old_logp = ref_logp = entropy_mask = None
-        if off_policy or cfg.top_entropy_quantile < 1:  # pi_old's log-probs, and its entropies for the mask
-            old_logp, entropy = no_grad_logprobs(model, inputs, C, cfg.temperature, cfg.micro_batch_size, autocast)
-            old_logp = old_logp if off_policy else None  # on-policy the training forward's are the same
-            if cfg.top_entropy_quantile < 1:  # train on the step's high-entropy tokens only
-                entropy_mask = high_entropy_mask(entropy, loss_mask, cfg.top_entropy_quantile)
-        if cfg.beta > 0:
-            with reference_model(model, ref_model) as ref:
-                ref_logp = no_grad_logprobs(ref, inputs, C, cfg.temperature, cfg.micro_batch_size, autocast)[0]
+        # off-policy (several updates per generation batch), pi_old is frozen before the first update
+        old_logp, ref_logp, entropy_mask = old_and_ref_logprobs(model, ref_model, inputs, loss_mask, cfg, autocast,
+                                                                off_policy)
         timer.lap("old_ref")
 
         # ---------------------------------------------------------------------- loss and step
@@ -604,33 +614,20 @@ def main(cfg: Config):
         model.train()
         data = dict(inputs=inputs, loss_mask=loss_mask, advantages=advantages[of],
                     old_logp=old_logp, ref_logp=ref_logp, keep=~zero_std[of] if cfg.drop_zero_std_groups else None,
-                    sampler_logp=sampler_logp, entropy_mask=entropy_mask)
-        sums, grad_norms, first_pass_logp = {}, [], torch.zeros(loss_mask.shape)
-        for iteration in range(cfg.num_iterations):
-            seed = cfg.seed + step * 1000 + iteration
-            order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed))
-            for part in order.chunk(cfg.steps_per_generation):  # one optimizer step on each part
-                part_sums, logp = accumulate_gradients(model, take(data, part), cfg, world_size, autocast)
-                merge_stats(sums, part_sums)
-                with timer.within("optimizer"):  # part of time/train
-                    grad_norms.append(optimizer_step(optimizer, scheduler, trainable, cfg.max_grad_norm))
-                if iteration == 0:
-                    first_pass_logp[part] = logp
+                    sampler_logp=tokens["sampler_logp"], entropy_mask=entropy_mask)
+        sums, grad_norms, first_pass_logp = update(model, optimizer, scheduler, trainable, data, step, cfg, world_size,
+                                                   autocast, timer)
         # the server's log-probs of what it sampled vs ours for the same weights: a sync check
-        compared = (tokens["sampled"] * ~sampler_logp.isnan()  # sampled, its sampler log-prob known, in rows we ran
-                    * (1 if data["keep"] is None else data["keep"].unsqueeze(1)))
-        diff = ((first_pass_logp if old_logp is None else old_logp) - sampler_logp).abs().where(compared > 0, 0.0)
+        diff, compared = sampler_diff(tokens, data["keep"], first_pass_logp if old_logp is None else old_logp)
         timer.lap("train")
 
         # ---------------------------------------------------------------------- metrics (a stop from here to the
         # log line, after this step's update, logs them before it saves: no step is missing in metrics.jsonl)
         metrics = {**mean_over_ranks(scorer.metrics), "step": step + 1,  # the reward functions' log_metric first
-                   **reward_metrics(rewards, reward_matrix, names, zero_std, scorer.failures,
-                                    mixture.own[mixture.task_index([e.row for e in episodes])]),
-                   **mixture.metrics([e.row for e in episodes], rewards, reward_matrix, zero_std, G),
+                   **reward_metrics(rewards, reward_matrix, names, zero_std, scorer.failures, mixture.own_of(episodes)),
+                   **mixture.metrics(episodes, rewards, reward_matrix, zero_std, G),  # per task; multi-turn
                    **training_metrics(sums, grad_norms, tokens["mask"].sum(dim=1).float(), truncated, diff, compared,
-                                     kl=cfg.beta > 0),
-                   **(trajectory_metrics(mixture.multi_turn_only(episodes), is_main) if mixture.multi_turn else {}),
+                                      kl=cfg.beta > 0),
                    **dynamic, "lr": scheduler.get_last_lr()[0], "optimizer_steps": scheduler.last_epoch,
                    "old_logprob_pass": int(off_policy or cfg.top_entropy_quantile < 1)}
         unlogged.update(metrics)

@@ -11,15 +11,14 @@ the images as data URLs; it answers with the prompt ids it expanded, which must 
 import base64
 import concurrent.futures
 import io
-import re
 
 from config import UsageError
+from data import encode_prompts, prompt_messages
 from rollout import Episode, RolloutContext, slot_seed
-from utils import Probe, encode_prompts, prompt_messages
+from weight_sync import Probe
 
 IMAGE_COLUMNS = ("images", "image")
 ARCHITECTURES = ("idefics3", "smolvlm")  # pixel_values (prompts, images, 3, H, W), served by vLLM's CPU build
-VISION_MODULES = ("vision_model", "vision_tower", "visual", "connector", "multi_modal_projector", "mm_projector")
 
 
 def load_processor(model_path: str, chat_template: str = "", vision_learning_rate: float = 0.0):
@@ -53,31 +52,6 @@ def longest_edge(processor) -> int | None:
     down to it before either side sees them."""
     size = getattr(getattr(processor, "image_processor", None), "size", None)  # a dict, or transformers' SizeDict
     return size.get("longest_edge") if isinstance(size, dict) else getattr(size, "longest_edge", None)
-
-
-def freeze_vision_tower(model) -> list[str]:
-    """Keep a VLM's vision encoder and connector as loaded (--freeze_vision_tower): no gradient, so no optimizer
-    state, and the weight sync sends them once. Returns the frozen modules' names (LoRA leaves them out)."""
-    frozen = [name for name, module in model.named_modules() if name.rsplit(".", 1)[-1] in VISION_MODULES]
-    for name in frozen:
-        model.get_submodule(name).requires_grad_(False)
-    return frozen
-
-
-def parameter_groups(model, learning_rate: float, vision_learning_rate: float) -> list[dict]:
-    """The optimizer's parameter groups: a VLM's trained vision encoder and connector at vision_learning_rate
-    (0: learning_rate), everything else that trains at learning_rate. One group for a text model."""
-    vision, other = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            parts = name.split(".")
-            (vision if any(part in VISION_MODULES for part in parts) else other).append(p)
-    if not vision:
-        if vision_learning_rate:
-            raise UsageError("--vision_learning_rate: this model has no vision tower that trains (a text-only model); "
-                             "drop the flag")
-        return [{"params": other, "lr": learning_rate}]
-    return [{"params": other, "lr": learning_rate}, {"params": vision, "lr": vision_learning_rate or learning_rate}]
 
 
 def row_images(row: dict, longest_edge: int | None = None) -> list:
@@ -234,118 +208,3 @@ def vision_rollout(rows: list[dict], ctx: RolloutContext) -> list[Episode]:
         episodes += [Episode(rows[i], ids, s["token_ids"], [True] * len(s["token_ids"]), s["logprobs"],
                              s["finish_reason"], model_inputs=inputs) for s in samples]
     return episodes
-
-
-# -----------------------------------------------------------------------------
-# the embedded vision task: shapes drawn with PIL, and a small VLM built from the embedded SmolLM2
-
-COLOURS = {"red": (220, 30, 30), "green": (30, 170, 40), "blue": (30, 60, 220), "yellow": (230, 200, 20)}
-SHAPES = ("circle", "square", "triangle")
-SHAPES_QUESTION = "What colour is the shape in the picture? Answer with one word: red, green, blue or yellow."
-
-
-def draw_shape(colour: str, shape: str, rng):
-    """A 64x64 picture: one shape of one colour, of a random size and place, on a light background."""
-    from PIL import Image, ImageDraw
-    image = Image.new("RGB", (64, 64), tuple(rng.randint(225, 255) for _ in range(3)))
-    size = rng.randint(20, 44)
-    x, y = rng.randint(2, 62 - size), rng.randint(2, 62 - size)
-    box, fill, draw = (x, y, x + size, y + size), COLOURS[colour], ImageDraw.Draw(image)
-    if shape == "circle":
-        draw.ellipse(box, fill=fill)
-    elif shape == "square":
-        draw.rectangle(box, fill=fill)
-    else:
-        draw.polygon([(x + size / 2, y), (x, y + size), (x + size, y + size)], fill=fill)
-    return image
-
-
-def shape_problems(n: int, seed: int, split: str = "train") -> list[dict]:
-    """The embedded vision task: a picture of one shape, "what colour is it?", the colour as the answer (chance:
-    1 in 4). "test" gives 64 pictures drawn from seeds no training picture has (`n` is ignored)."""
-    import random
-    rng = random.Random(seed + (10 ** 9 if split == "test" else 0))
-    rows = []
-    for i in range(64 if split == "test" else n):
-        colour, shape = list(COLOURS)[i % len(COLOURS)], rng.choice(SHAPES)
-        rows.append({"prompt": SHAPES_QUESTION, "image": draw_shape(colour, shape, rng), "answer": colour,
-                     "shape": shape})
-    rng.shuffle(rows)
-    return rows
-
-
-EMBEDDED_VLM_TEMPLATE = (  # SmolLM2's ChatML template (its default system message), with image parts as <image>
-    "{%- if messages[0]['role'] != 'system' -%}"
-    "{{- '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- for message in messages -%}{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['content'] is string -%}{{- message['content'] -}}"
-    "{%- else -%}{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'image' -%}{{- '<image>' -}}{%- elif part['type'] == 'text' -%}{{- part['text'] -}}"
-    "{%- endif -%}{%- endfor -%}{%- endif -%}{{- '<|im_end|>\\n' -}}{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
-
-
-def build_embedded_vlm(out: str, language_model: str, image_size: int = 64, seed: int = 0):
-    """An Idefics3 (SmolVLM's architecture) whose language model is `language_model` (the embedded
-    SmolLM2-135M-Instruct), with a small random vision tower (2 layers, width 128, patches of 8) and connector
-    (pixel shuffle by 2: (image_size / 16)^2 image tokens per image), scaled so that image tokens enter the
-    language model at the norm of its word embeddings. Nothing pretrained sees the pictures: what the model
-    learns about them, it learns in training (train it with --freeze_vision_tower false). Written atomically."""
-    import os
-    import shutil
-
-    import torch
-    from transformers import (AutoModelForCausalLM, AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration,
-                              Idefics3ImageProcessor, Idefics3Processor)
-    tokenizer = AutoTokenizer.from_pretrained(language_model)
-    tokenizer.add_special_tokens({"additional_special_tokens": [
-        "<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]})
-    tokenizer.chat_template = EMBEDDED_VLM_TEMPLATE
-    lm = AutoModelForCausalLM.from_pretrained(language_model, dtype=torch.float32)
-    text = lm.config.to_dict() | {"vocab_size": len(tokenizer)}
-    config = Idefics3Config(text_config=text, vision_config=dict(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, image_size=image_size,
-        patch_size=8), scale_factor=2, image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
-        tie_word_embeddings=lm.config.tie_word_embeddings, pad_token_id=lm.config.pad_token_id)
-    torch.manual_seed(seed)
-    model = Idefics3ForConditionalGeneration(config).eval()
-    lm.resize_token_embeddings(len(tokenizer), mean_resizing=True)  # the new image tokens: the mean embedding
-    model.model.text_model.load_state_dict(lm.model.state_dict())
-    if not config.tie_word_embeddings:
-        model.lm_head.load_state_dict(lm.lm_head.state_dict())
-    image_processor = Idefics3ImageProcessor(size={"longest_edge": image_size}, do_image_splitting=False,
-                                             max_image_size={"longest_edge": image_size})
-    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer,
-                                  image_seq_len=(image_size // 16) ** 2, chat_template=EMBEDDED_VLM_TEMPLATE)
-    import random
-    rng = random.Random(seed)
-    pictures = [draw_shape(c, s, rng) for c in COLOURS for s in SHAPES]
-    with torch.no_grad():  # image tokens at the word embeddings' typical norm
-        pixels = processor.image_processor(pictures, return_tensors="pt")["pixel_values"]
-        features = model.model.get_image_features(pixel_values=pixels)
-        features = features.pooler_output if hasattr(features, "pooler_output") else features
-        words = model.model.text_model.embed_tokens.weight.norm(dim=-1).median()
-        model.model.connector.modality_projection.proj.weight.mul_(words / features.norm(dim=-1).median())
-    staging = f"{out}.tmp{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
-    processor.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    try:
-        os.replace(staging, out)  # atomic: a killed build never leaves a half-written folder
-    except OSError:  # another process (the server, the trainer) built it meanwhile
-        shutil.rmtree(staging, ignore_errors=True)
-        if not os.path.isfile(os.path.join(out, "config.json")):
-            raise
-    return out
-
-
-def named_colour(completions, answer, **kwargs) -> list[float]:
-    """The embedded vision task's reward: 1.0 if the completion names the picture's colour and no other."""
-    from rewards import completion_text
-    out = []
-    for completion, colour in zip(completions, answer):
-        words = set(re.findall(r"[a-z]+", completion_text(completion).lower()))
-        out.append(float(colour in words and not (words & set(COLOURS)) - {colour}))
-    return out

@@ -52,7 +52,8 @@ import torch
 import torch.distributed as dist
 from urllib3.connection import HTTPConnection
 
-from config import DEFAULT_MODEL, RunStopped, UsageError, native_bf16, resolve_model, run_main
+from config import DEFAULT_MODEL, RunStopped, UsageError, native_bf16, run_main
+from embedded import resolve_model
 
 DEFAULT_PORT = 8000
 DEFAULT_GROUP_PORT = 51216  # the TCP port of the trainer<->server weight-transfer rendezvous
@@ -367,7 +368,7 @@ class WeightSync:
     reading sharded weights is a collective; rank 0 alone talks to the server. The transport is the
     one the server was started with (--weight-transfer-config): our `gloo` (any machine: host memory
     over TCP) or vLLM's `nccl` (GPU to GPU); the code that calls it is the same.
-    `source`: (name, tensor) pairs in the server's names and dtype, with metadata() (utils.ServerWeights)."""
+    `source`: (name, tensor) pairs in the server's names and dtype, with metadata() (weight_sync.ServerWeights)."""
 
     def __init__(self, client: VLLMClient, source, rank: int, group_host: str, group_port: int, bucket_mb: float = 64):
         self.client, self.source, self.rank, self.engine = client, _Resumable(source), rank, None

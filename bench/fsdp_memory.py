@@ -5,7 +5,7 @@ holds at most while it
   backward  then runs the forward and backward of one optimizer step's --micro_batches micro-batches
           (train.accumulate_gradients, on random completions of --length tokens);
   step    then takes the optimizer step (train.optimizer_step, AdamW);
-  save    then writes a checkpoint as train.py does (utils.save_checkpoint: optimizer state gathered);
+  save    then writes a checkpoint as train.py does (checkpoints.save_checkpoint: optimizer state gathered);
   resume  loads it, then restores the optimizer from that checkpoint as a resume does (load_checkpoint,
           restore_training_state).
 
@@ -45,11 +45,13 @@ def worker(a):
 
     import torch
     from transformers import AutoTokenizer
-    from config import Config, resolve_model
+    from checkpoints import load_checkpoint, restore_training_state, save_checkpoint
+    from config import Config
+    from embedded import resolve_model
+    from models import distribute, load_model, lr_factor
     from rollout import collate, sampled_episode
-    from train import accumulate_gradients, lr_factor, optimizer_step
-    from utils import (distribute, load_checkpoint, load_model, restore_training_state, save_checkpoint,
-                       setup_distributed)
+    from train import accumulate_gradients, optimizer_step
+    from utils import setup_distributed
     rank, _, world_size, device, _ = setup_distributed()
     start = rss_gib()
     cfg = Config(fsdp=a.mode == "fsdp", micro_batch_size=a.micro_batch_size, bf16=False, max_completion_length=a.length)
@@ -113,7 +115,7 @@ if __name__ == "__main__":
     phases = [phase for phase in PHASES if phase in a.phases.split(",")]
     if not phases or set(a.phases.split(",")) - set(PHASES) or ("resume" in phases and "save" not in phases):
         p.error(f"--phases {a.phases}: a comma-separated list of {','.join(PHASES)}; resume needs save")
-    from config import resolve_model
+    from embedded import resolve_model
     from transformers import AutoConfig
     import torch
     model = resolve_model(a.model)

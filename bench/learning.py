@@ -83,7 +83,8 @@ if __name__ == "__main__":
         if min(given) < 0:
             p.error(f"--seeds {' '.join(map(str, given))}: seeds are 0 or more")
         seeds = given
-    from config import parse_config, resolve_model
+    from config import parse_config
+    from embedded import resolve_model
     flags = [*(["--env", args.env] if args.env else []), *args.flags]
     model = args.model or parse_config(flags).model  # e.g. the embedded VLM for --dataset shapes
     flags = ["--model", model, *flags]

@@ -94,9 +94,10 @@ def training_limit(model: str, work: dict, variants: list[str]) -> dict[str, dic
     model, with each of `variants` (Config settings "name=value,..."): {"bare": {step: s}, variant: {step: s}}."""
     import torch
     from config import Config
-    from train import accumulate_gradients
+    from logprobs import length_sorted, positions, take, trim_padding
+    from models import load_model
     from rollout import collate, sampled_episode
-    from utils import length_sorted, load_model, positions, take, trim_padding
+    from train import accumulate_gradients
     policy = load_model(model, torch.device("cpu"))
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if compute_dtype() == torch.bfloat16 else nullcontext()
 
@@ -136,7 +137,7 @@ def training_limit(model: str, work: dict, variants: list[str]) -> dict[str, dic
 
 def sync_limit(model: str, repeats: int = 3) -> float:
     import torch
-    from utils import load_model
+    from models import load_model
     from vllm_server import bucket_plan, keep_freed_memory
     keep_freed_memory()
     dtype = compute_dtype()
@@ -161,7 +162,7 @@ def sync_limit(model: str, repeats: int = 3) -> float:
 def reload_floor(model: str, repeats: int = 3) -> float:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: tensors handed over as they are
     import torch
-    from utils import load_model
+    from models import load_model
     llm = offline_engine(model)
     weights = [(name, p.detach().to(compute_dtype())) for name, p in load_model(model, torch.device("cpu")).named_parameters()]
 
@@ -205,7 +206,7 @@ if __name__ == "__main__":
         sys.exit(0)
 
     sys.path.insert(0, ROOT)
-    from config import resolve_model
+    from embedded import resolve_model
     model = resolve_model(a.model)
     with tempfile.TemporaryDirectory() as tmp:
         with serving(model, tmp) as server:

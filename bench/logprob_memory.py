@@ -1,8 +1,8 @@
 """Peak memory of the no-grad log-prob pass, three ways: "logits" is the usual way (the model's logits,
-then an fp32 log-softmax and a gather); "plain" is utils.completion_logprobs with the head applied to all
+then an fp32 log-softmax and a gather); "plain" is logprobs.completion_logprobs with the head applied to all
 positions at once (chunk_size None); "chunked" applies it 32 positions at a time, which is what
-utils.completion_logprobs does without grad (pi_old, reference, probe). Then the training pass (forward
-and backward through utils.completion_logprobs) without and with --gradient_checkpointing. Each path runs
+logprobs.completion_logprobs does without grad (pi_old, reference, probe). Then the training pass (forward
+and backward through logprobs.completion_logprobs) without and with --gradient_checkpointing. Each path runs
 in its own process; the number is the growth of the process's peak RSS during the pass.
 
     .venv/bin/python bench/logprob_memory.py [--model smollm2-135m] [--batch 16] [--completion 256]
@@ -21,9 +21,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def measure(path: str, model: str, batch: int, prompt: int, completion: int) -> dict:
     sys.path.insert(0, ROOT)
     import torch
-    import config
-    import utils
-    m = utils.load_model(config.resolve_model(model), "cpu")
+    import embedded
+    import logprobs
+    import models
+    m = models.load_model(embedded.resolve_model(model), "cpu")
     m.config.use_cache = False
     m.train(path.startswith("train"))  # as in train.py: transformers checkpoints only in train mode
     if path == "train_checkpointing":
@@ -37,7 +38,7 @@ def measure(path: str, model: str, batch: int, prompt: int, completion: int) -> 
             logits = m(**inputs).logits[:, -completion - 1:-1].float()
             logits.log_softmax(-1).gather(-1, inputs["input_ids"][:, -completion:, None])
         else:
-            logps, _ = utils.completion_logprobs(m, inputs, completion, 1.0, 32 if path == "chunked" else None)
+            logps, _ = logprobs.completion_logprobs(m, inputs, completion, 1.0, 32 if path == "chunked" else None)
     if path.startswith("train"):
         logps.mean().backward()
     seconds = time.perf_counter() - t

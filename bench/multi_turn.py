@@ -42,9 +42,9 @@ def rollouts(model: str, port: int, env: str, steps: int, prompts: int, G: int, 
     """Each step: {"seconds": the rollout's wall time, "requests": what it asked the server, "turns", "calls"}."""
     from transformers import AutoTokenizer
     from config import EMBEDDED_ENVIRONMENTS
+    from data import load_rows
     from rollout import RolloutContext
     from tools import load_callables, tool_rollout
-    from utils import load_rows
     from vllm_server import VLLMClient
     factory = load_callables(EMBEDDED_ENVIRONMENTS.get(env, (env,))[0], "--env")[0]
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -86,7 +86,7 @@ if __name__ == "__main__":
     p.add_argument("--replay", help=argparse.SUPPRESS)  # the limit's own process: a file of recorded steps
     a = p.parse_args()
     sys.path.insert(0, ROOT)
-    from config import resolve_model
+    from embedded import resolve_model
     model = resolve_model(a.model)
     replay_if_asked(a.replay, replay, model)
     with tempfile.TemporaryDirectory() as tmp:

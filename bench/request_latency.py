@@ -34,8 +34,9 @@ def summary(times: list[float]) -> str:
 
 def measure(model: str, flags: tuple, workdir: str, requests: int, pushes: int, idle: float) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from utils import ServerWeights, cpu_seconds_of_group
+    from utils import cpu_seconds_of_group
     from vllm_server import VLLMClient, WeightSync
+    from weight_sync import ServerWeights
     with serving(model, workdir, *flags) as server:
         client = VLLMClient(port=server["port"])
         dtype, _ = client.server_dtype_and_max_len()
@@ -74,7 +75,7 @@ def main():
     if set(args.pollings.split(",")) - set(POLLINGS):
         parser.error(f"--pollings {args.pollings}: of {','.join(POLLINGS)}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from config import resolve_model
+    from embedded import resolve_model
     with tempfile.TemporaryDirectory() as workdir:
         results = []
         for name in args.models.split(","):

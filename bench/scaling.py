@@ -22,7 +22,7 @@ if __name__ == "__main__":
     p.add_argument("--runs", default=RUNS, help="comma-separated processes:G:length; the first is the base")
     p.add_argument("train_flags", nargs="*", help="more train.py flags for every run, after --")
     a = p.parse_args()
-    from config import resolve_model
+    from embedded import resolve_model
     model = resolve_model(a.model)
     print(f"{a.model} | {a.prompts} prompts per step | {a.steps} steps per run | flags {' '.join(a.train_flags) or '(defaults)'}")
     print(f"  {'procs':>5s} {'G':>3s} {'max len':>7s} {'mean len':>8s} " + " ".join(f"{p:>8s}" for p in PHASES)

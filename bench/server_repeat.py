@@ -37,8 +37,8 @@ if __name__ == "__main__":
     sys.path.insert(0, ROOT)
     from transformers import AutoTokenizer
 
-    from config import DEFAULT_DATASET, EMBEDDED_TASKS, resolve_model
-    from utils import arithmetic_problems
+    from config import DEFAULT_DATASET, EMBEDDED_TASKS
+    from embedded import arithmetic_problems, resolve_model
     from vllm_server import VLLMClient
     model = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model)

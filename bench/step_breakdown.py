@@ -41,7 +41,7 @@ if __name__ == "__main__":
     p.add_argument("--split_cores", action="store_true", help="server and trainer on separate halves of the cores")
     p.add_argument("train_flags", nargs="*", help="more train.py flags for every run, after --")
     a = p.parse_args()
-    from config import resolve_model
+    from embedded import resolve_model
     model = resolve_model(a.model)
     print(f"{a.model} | {a.nproc} process(es) | {a.prompts} prompts x G={a.G}, up to {a.length} tokens | {a.steps} steps "
           f"| flags {' '.join(a.train_flags) or '(defaults)'}")

@@ -12,8 +12,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from embedded import arithmetic_problems  # noqa: E402
 from rewards import accuracy, format  # noqa: E402 - TRL's signature: they run in TRL as they are
-from utils import arithmetic_problems  # noqa: E402
 
 
 if __name__ == "__main__":

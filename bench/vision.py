@@ -41,8 +41,8 @@ class Recording:
 
 def rollouts(model: str, port: int, steps: int, prompts: int, G: int, length: int):
     """Each step's (seconds, recorded requests, episodes) of vision_rollout against the server."""
+    from data import load_rows
     from rollout import RolloutContext
-    from utils import load_rows
     from vision import load_processor, vision_rollout
     from vllm_server import VLLMClient
     processor = load_processor(model)
@@ -79,9 +79,10 @@ def training(model: str, batches: list[list]) -> tuple[list[float], list[float]]
     import torch
     from config import Config
     from limits import compute_dtype
+    from logprobs import length_sorted, positions, take, to_device, trim_padding
+    from models import load_model
     from rollout import collate
     from train import accumulate_gradients
-    from utils import length_sorted, load_model, positions, take, to_device, trim_padding
     policy = load_model(model, torch.device("cpu"))
     policy.config.use_cache = False
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if compute_dtype() == torch.bfloat16 else nullcontext()
@@ -134,7 +135,7 @@ if __name__ == "__main__":
     p.add_argument("--replay", help=argparse.SUPPRESS)  # the limit's own process: a file of recorded requests
     a = p.parse_args()
     sys.path.insert(0, ROOT)
-    from config import resolve_model
+    from embedded import resolve_model
     model = resolve_model(a.model)
     replay_if_asked(a.replay, generation_limit, model)
     with tempfile.TemporaryDirectory() as tmp:

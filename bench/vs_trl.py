@@ -57,7 +57,7 @@ if __name__ == "__main__":
     p.add_argument("--trl_gradient_checkpointing", default="true,false")
     p.add_argument("--nanogrpo", nargs="*", default=["", "--async_generation"], help="train.py flags of each nanogrpo run")
     a = p.parse_args()
-    from config import resolve_model
+    from embedded import resolve_model
     model = resolve_model(a.model)
     results = []  # (name, step seconds, peak GiB, note)
     for checkpointing in a.trl_gradient_checkpointing.split(","):

@@ -116,7 +116,7 @@ def make_tiny_model(path, num_heads: int = 1, max_positions: int = 1024) -> str:
     SmolLM2 tokenizer; 3 M parameters with one head."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    from config import default_model_path
+    from embedded import default_model_path
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=num_heads, num_key_value_heads=num_heads, head_dim=64,
@@ -147,7 +147,7 @@ def make_tiny_vlm(path, image_size: int = 64) -> str:
     import torch
     from transformers import (AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessor,
                               Idefics3Processor)
-    from config import default_model_path
+    from embedded import default_model_path
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     tokenizer.add_special_tokens({"additional_special_tokens": [
         "<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]})

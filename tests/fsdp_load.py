@@ -1,6 +1,6 @@
 """Run by tests/test_invariance.py under torchrun: FSDP2 trains the model in the folder, though only rank 0 reads
 it. Loads MODEL_DIR as train.py does (utils.load_model with fsdp: rank 0 reads, the other ranks build the model
-on the meta device; utils.distribute shards it from rank 0's copy), as it is ("plain"), with a fresh LoRA adapter
+on the meta device; models.distribute shards it from rank 0's copy), as it is ("plain"), with a fresh LoRA adapter
 ("lora") or with one to continue from ("adapter=DIR"), and compares with a plain load on every rank: every
 parameter (gathered), every buffer (rotary frequencies are not in the state dict), the logits of a forward; tied
 weights stay one parameter. Checks the cases one after another in one launch, and prints "ok RANK CASE" (the case's
@@ -11,7 +11,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from utils import add_lora, distribute, full_tensor, load_model, run_and_exit, setup_distributed  # noqa: E402
+from models import add_lora, distribute, full_tensor, load_model  # noqa: E402
+from utils import run_and_exit, setup_distributed
 
 
 def build(path: str, device, fsdp: bool, case: str):

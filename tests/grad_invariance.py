@@ -20,9 +20,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from config import Config  # noqa: E402
-from train import accumulate_gradients, high_entropy_mask, optimizer_step  # noqa: E402
+from logprobs import no_grad_logprobs, take  # noqa: E402
+from models import distribute, full_tensor
 from rollout import collate, sampled_episode  # noqa: E402
-from utils import distribute, full_tensor, no_grad_logprobs, run_and_exit, setup_distributed, take  # noqa: E402
+from train import accumulate_gradients, high_entropy_mask, optimizer_step  # noqa: E402
+from utils import run_and_exit, setup_distributed
 
 
 def main(jobs_file: str):

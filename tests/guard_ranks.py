@@ -12,9 +12,11 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from utils import Probe, check_sync, completion_logprobs, setup_distributed, teardown_distributed  # noqa: E402
 from guard import ServerGuard  # noqa: E402
+from logprobs import completion_logprobs  # noqa: E402
+from utils import setup_distributed, teardown_distributed
 from vllm_server import ServerLost  # noqa: E402
+from weight_sync import Probe, check_sync
 
 rank, _, world_size, _, is_main = setup_distributed()
 torch.manual_seed(0)

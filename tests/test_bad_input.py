@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
+import embedded
 from config import Config, parse_config
 from conftest import ROOT, free_port, run_all, train_args
+from data import load_rows
 from rewards import RewardScorer
-import config
-import utils
 
 GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
 
@@ -80,7 +80,7 @@ def test_unparsable_command_lines_say_which_argument(args, message, capsys):
 
 
 def rows_of(path, prompt="question", answer="answer"):
-    return utils.load_rows(str(path), "train", prompt, answer, 0, 0)
+    return load_rows(str(path), "train", prompt, answer, 0, 0)
 
 
 def test_dataset_without_the_prompt_or_answer_column_names_the_flag():
@@ -109,15 +109,15 @@ def test_dataset_file_missing_empty_malformed_or_of_unknown_type(tmp_path):
 def test_hub_dataset_that_cannot_be_loaded_says_what_to_do(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(ValueError, match="could not be loaded from the Hugging Face hub.*local .jsonl"):
-        utils.load_rows("nobody/no-such-dataset", "train", "question", "answer", 0, 0)
+        load_rows("nobody/no-such-dataset", "train", "question", "answer", 0, 0)
 
 
 def test_model_path_that_does_not_exist_or_is_not_a_model_folder(tmp_path):
     with pytest.raises(ValueError, match="no such folder"):
-        config.resolve_model(str(tmp_path / "missing-model"))
+        embedded.resolve_model(str(tmp_path / "missing-model"))
     with pytest.raises(ValueError, match="without config.json"):
-        config.resolve_model(str(tmp_path))
-    assert config.resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+        embedded.resolve_model(str(tmp_path))
+    assert embedded.resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 def test_unknown_or_unimportable_reward_functions():

@@ -4,10 +4,11 @@ import os
 import subprocess
 import sys
 
+import config
+import embedded
 from config import Config, parse_config
 from conftest import ROOT
-import config
-import utils
+from data import load_rows
 
 GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
 
@@ -83,8 +84,8 @@ def test_runs_evaluate_before_and_after_training_where_a_held_out_set_is_at_hand
 
 
 def test_embedded_task_is_seeded_and_answers_are_right():
-    rows = utils.arithmetic_problems(50, seed=1)
-    assert rows == utils.arithmetic_problems(50, seed=1) != utils.arithmetic_problems(50, seed=2)
+    rows = embedded.arithmetic_problems(50, seed=1)
+    assert rows == embedded.arithmetic_problems(50, seed=1) != embedded.arithmetic_problems(50, seed=2)
     for r in rows:
         a, b = r["prompt"].removeprefix("What is ").split("?")[0].split(" + ")
         assert int(r["answer"]) == int(a) + int(b)
@@ -92,7 +93,7 @@ def test_embedded_task_is_seeded_and_answers_are_right():
 
 def test_gsm8k_jsonl_loads_with_its_answers_as_they_are_and_accuracy_reads_them():
     from rewards import accuracy, reference_answers
-    rows = utils.load_rows(GSM8K, "train", "question", "answer", 0, 0)
+    rows = load_rows(GSM8K, "train", "question", "answer", 0, 0)
     with open(GSM8K) as f:
         first = json.loads(f.readline())
     assert len(rows) > 1000 and rows[0]["question"] == first["question"]
@@ -110,15 +111,15 @@ def test_every_column_reaches_rewards_as_it_is_and_the_answer_column_replaces_no
     data.write_text("\n".join(json.dumps(r) for r in [
         {"prompt": "half of 1?", "answer": ["1/2", "0.5"], "level": 3},
         {"prompt": "2 + 2?", "answer": 4, "level": 1}]) + "\n")
-    rows = utils.load_rows(str(data), "train", "", "answer", 0, 0)
+    rows = load_rows(str(data), "train", "", "answer", 0, 0)
     assert rows[0]["answer"] == ["1/2", "0.5"] and rows[1]["answer"] == 4 and rows[0]["level"] == 3
     assert accuracy(["\\boxed{0.5}", "\\boxed{\\frac{1}{2}}", "\\boxed{4}"], [rows[0]["answer"]] * 2 + [4]) \
         == [1.0, 1.0, 1.0]
     both = tmp_path / "both.jsonl"
     both.write_text(json.dumps({"prompt": "p", "answer": "their own", "solution": "42"}) + "\n")
     with pytest.raises(UsageError, match="has a column 'answer' of its own"):
-        utils.load_rows(str(both), "train", "", "solution", 0, 0)
+        load_rows(str(both), "train", "", "solution", 0, 0)
     solution_only = tmp_path / "solution.jsonl"
     solution_only.write_text(json.dumps({"prompt": "p", "solution": ["42", "42.0"]}) + "\n")
-    row, = utils.load_rows(str(solution_only), "train", "", "solution", 0, 0)
+    row, = load_rows(str(solution_only), "train", "", "solution", 0, 0)
     assert row["solution"] == row["answer"] == ["42", "42.0"]

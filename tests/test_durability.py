@@ -8,8 +8,9 @@ import subprocess
 import sys
 
 from conftest import ROOT
+from checkpoints import prepare_output_dir
+from metrics import MetricsLogger, finite_json
 from plot import draw, had_reference, plot_run, read_jsonl
-from utils import MetricsLogger, finite_json, prepare_output_dir
 
 
 def write(path, steps: list[int], torn: str = ""):
@@ -60,7 +61,7 @@ def test_the_plot_says_there_is_no_kl_without_a_reference_model(tmp_path):
 FILL = """
 import sys
 sys.path.insert(0, sys.argv[1])
-from utils import MetricsLogger
+from metrics import MetricsLogger
 logger = MetricsLogger(sys.argv[2], True)
 try:
     for step in range(1, 1000):
@@ -90,7 +91,8 @@ def test_a_checkpoint_is_on_the_disk_before_it_counts_and_an_old_one_held_open_i
     import shutil
     import torch
     from transformers import AutoTokenizer
-    from utils import load_model, save_checkpoint
+    from checkpoints import save_checkpoint
+    from models import load_model
     model = load_model(tiny_model, "cpu")
     optimizer = torch.optim.AdamW(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
@@ -123,7 +125,8 @@ def test_a_save_never_deletes_the_checkpoint_of_its_own_step(tiny_model, tmp_pat
     import shutil
     import torch
     from transformers import AutoTokenizer
-    from utils import checkpoints, load_model, save_checkpoint
+    from checkpoints import checkpoints, save_checkpoint
+    from models import load_model
     model = load_model(tiny_model, "cpu")
     optimizer = torch.optim.AdamW(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)

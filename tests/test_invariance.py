@@ -141,7 +141,7 @@ def test_sums_over_ranks_refuse_names_that_differ_between_ranks(tmp_path):
 def fsdp_loads(tiny_model, tmp_path_factory):
     """One launch of fsdp_load.py (2 processes) that checks each case in turn: the model as it is, with a fresh LoRA
     adapter, and continued from a saved adapter."""
-    from utils import add_lora, load_model
+    from models import add_lora, load_model
     model = add_lora(load_model(tiny_model, "cpu"), 4, 8, 0.0, "q_proj,v_proj")
     with torch.no_grad():
         for name, p in model.named_parameters():

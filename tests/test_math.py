@@ -6,10 +6,13 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from train import group_advantages, grpo_loss, lr_factor, token_weights
 from config import Config
+from models import lr_factor
+from train import group_advantages, grpo_loss, token_weights
 from conftest import collated
-from utils import arithmetic_problems, pass_at_k, step_prompt_indices
+from data import step_prompt_indices
+from embedded import arithmetic_problems
+from metrics import pass_at_k
 from vllm_server import bucket_plan
 
 
@@ -67,7 +70,7 @@ def test_unscored_completions_stay_out_of_their_group_and_get_advantage_zero():
 
 def test_scoring_watch_warns_once_and_stops_after_steps_in_a_row_with_a_function_down(capsys):
     from config import RunStopped
-    from utils import ScoringWatch
+    from metrics import ScoringWatch
     watch = ScoringWatch(["accuracy", "judge"], limit=3)
     scored, unscored = torch.tensor([1.0, 0.0]), torch.tensor([math.nan, math.nan])
     both = {"accuracy": 2, "judge": 2}  # the completions each was to score
@@ -95,7 +98,7 @@ def test_scoring_watch_warns_once_and_stops_after_steps_in_a_row_with_a_function
 
 
 def test_scoring_watch_warns_once_of_a_run_whose_rewards_all_agreed_from_its_start(capsys):
-    from utils import ScoringWatch
+    from metrics import ScoringWatch
     learned = ScoringWatch(["accuracy"], limit=3)  # signal at first, then steps in which every group agrees
     for step, frac in enumerate([0.5, 1.0, 1.0, 1.0, 1.0, 1.0], start=1):  # (a run that learned the easy ones)
         learned.signal(frac, step, last=step == 6)
@@ -554,7 +557,7 @@ def test_dropping_zero_std_groups_keeps_the_gradient_exact_without_kl():
     assert grads[0].abs().max() > 1e-4 and (grads[0] - grads[1]).abs().max() < 1e-12
     # every group without signal: nothing runs, and the step's metrics still come out (not a KeyError): the loss
     # is 0, what is measured per trained token is nan (not measured), not a made-up 0
-    from utils import training_metrics
+    from metrics import training_metrics
     data["keep"] = torch.zeros(4, dtype=torch.bool)
     sums, _ = accumulate_gradients(model, data, Config(micro_batch_size=1, bf16=False), 1, nullcontext())
     metrics = training_metrics(sums, [torch.tensor(0.0)], cmask.sum(dim=1).float(), torch.zeros(4), torch.zeros(4, 3),
@@ -605,7 +608,7 @@ def test_completion_logprobs_and_their_gradient_match_a_naive_loop(kind):
     """The one log-prob implementation, with grad (training) and without (pi_old, reference, probe) in
     several chunk sizes, against log-softmax written out token by token over the model's own logits, and
     its gradient against autograd through those logits."""
-    from utils import completion_logprobs, has_plain_lm_head
+    from logprobs import completion_logprobs, has_plain_lm_head
     model = tiny_model(kind)
     assert has_plain_lm_head(model) == (kind == "llama")
     inputs, cmask = collated([[5, 6, 7], [8]], [[1, 2, 3, 4, 9], [3, 4]])
@@ -640,7 +643,8 @@ def test_completion_logprobs_and_their_gradient_match_a_naive_loop(kind):
 def test_disable_dropout_makes_the_training_forward_deterministic():
     """LoRA's dropout (and the model's) in the training forward made pi_old, the importance weights and the
     sync metrics noisy; --disable_dropout (the default) turns every dropout off, LoRA's included."""
-    from utils import add_lora, completion_logprobs, disable_dropout
+    from logprobs import completion_logprobs
+    from models import add_lora, disable_dropout
     model = tiny_model("llama")
     model.config.attention_dropout = 0.3
     model = add_lora(model, 4, 8.0, 0.5, "all-linear")
@@ -683,7 +687,7 @@ def test_trimmed_length_sorted_micro_batches_give_the_full_width_logprobs():
     completion's log-probs must be those of the whole collated batch."""
     from contextlib import nullcontext
     from transformers import LlamaConfig, LlamaForCausalLM
-    from utils import completion_logprobs, no_grad_logprobs, take, trim_padding
+    from logprobs import completion_logprobs, no_grad_logprobs, take, trim_padding
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=2, head_dim=16)).double()
@@ -705,7 +709,7 @@ def test_trimmed_length_sorted_micro_batches_give_the_full_width_logprobs():
 def test_sampled_logprobs_and_their_gradient_match_the_plain_log_softmax():
     """The chunked autograd function against log_softmax + gather and autograd through them, in fp64,
     with a temperature, chunks that do not divide the length, and a non-contiguous (sliced) input."""
-    from utils import SampledLogprobs
+    from logprobs import SampledLogprobs
     torch.manual_seed(0)
     logits = torch.randn(3, 8, 50, dtype=torch.float64, requires_grad=True)
     targets, w = torch.randint(0, 50, (3, 7)), torch.randn(3, 7, dtype=torch.float64)
@@ -725,7 +729,7 @@ def test_sampled_logprobs_and_their_gradient_match_the_plain_log_softmax():
 def test_the_entropy_bonus_gradient_matches_autograd_through_the_plain_entropy():
     """With entropy_grad the entropy carries its gradient: against -(p log p).sum() with autograd, in fp64,
     for a loss on both outputs (the policy term and the bonus), chunked and not."""
-    from utils import SampledLogprobs
+    from logprobs import SampledLogprobs
     torch.manual_seed(1)
     logits = torch.randn(2, 6, 40, dtype=torch.float64, requires_grad=True)
     targets, w, u = torch.randint(0, 40, (2, 6)), torch.randn(2, 6, dtype=torch.float64), torch.randn(2, 6, dtype=torch.float64)

@@ -5,6 +5,7 @@ import collections
 import json
 import math
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -77,9 +78,9 @@ def test_sources_on_the_command_line_get_names_weights_and_their_own_rewards():
     one, = parse_tasks(parse_config(["--dataset", "arithmetic"]))  # one dataset: a mixture of one, as before
     assert (one.name, one.weight, one.reward_funcs, one.reward_weights, one.system_prompt) == ("arithmetic", 1.0,
                                                                                                *arithmetic)
-    trl = parse_tasks(parse_config(["--env", "calc=calculator,game=environments:Guess", "--dataset", "x.jsonl"]))
-    assert [(t.name, t.env, t.environment) for t in trl] == [("calc", "environments:Calculator", "calc"),
-                                                            ("game", "environments:Guess", "game")]
+    trl = parse_tasks(parse_config(["--env", "calc=calculator,game=embedded:Guess", "--dataset", "x.jsonl"]))
+    assert [(t.name, t.env, t.environment) for t in trl] == [("calc", "embedded:Calculator", "calc"),
+                                                            ("game", "embedded:Guess", "game")]
 
 
 @pytest.mark.parametrize("dataset, message", [
@@ -293,9 +294,9 @@ def test_a_mixture_file_keeps_what_it_says_and_leaves_out_what_it_leaves_empty(t
     assert (sums.reward_funcs, sums.reward_weights) == ("accuracy", "")  # a preset's weights go with its functions
     assert (first.name, first.reward_funcs, first.system_prompt) == ("parity", "choice", "")  # its own; no "None"
     assert second.reward_funcs == "accuracy,format"  # what the file says, though parity has its own
-    assert (game.dataset, game.env, game.reward_funcs) == ("none", "environments:Guess", "")  # guess: its reward only
+    assert (game.dataset, game.env, game.reward_funcs) == ("none", "embedded:Guess", "")  # guess: its reward only
     with pytest.raises(UsageError, match="task a: reward_funcs 'accuracy,accuracy' names a function twice"):
-        from mixture import _weights, Task
+        from mixture import Task, _weights
         _weights(Task(name="a", dataset="arithmetic", reward_funcs="accuracy,accuracy"))
 
 
@@ -310,7 +311,7 @@ def fake_mixture():
 
 
 def test_per_task_metrics_and_pass_at_k_equal_a_loop_over_each_tasks_rows():
-    from utils import pass_at_k
+    from metrics import pass_at_k
     mixture = fake_mixture()
     assert mixture.names == ["format", "tag_count", "accuracy"] and mixture.first.tolist() == [0, 2]
     nan = math.nan
@@ -332,7 +333,8 @@ def test_per_task_metrics_and_pass_at_k_equal_a_loop_over_each_tasks_rows():
     assert "eval/task/a/rewards/accuracy" not in out and out["eval/rewards/accuracy"] == 0.5  # b's rows only
     assert out["eval/rewards/format"] == pytest.approx(4 / 6) and out["eval/completion_length"] == 5.5
     zero_std = torch.tensor([False, False, True, True, False, False])
-    step = mixture.metrics(rows[0:1] * 2 + rows[1:2] * 2 + rows[2:3] * 2, rewards, matrix, zero_std, G=2)
+    episodes = [SimpleNamespace(row=row) for row in rows[0:1] * 2 + rows[1:2] * 2 + rows[2:3] * 2]
+    step = mixture.metrics(episodes, rewards, matrix, zero_std, G=2)
     assert step["task/a/prompts"] == 2 and step["task/b/prompts"] == 1
     assert step["task/a/reward"] == pytest.approx((1.5 + 0.0 + 0.25 + 2.0) / 4)
     assert step["task/b/rewards/accuracy"] == 0.5 and step["task/a/frac_zero_std_groups"] == 0

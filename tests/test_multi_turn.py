@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from config import default_model_path
+from embedded import default_model_path
 from rollout import RolloutContext, episodes_to_json
 from tools import environment_rewards, parse_tool_calls, tool_rollout
 

@@ -12,7 +12,7 @@ import pytest
 
 from config import UsageError
 from conftest import ROOT
-from utils import check_checkpoint, find_checkpoint, prepare_output_dir
+from checkpoints import check_checkpoint, find_checkpoint, prepare_output_dir
 
 
 def fake_checkpoint(out, step: int):
@@ -36,7 +36,7 @@ def visible(out) -> list[str]:
 HOLD = """
 import sys, time
 sys.path.insert(0, sys.argv[1])
-from utils import prepare_output_dir
+from checkpoints import prepare_output_dir
 lock = prepare_output_dir(sys.argv[2], None)
 print("locked", flush=True)
 time.sleep(60)
@@ -129,7 +129,7 @@ def test_resuming_latest_after_a_crash_keeps_the_log_records_written_after_it(tm
     """A crash at step 57 with the last checkpoint at 50: before, the resume cut the logs back to step 50 and kept
     no copy of steps 51-57, often what explains the crash. Now the logs as they were are kept aside, as the
     abandoned checkpoints are; a resume with nothing after its step sets nothing aside."""
-    from utils import went_past
+    from checkpoints import went_past
     fake_checkpoint(tmp_path, 50)
     logs(tmp_path, list(range(1, 58)))
     with open(tmp_path / "rollouts.jsonl", "a") as f:

@@ -86,7 +86,7 @@ def test_choice_reads_the_boxed_choice_or_the_first_one_named():
 
 
 def test_the_parity_task_holds_out_the_multiples_of_11_and_its_answers_are_right():
-    from utils import parity_problems
+    from embedded import parity_problems
     number = lambda row: int(row["prompt"].split()[1])
     test, train = parity_problems(0, seed=0, split="test"), parity_problems(2000, seed=0)
     assert sorted(map(number, test)) == list(range(11, 1000, 11))  # each once

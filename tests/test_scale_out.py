@@ -85,7 +85,8 @@ def test_server_weights_merge_lora_like_peft_and_meet_vllms_weight_source_contra
     from transformers import AutoModelForCausalLM
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
-    from utils import ServerWeights, add_lora
+    from models import add_lora
+    from weight_sync import ServerWeights
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     names = [name for name, _ in model.named_parameters()]
     base_q = model.model.layers[0].self_attn.q_proj.weight.detach().clone()

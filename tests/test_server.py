@@ -11,8 +11,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import ROOT, collated, free_port
-from utils import ServerWeights, completion_logprobs, cpu_seconds_of_group
+from logprobs import completion_logprobs
+from utils import cpu_seconds_of_group
 from vllm_server import VLLMClient, WeightSync
+from weight_sync import ServerWeights
 
 pytestmark = pytest.mark.slow
 

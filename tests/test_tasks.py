@@ -7,10 +7,11 @@ import os
 import pytest
 import torch
 
-from config import RunStopped, UsageError, default_model_path
+from config import RunStopped, UsageError
 from conftest import ROOT, run_train
+from data import encode_prompt, load_rows
+from embedded import default_model_path
 from rewards import RewardScorer, load_reward_func
-import utils
 
 GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
 SYSTEM = "You answer in as few words as you can."
@@ -28,7 +29,7 @@ def chat_dataset(path, n: int = 16) -> str:
 
 
 def rows_of(path, prompt="", answer="answer"):
-    return utils.load_rows(str(path), "train", prompt, answer, 0, 0)
+    return load_rows(str(path), "train", prompt, answer, 0, 0)
 
 
 # ----------------------------------------------------------------------------- datasets
@@ -62,13 +63,13 @@ def test_chat_prompts_go_through_the_chat_template_with_the_system_prompt():
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     user = [{"role": "user", "content": "What is 2 + 2?"}]
-    text = tokenizer.decode(utils.encode_prompt(tokenizer, user, "Be brief."))
+    text = tokenizer.decode(encode_prompt(tokenizer, user, "Be brief."))
     assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>") and text.endswith("<|im_start|>assistant\n")
-    assert utils.encode_prompt(tokenizer, user) == utils.encode_prompt(tokenizer, "What is 2 + 2?")  # text = one user turn
+    assert encode_prompt(tokenizer, user) == encode_prompt(tokenizer, "What is 2 + 2?")  # text = one user turn
     own = [{"role": "system", "content": "Mine."}] + user  # a conversation's own system turn wins
-    assert tokenizer.decode(utils.encode_prompt(tokenizer, own, "Be brief.")).count("system") == 1
+    assert tokenizer.decode(encode_prompt(tokenizer, own, "Be brief.")).count("system") == 1
     forced = user + [{"role": "assistant", "content": "The answer is"}]  # a last assistant turn is continued
-    assert tokenizer.decode(utils.encode_prompt(tokenizer, forced)).endswith("<|im_start|>assistant\nThe answer is")
+    assert tokenizer.decode(encode_prompt(tokenizer, forced)).endswith("<|im_start|>assistant\nThe answer is")
 
 
 # ----------------------------------------------------------------------------- reward functions
@@ -352,7 +353,7 @@ def test_a_dataset_in_the_hubs_layout_evaluates_on_its_eval_split_and_a_parquet_
     hub itself is out of reach here) is read by the same call: its train split trains, --eval_split names the
     held-out one. Its .parquet files also load one by one, as a local --dataset."""
     import datasets
-    from utils import load_rows
+    from data import load_rows
     data = tmp_path / "org-name" / "data"
     data.mkdir(parents=True)
     for split, n in (("train", 8), ("validation", 3)):

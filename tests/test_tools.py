@@ -6,7 +6,8 @@ import time
 import pytest
 import torch
 
-from config import UsageError, default_model_path
+from config import UsageError
+from embedded import default_model_path
 from tools import appended_ids, call_tools, check_tool_template, parse_tool_calls, tool_schemas
 
 SMOLLM2_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ "
@@ -312,10 +313,10 @@ def test_an_environment_without_a_dataset_starts_each_group_from_its_rows_seed(t
     """--dataset none: the rows are seeds, the embedded guess game's reset makes the prompt (the same for a group,
     with one secret); a reset that ignores the row is warned about once and counted; one that says nothing when
     there is no prompt is an environment error."""
-    from environments import Guess
+    from data import load_rows
+    from embedded import Guess
     from rollout import RolloutContext
     from tools import tool_rollout, trajectory_metrics
-    from utils import load_rows
     rows = load_rows("none", "train", "", "", 0, 0, num_starts=4)
     assert rows == [{"prompt": "", "seed": k} for k in range(4)]
     assert load_rows("none", "test", "", "", 0, 0, num_starts=2)[0]["seed"] == 10 ** 9  # held-out starts
@@ -331,7 +332,7 @@ def test_an_environment_without_a_dataset_starts_each_group_from_its_rows_seed(t
         assert all(e.info["environment_reward"] == float(found) and e.info["tool_calls"] == 1 for e in group)
         answer = "found it" if found else "higher" if secret.secret > 5 else "lower"
         assert answer in tokenizer.decode(group[0].completion_ids)
-    assert trajectory_metrics(episodes, True)["tools/groups_with_different_prompts"] == 0
+    assert trajectory_metrics(episodes)["tools/groups_with_different_prompts"] == 0
     # a batch sampled ahead (--async_generation) comes back from a checkpoint as it was: messages, rewards, masks
     import json
     from rollout import episodes_to_json, presampled_from_json
@@ -339,7 +340,7 @@ def test_an_environment_without_a_dataset_starts_each_group_from_its_rows_seed(t
     assert back[0] == 3 and [repr(e) for e in back[1]] == [repr(e) for e in episodes]
     episodes = tool_rollout(rows, ctx, env_factory=SameStartForNobody)
     for _ in range(2):
-        assert trajectory_metrics(episodes, True)["tools/groups_with_different_prompts"] == 4
+        assert trajectory_metrics(episodes)["tools/groups_with_different_prompts"] == 4
     assert capsys.readouterr().err.count("started the G trajectories of one row with different prompts") == 1
     episodes = tool_rollout(rows[:1], ctx, env_factory=Silent)
     assert all("returned no text, and the row has no prompt" in e.info["environment_error"] for e in episodes)
@@ -359,7 +360,7 @@ def test_an_environments_turn_prefix_is_given_not_sampled_and_the_model_continue
     and the call is read from both; a turn_prefix that raises is the trajectory's environment error."""
     import math
     import random
-    from environments import Guess, call_opening
+    from embedded import Guess, call_opening
     from rollout import RolloutContext
     from tools import tool_rollout
     five = next(seed for seed in range(100) if random.Random(seed).randint(1, 10) == 5)  # Guess draws so
@@ -397,7 +398,7 @@ def test_an_environments_turn_prefix_is_given_not_sampled_and_the_model_continue
 
 def test_the_embedded_environments_and_the_flags_they_bring():
     from config import parse_config
-    from environments import Calculator, Guess
+    from embedded import Calculator, Guess
     c = Calculator()
     assert c.calculate("13 + 14") == "27" and c.calculate("(2 + 3) * 4 / 8") == "2.5"
     with pytest.raises(ValueError, match="only numbers"):
@@ -413,7 +414,7 @@ def test_the_embedded_environments_and_the_flags_they_bring():
     secrets = [(g.reset(prompt=f"game {k}"), g.secret)[1] for k in [0, 1, 2, 3, 4, 5, 0]]  # rows without a seed
     assert len(set(secrets)) > 1 and secrets[0] == secrets[-1]  # the row draws the number
     cfg = parse_config(["--env", "guess"])
-    assert (cfg.env, cfg.dataset, cfg.reward_funcs) == ("environments:Guess", "none", "")
+    assert (cfg.env, cfg.dataset, cfg.reward_funcs) == ("embedded:Guess", "none", "")
     cfg = parse_config(["--env", "guess", "--dataset", "my.jsonl", "--max_completion_length=64"])
     assert (cfg.dataset, cfg.max_completion_length) == ("my.jsonl", 64)  # the flags given win
     assert parse_config(["--env", "guess", "--max_completion", "50"]).max_completion_length == 50  # abbreviated too
@@ -421,8 +422,8 @@ def test_the_embedded_environments_and_the_flags_they_bring():
 
 
 def test_tools_of_one_name_are_refused_and_schemas_are_made_once():
+    from embedded import Guess
     from tools import _schema, environment_tools
-    from environments import Guess
 
     def guess(number: int) -> str:
         """Guess.

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, run_train
-from utils import pass_at_k
+from metrics import pass_at_k
 
 pytestmark = pytest.mark.slow
 GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")

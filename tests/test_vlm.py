@@ -40,8 +40,8 @@ def test_image_inputs_of_unequal_counts_are_padded_with_zero_images_and_a_bad_la
 def test_the_episodes_of_a_group_share_one_copy_of_their_images_and_a_micro_batch_makes_only_its_rows():
     """G episodes of a prompt share its pixel tensor (vision_rollout gives them one dict): the batch holds each
     prompt's images once, taking a micro-batch copies nothing, and its rows are the images of its episodes."""
+    from logprobs import take, to_device
     from rollout import collate
-    from utils import take, to_device
     G, images = 4, [torch.rand(1, 1, 3, 8, 8) + 0.1 for _ in range(3)]
     episodes = [image_episode([5], [7], pixel_values=image) for image in images for _ in range(G)]
     inputs, _ = collate(episodes, pad_id=0)
@@ -80,13 +80,13 @@ def test_a_batch_sampled_ahead_keeps_its_images_exactly_through_a_checkpoint():
 
 
 def test_idefics3_logprobs_of_a_batch_equal_each_episodes_own_and_depend_on_the_image(tiny_vlm):
-    """The one log-prob path (utils.completion_logprobs) on a tiny Idefics3: episodes with one image, two
+    """The one log-prob path (logprobs.completion_logprobs) on a tiny Idefics3: episodes with one image, two
     images and none, batched (padded prompts, zero images), equal each one computed alone to 1e-5; the same
     completion with another image gets other log-probs (the image is seen)."""
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
+    from logprobs import completion_logprobs
     from rollout import collate
-    from utils import completion_logprobs
     processor = AutoProcessor.from_pretrained(tiny_vlm)
     model = AutoModelForImageTextToText.from_pretrained(tiny_vlm, dtype=torch.float32).eval()
 
@@ -131,8 +131,8 @@ def test_the_server_samples_with_the_image_and_the_trainer_scores_what_it_sample
     1e-2 with the image swapped or removed on the trainer's side (what a dropped image would look like)."""
     from PIL import Image
     from transformers import AutoModelForImageTextToText
+    from logprobs import completion_logprobs
     from rollout import RolloutContext, collate, run_rollout
-    from utils import completion_logprobs
     from vision import load_processor, vision_rollout
     from vllm_server import VLLMClient
     processor = load_processor(tiny_vlm)
@@ -199,9 +199,10 @@ def test_a_vision_tower_push_reaches_a_repeated_image_and_the_probe_sees_a_stale
     the log-probs of an image it has seen before move and equal the trainer's (the push resets that cache); a
     push that skipped the reset leaves them stale, and the sync probe (which has an image) stops the run."""
     from transformers import AutoModelForImageTextToText
-    from utils import RunStopped, ServerWeights, check_sync
+    from config import RunStopped
     from vision import load_processor, vision_probe
     from vllm_server import VLLMClient, WeightSync
+    from weight_sync import ServerWeights, check_sync
     from conftest import free_port
     client = VLLMClient(port=vlm_server["port"])
     model = AutoModelForImageTextToText.from_pretrained(tiny_vlm, dtype=torch.float32).eval()
@@ -241,8 +242,8 @@ def test_a_vision_tower_push_reaches_a_repeated_image_and_the_probe_sees_a_stale
 
 def test_a_frozen_vision_tower_gets_no_gradient_no_adapter_and_is_pushed_once(tiny_vlm):
     from transformers import AutoModelForImageTextToText
-    from utils import ServerWeights, add_lora
-    from vision import freeze_vision_tower
+    from models import add_lora, freeze_vision_tower
+    from weight_sync import ServerWeights
     model = AutoModelForImageTextToText.from_pretrained(tiny_vlm, dtype=torch.float32)
     assert freeze_vision_tower(model) == ["model.vision_model", "model.connector"]
     vision = [n for n, p in model.named_parameters() if n.startswith(("model.vision_model.", "model.connector."))]
@@ -333,7 +334,7 @@ def test_two_processes_train_a_vlm_on_images_keep_the_server_in_sync_and_resume_
 def test_bad_image_input_stops_at_start_in_one_line(tiny_vlm, tiny_model, tmp_path):
     """Every image is read at start: a missing or unreadable image, images for a text-only model, and prompts
     whose image tokens pass --max_prompt_length stop the run before it needs a server (exit 2, one line)."""
-    from config import TOOLS_TEMPLATE
+    from embedded import TOOLS_TEMPLATE
     from test_bad_input import offline_train_args, starts_fail
     good = image_dataset(tmp_path)
     (tmp_path / "not_an_image.png").write_text("hello")
@@ -374,7 +375,7 @@ def test_the_vision_bench_runs_in_its_smallest_setting(vlm_server, tiny_vlm):
 
 def test_the_embedded_vision_task_its_reward_and_its_flags():
     from config import parse_config
-    from vision import COLOURS, named_colour, shape_problems
+    from embedded import COLOURS, named_colour, shape_problems
     train, test = shape_problems(40, 0), shape_problems(40, 0, "test")
     assert len(train) == 40 and len(test) == 64 and {r["answer"] for r in test} == set(COLOURS)
     assert sorted(r["answer"] for r in test).count("red") == 16  # balanced: chance is 1 in 4
@@ -382,7 +383,7 @@ def test_the_embedded_vision_task_its_reward_and_its_flags():
     assert train[0]["image"].tobytes() != test[0]["image"].tobytes()
     assert named_colour(["The shape is Blue.", "blue or red", "It is bluish", "BLUE!"], ["blue"] * 4) == [1, 0, 0, 1]
     cfg = parse_config(["--dataset", "shapes"])
-    assert (cfg.model, cfg.reward_funcs, cfg.freeze_vision_tower) == ("smollm2-vision", "vision:named_colour", False)
+    assert (cfg.model, cfg.reward_funcs, cfg.freeze_vision_tower) == ("smollm2-vision", "embedded:named_colour", False)
     assert cfg.evaluates() and parse_config(["--dataset", "shapes", "--freeze_vision", "true"]).freeze_vision_tower
 
 
@@ -397,7 +398,7 @@ def test_images_larger_than_the_processors_size_are_scaled_down_before_either_si
 
 def test_a_trained_vision_tower_has_its_own_learning_rate(tiny_vlm):
     from transformers import AutoModelForImageTextToText
-    from vision import freeze_vision_tower, parameter_groups
+    from models import freeze_vision_tower, parameter_groups
     model = AutoModelForImageTextToText.from_pretrained(tiny_vlm, dtype=torch.float32)
     groups = parameter_groups(model, 1e-5, 1e-3)
     vision = {id(p) for n, p in model.named_parameters() if n.startswith(("model.vision_model.", "model.connector."))}

