@@ -72,3 +72,19 @@ def test_the_scorer_and_what_it_started_end_when_the_trainer_is_killed(tmp_path)
             for pid in map(int, open(tmp_path / "pids").read().split()[:2]):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+
+
+def test_the_scorer_process_does_not_import_the_trainers_script(tmp_path):
+    """spawn's children import the parent's main script first: for train.py, torch and transformers (~4 s, ~0.3 GB)
+    before the first score. The scorer needs nothing of it; it scores all the same."""
+    script = tmp_path / "trainer.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {ROOT!r})\nimport torch\nfrom rewards import RewardScorer\n"
+                      "if __name__ == '__main__':\n"
+                      "    scorer = RewardScorer(['accuracy'], ['prompt', 'answer'])\n"
+                      "    print(scorer([{'prompt': '2 + 2?', 'answer': '4'}], ['\\\\boxed{4}'], [[1]], 0))\n"
+                      "    maps = open(f'/proc/{scorer._pid_of.get(timeout=60)}/maps').read()\n"
+                      "    print('torch' in maps, 'libtorch' in open('/proc/self/maps').read())\n"
+                      "    scorer.stop()\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["[[1.0]]", "False True"], proc.stdout + proc.stderr[-2000:]
