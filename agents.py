@@ -23,8 +23,6 @@ import time
 import traceback
 from types import SimpleNamespace
 
-import openai
-from openai.types.chat import ChatCompletion
 
 from config import UsageError
 from rollout import Episode, RolloutContext, slot_seed
@@ -66,6 +64,8 @@ class RecordingClient:
     def __init__(self, server, tokenizer, sampling: dict, seed: int):
         self.model, self.calls, self.forks = server.model_name, [], 0
         self._tokenizer, self._sampling, self._seed = tokenizer, sampling, seed
+        import openai  # ~1 s to import: only runs with an agent pay it
+        self._openai = openai
         self._client = openai.AsyncOpenAI(base_url=server.base + "/v1", api_key=server.api_key or "none", max_retries=0)
         self.chat = SimpleNamespace(completions=SimpleNamespace(create=self._create))
         self.started, self.server_seconds, self.waiting_since = time.monotonic(), 0.0, None
@@ -94,7 +94,7 @@ class RecordingClient:
             if prompt_ids is None:
                 self.forks += bool(self.calls)  # an edited history: a new sample starts here
                 response = await self._client.chat.completions.create(
-                    model=self.model, messages=messages, tools=tools or openai.NOT_GIVEN, n=1, logprobs=True,
+                    model=self.model, messages=messages, tools=tools or self._openai.NOT_GIVEN, n=1, logprobs=True,
                     **sampling, **kwargs)
                 choice = response.choices[0]
                 call = dict(prompt_ids=list(response.prompt_token_ids), content=choice.message.content,
@@ -124,12 +124,12 @@ class RecordingClient:
         ended = last["ids"] if last["ids"][-1:] == [eos] else last["ids"] + [eos]
         return None if suffix is None else last["prompt_ids"] + ended + suffix
 
-    async def _continue(self, prompt_ids: list[int], sampling: dict, stop) -> tuple[ChatCompletion, dict]:
+    async def _continue(self, prompt_ids: list[int], sampling: dict, stop) -> tuple:
         """A call as token ids through the completion route, answered as the chat route would answer it."""
         out = await self._client.completions.create(model=self.model, prompt=prompt_ids, logprobs=0,
-                                                    stop=stop or openai.NOT_GIVEN, **sampling)
+                                                    stop=stop or self._openai.NOT_GIVEN, **sampling)
         choice = out.choices[0]
-        response = ChatCompletion.model_validate({
+        response = self._openai.types.chat.ChatCompletion.model_validate({
             "id": out.id, "object": "chat.completion", "created": out.created, "model": out.model,
             "choices": [{"index": 0, "finish_reason": choice.finish_reason, "logprobs": None,
                          "message": {"role": "assistant", "content": choice.text}}],
@@ -223,7 +223,7 @@ def _run_agent(agent, client: RecordingClient, row: dict, future: concurrent.fut
             await client._client.close()
     try:
         future.set_result(asyncio.run(run()))
-    except (openai.APIConnectionError, openai.InternalServerError) as e:
+    except (client._openai.APIConnectionError, client._openai.InternalServerError) as e:
         future.set_exception(ServerLost(f"an agent's request to the server failed: {e}"))
     except Exception:
         future.set_result((None, traceback.format_exc()))

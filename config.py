@@ -154,6 +154,8 @@ class Config:
     lora_alpha: float = 32.0  # LoRA scaling numerator: the update is B A * lora_alpha / lora_r
     lora_dropout: float = 0.05  # dropout on the adapter's input while training (off with --disable_dropout)
     lora_target_modules: str = "all-linear"  # comma-separated module names (e.g. q_proj,v_proj) or all-linear
+    lora_sync: str = "auto"  # what a push sends: adapter (the adapter alone; the server runs --enable-lora), merged
+                             # (every weight, the adapter merged in), auto: the adapter where the server can take it
     save_merged_model: bool = False  # with --use_peft, also save the base with the adapter merged (output_dir/model)
     freeze_vision_tower: bool = True  # a vision-language model's vision encoder and connector stay as loaded (not
                                       # trained, no LoRA adapter, pushed once); false trains them too
@@ -358,6 +360,8 @@ class Config:
                       or f.name == "save_merged_model" if getattr(self, f.name) != f.default]
         if lora_flags and not self.use_peft:
             errors.append(f"{', '.join(lora_flags)} only apply to LoRA training: add --use_peft, or drop them")
+        if self.lora_sync not in ("auto", "adapter", "merged"):
+            errors.append(f"--lora_sync {self.lora_sync!r}: choose auto, adapter or merged")
         if self.use_peft and (self.lora_r < 1 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1):
             errors.append("--lora_r must be >= 1, --lora_alpha > 0 and --lora_dropout in [0, 1)")
         if self.eval_steps < -1 or self.eval_num_prompts < 1 or self.eval_num_generations < 1:

@@ -60,8 +60,8 @@ from tools import environment_rewards, read_chat_template
 from utils import (barrier, extremes_over_ranks, gather_lines, print0, quantile_over_ranks, run_and_exit,
                    setup_distributed, std_over_ranks, sum_over_ranks)
 from vision import load_processor
-from vllm_server import InThread, WeightSync
-from weight_sync import ServerWeights, check_sync
+from vllm_server import InThread
+from weight_sync import check_sync, server_sync
 
 
 def group_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -454,10 +454,9 @@ def main(cfg: Config):
     sync_probe = mixture.sync_probe(tokenizer, processor)
     exact = server_dtype == torch.float32 and not cfg.bf16
     sync_tolerance = cfg.sync_check_tolerance if cfg.sync_check_tolerance >= 0 else (1e-3 if exact else 0.5)
-    # weights leave in the server's names and dtype, LoRA merged, FSDP2 shards gathered one tensor at a time;
-    # every rank takes part (the gathers), rank 0 alone sends
-    sync = WeightSync(client, ServerWeights(model, server_dtype), rank, cfg.vllm_group_host, cfg.vllm_group_port,
-                      cfg.weight_sync_bucket_mb)
+    # weights leave in the server's names and dtype (LoRA merged, or the adapter alone), FSDP2 shards gathered one
+    # tensor at a time; every rank takes part (the gathers), rank 0 alone sends
+    sync, pushed = server_sync(cfg, client, model, server_dtype, rank, version=lambda: scheduler.last_epoch)
     logger = MetricsLogger(cfg.output_dir, is_main, cfg.report_to, run_config, cfg.wandb_project, cfg.run_name)
     stop = StopRequest()  # SIGTERM / Ctrl-C: save a checkpoint, then stop
 
@@ -527,7 +526,7 @@ def main(cfg: Config):
     print0(f"nanogrpo | model {cfg.model} | {world_size} process(es) on {device.type} | {cfg.prompts_per_step} prompts "
            f"x G={G} = {cfg.prompts_per_step * G} completions per step ({prompts_per_rank * G} per rank) | "
            f"{mixture.describe()} | loss {cfg.loss_type} | beta {cfg.beta} | bf16 {cfg.bf16} | "
-           f"{parallel}{' + LoRA' if cfg.use_peft else ''}")
+           f"{parallel}{' + LoRA' if cfg.use_peft else ''} | pushes {pushed}")
 
     def score(episodes: list) -> tuple[list[str], torch.Tensor, torch.Tensor]:
         """The completions' texts, each function's rewards (N, k) (NaN = not scored), their weighted sum (N,)."""

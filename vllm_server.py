@@ -277,6 +277,14 @@ class VLLMClient:
                              "folder's processor does")
         return [entry[str(tok)]["logprob"] for tok, entry in zip(token_ids[1:], answer["prompt_logprobs"][1:])]
 
+    def load_adapter(self, name: str, adapter: bytes):
+        """Make the server sample with a LoRA adapter (a peft adapter as safetensors bytes, its adapter_config.json in
+        the metadata) under `name`, and drop the one before it (POST /load_adapter: the server writes it to a folder
+        of its own, so the trainer needs no filesystem shared with it). Requests then name it as their model."""
+        self._request("POST", "/load_adapter", params={"name": name}, data=adapter,
+                      headers={"Content-Type": "application/octet-stream"})
+        self.model_name = name
+
     def num_workers(self) -> int:
         """vLLM worker processes (tensor x pipeline x data parallel): each joins the weight transfer."""
         return self._get("/get_world_size")["world_size"]
@@ -419,6 +427,33 @@ class WeightSync:
         except Exception:
             self.source.finish()
             raise
+
+
+class AdapterSync:
+    """Pushes the LoRA adapter alone (--lora_sync adapter): the server runs the base model with vLLM's LoRA support
+    (--enable-lora) and samples with the adapter it was sent last, named after the policy version (optimizer steps
+    taken, `version()`). Every rank calls push() (FSDP2 gathers the adapter, never the base); rank 0 sends it over
+    HTTP, and every rank's client then names it in its requests. `source`: weight_sync.AdapterWeights. The first
+    push after connecting also sends the base weights through `base` (a WeightSync): another run may have pushed
+    its own into the server."""
+
+    def __init__(self, client: VLLMClient, source, rank: int, version, base: WeightSync):
+        self.client, self.source, self.rank, self.version, self.base = client, source, rank, version, base
+        self.base_sent = False
+
+    def connect(self):
+        self.base.connect()
+        self.base_sent = False
+
+    def push(self):
+        if not self.base_sent:
+            self.base.push()
+            self.base_sent = True
+        adapter, name = self.source.payload(self.rank == 0), f"policy-{self.version()}"
+        if self.rank == 0:
+            self.client.load_adapter(name, adapter)
+            self.client.reset_prefix_cache()
+        self.client.model_name = name
 
 
 class _Resumable:
@@ -570,7 +605,47 @@ TRAINING_ROUTES = {"/health", "/v1/models", "/v1/completions", "/v1/chat/complet
                    "/get_world_size", "/metrics",
                    "/version", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
                    "/finish_weight_update", "/shutdown_weight_transfer_engine", "/reset_prefix_cache",
-                   "/reset_encoder_cache"}
+                   "/reset_encoder_cache", "/load_adapter"}
+
+
+@functools.cache
+def adapter_folder() -> str:
+    """The server's own folder for the adapters it is sent, removed when it exits."""
+    import atexit
+    import shutil
+    import tempfile
+    folder = tempfile.mkdtemp(prefix="nanogrpo-adapters-")
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
+
+
+async def load_adapter(request):
+    """POST /load_adapter?name=NAME (this module's route, served through route_guard): the body, a peft adapter as
+    safetensors bytes with its adapter_config.json in the metadata, goes to this server's own temporary folder and
+    is loaded under NAME (vLLM's LoRA support, --enable-lora); the adapters loaded before it are removed."""
+    import shutil
+    import tempfile
+
+    from starlette.responses import JSONResponse
+    from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+    models, name, body = request.app.state.openai_serving_models, request.query_params["name"], await request.body()
+    header = json.loads(body[8:8 + int.from_bytes(body[:8], "little")])  # safetensors: 8-byte length, JSON
+    folder = tempfile.mkdtemp(prefix=f"{name}-", dir=adapter_folder())
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        f.write(header.get("__metadata__", {}).get("adapter_config", "{}"))
+    with open(os.path.join(folder, "adapter_model.safetensors"), "wb") as f:
+        f.write(body)
+    answer = await models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=name, lora_path=folder,
+                                                                   load_inplace=name in models.lora_requests))
+    if not isinstance(answer, str):  # vLLM's ErrorResponse: no LoRA support, a rank above --max-lora-rank, ...
+        shutil.rmtree(folder, ignore_errors=True)
+        return JSONResponse({"error": answer.error.message}, status_code=answer.error.code)
+    for old, loaded in list(models.lora_requests.items()):
+        if loaded.lora_path != folder:
+            await models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=old))
+            await models.engine_client.remove_lora(loaded.lora_int_id)
+            shutil.rmtree(loaded.lora_path, ignore_errors=True)
+    return JSONResponse({"loaded": name})
 
 
 async def route_guard(request, call_next):
@@ -588,7 +663,7 @@ async def route_guard(request, call_next):
         given = request.headers.get("authorization", "").removeprefix("Bearer ").encode()
         if not any(hmac.compare_digest(given, key.encode()) for key in keys):
             return JSONResponse({"error": "Unauthorized"}, status_code=401, headers=instance)
-    response = await call_next(request)
+    response = await (load_adapter(request) if path == "/load_adapter" else call_next(request))
     response.headers.update(instance)
     return response
 

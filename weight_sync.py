@@ -1,17 +1,21 @@
-"""The policy's weights on their way to the server: in the server's names and dtype, LoRA merged, FSDP2 shards gathered
-one tensor at a time (ServerWeights), and the probe that checks the server computes with them (check_sync).
-Not here: the transport (vllm_server.WeightSync: gloo or NCCL broadcasts), saving to disk (checkpoints.py).
+"""The policy's weights on their way to the server: every weight in the server's names and dtype, LoRA merged, FSDP2
+shards gathered one tensor at a time (ServerWeights), or a LoRA adapter alone (AdapterWeights); which of them a run
+pushes (server_sync); and the probe that checks the server computes with them (check_sync).
+Not here: the transports (vllm_server.WeightSync: gloo or NCCL broadcasts; AdapterSync), saving to disk (checkpoints.py).
 """
 import collections
 import dataclasses
+import json
 import os
 
+import safetensors.torch
 import torch
 
 from config import RunStopped, UsageError
 from logprobs import no_grad_logprobs
 from models import full_tensor, hf_model, sharded_parameters
-from utils import sum_over_ranks
+from utils import print0, sum_over_ranks
+from vllm_server import AdapterSync, WeightSync
 
 
 WeightMeta = collections.namedtuple("WeightMeta", "name dtype shape")
@@ -33,16 +37,18 @@ class ServerWeights:
     `metadata()` lists (name, dtype, shape) without gathering. This is the WeightSource interface of
     vLLM's trainer-side weight-transfer engines, so the same object feeds our gloo and vLLM's nccl.
     A weight that cannot change (frozen and without a LoRA adapter: a VLM's frozen vision tower, the base
-    weights around LoRA layers) is sent by the first push only."""
+    weights around LoRA layers) is sent by the first push only. Without `merge_lora`, the base weights alone
+    (the server's base under an adapter pushed by itself): nothing changes after the first push."""
 
-    def __init__(self, model, dtype: torch.dtype):
-        self.model, self.dtype = hf_model(model), dtype
+    def __init__(self, model, dtype: torch.dtype, merge_lora: bool = True):
+        self.model, self.dtype, self.merge_lora = hf_model(model), dtype, merge_lora
         skip = os.environ.get("NANOGRPO_FAULT_SKIP_WEIGHT")  # fault injection for the sync-check test: push without it
         sharded_parameters(getattr(model, "module", model))
         # named_parameters lists a tied lm_head once, under the embedding's name, as the server expects
         self.params = [(name, p) for name, p in self.model.named_parameters()
                        if "lora_" not in name and name.replace(".base_layer", "") != skip]
-        self.changing = [(name, p) for name, p in self.params if p.requires_grad or name.endswith(".base_layer.weight")]
+        self.changing = [(name, p) for name, p in self.params
+                         if merge_lora and (p.requires_grad or name.endswith(".base_layer.weight"))]
         self.pushed = False  # after the first push, only the weights that can change
 
     def _sent(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -59,9 +65,59 @@ class ServerWeights:
         params, self.pushed = self._sent(), True  # when reading begins: rank 0 does not read to the end
         for name, p in params:
             weight = full_tensor(p.detach())
-            if name.endswith(".base_layer.weight"):  # a LoRA layer: W + B A * alpha / r
+            if self.merge_lora and name.endswith(".base_layer.weight"):  # a LoRA layer: W + B A * alpha / r
                 weight = weight + lora_delta(self.model.get_submodule(name.removesuffix(".base_layer.weight")))
             yield name.replace(".base_layer", ""), weight.to(self.dtype)
+
+
+class AdapterWeights:
+    """The LoRA adapter alone, as peft saves it and vLLM loads it: its tensors under peft's names, in `dtype` (the
+    server's), FSDP2 shards gathered (a collective: every rank calls payload(); the base weights are never read), and
+    its adapter_config.json."""
+
+    def __init__(self, model, dtype: torch.dtype = torch.float32):
+        self.model, self.dtype = getattr(model, "module", model), dtype  # the peft model
+        self.skip = os.environ.get("NANOGRPO_FAULT_SKIP_WEIGHT", "").removesuffix(".weight")  # as ServerWeights'
+
+    def payload(self, is_main: bool) -> bytes | None:
+        """Rank 0: the adapter as safetensors bytes, its config in the metadata; other ranks: None."""
+        from peft import get_peft_model_state_dict  # as models.add_lora: only LoRA runs import peft
+        state = {name: full_tensor(p.detach()).cpu() for name, p in sharded_parameters(self.model) if "lora_" in name}
+        if not is_main:
+            return None
+        tensors = {name: t.to(self.dtype).contiguous()
+                   for name, t in get_peft_model_state_dict(self.model, state_dict=state).items()
+                   if not (self.skip and f"{self.skip}.lora_" in name)}
+        config = self.model.peft_config["default"].to_dict()
+        return safetensors.torch.save(tensors, metadata={"adapter_config": json.dumps(config, default=sorted)})
+
+
+def server_sync(cfg, client, model, server_dtype: torch.dtype, rank: int, version):
+    """How the weights reach the server, and a phrase that says it: with --use_peft the adapter alone
+    (vllm_server.AdapterSync) where --lora_sync and the server allow it, else every weight, LoRA merged in
+    (vllm_server.WeightSync: gloo or NCCL broadcasts). --lora_sync adapter that cannot be stops the run at start."""
+    if cfg.use_peft and cfg.lora_sync != "merged":
+        why = adapter_refused(cfg, client.server_config().get("lora_config"), model)
+        if not why:
+            base = WeightSync(client, ServerWeights(model, server_dtype, merge_lora=False), rank, cfg.vllm_group_host,
+                              cfg.vllm_group_port, cfg.weight_sync_bucket_mb)
+            return AdapterSync(client, AdapterWeights(model, server_dtype), rank, version, base), "the LoRA adapter alone"
+        if cfg.lora_sync == "adapter":
+            raise UsageError(f"--lora_sync adapter: {why}; or push merged weights with --lora_sync merged")
+        print0(f"LoRA: the weights are pushed merged, since {why}")
+    return (WeightSync(client, ServerWeights(model, server_dtype), rank, cfg.vllm_group_host, cfg.vllm_group_port,
+                       cfg.weight_sync_bucket_mb), "all weights" + (", LoRA merged" if cfg.use_peft else ""))
+
+
+def adapter_refused(cfg, lora: dict | None, model) -> str:
+    """Why the adapter alone cannot be pushed to a server with this LoRA config (None: without LoRA), or ""."""
+    others = [name for name, p in hf_model(model).named_parameters() if p.requires_grad and "lora_" not in name]
+    if not lora:
+        return f"the server runs without LoRA: start it with --enable-lora --max-lora-rank {cfg.lora_r}"
+    if cfg.lora_r > lora["max_lora_rank"]:
+        return (f"--lora_r {cfg.lora_r} is above the server's --max-lora-rank {lora['max_lora_rank']}: restart it "
+                f"with --max-lora-rank {cfg.lora_r} or more")
+    return f"{others[0]} trains outside the adapter" if others else ""
 
 
 @dataclasses.dataclass

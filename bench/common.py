@@ -82,12 +82,12 @@ SHARED_SERVER = "NANOGRPO_BENCH_SERVER"  # "port:pid" of a running vllm_server.p
 
 
 @contextlib.contextmanager
-def serving(model: str, workdir: str, *flags: str, cores: set[int] | None = None):
+def serving(model: str, workdir: str, *flags: str, cores: set[int] | None = None, lora_rank: int = 0):
     """vllm_server.py on `model` (eager; its default dtype: bf16 where the CPU has it, else fp32) on a free port, on
-    `cores` (None: all);
+    `cores` (None: all), with LoRA on for adapters up to `lora_rank` (0: off);
     yields {"port", "pid" (of its process group), "memory": PeakRSS}. With $NANOGRPO_BENCH_SERVER set (the tests
     run every bench's smallest setting against one server of theirs), that server instead, if it serves `model`
-    and nothing else is asked of it (`flags`, `cores`)."""
+    (with LoRA up to `lora_rank`) and nothing else is asked of it (`flags`, `cores`)."""
     from config import UsageError
     from utils import stop_process_group
     from vllm_server import VLLMClient
@@ -97,6 +97,8 @@ def serving(model: str, workdir: str, *flags: str, cores: set[int] | None = None
         client.wait_for_health(timeout=30)
         if os.path.realpath(client.model_name) != os.path.realpath(model):
             raise RuntimeError(f"${SHARED_SERVER} serves {client.model_name}, not {model}")
+        if lora_rank > ((client.server_config().get("lora_config") or {}).get("max_lora_rank") or 0):
+            raise RuntimeError(f"${SHARED_SERVER} does not take LoRA adapters of rank {lora_rank}")
         memory = PeakRSS(pid)
         try:
             yield {"port": port, "pid": pid, "memory": memory}
@@ -106,7 +108,8 @@ def serving(model: str, workdir: str, *flags: str, cores: set[int] | None = None
     port = free_port()
     log = open(os.path.join(workdir, "server.log"), "w")
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "vllm_server.py"), "--model", model, "--port", str(port),
-                             "--enforce-eager", "--max-model-len", "2048", *flags],
+                             "--enforce-eager", "--max-model-len", "2048", *flags,
+                             *(["--enable-lora", "--max-lora-rank", str(lora_rank)] if lora_rank else [])],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **on_cores(cores))
     memory = PeakRSS(proc.pid)
     try:

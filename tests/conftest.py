@@ -220,8 +220,10 @@ def running_server(model: str, log_path, *extra: str, port: int | None = None):
 
 @pytest.fixture(scope="session")
 def server(tiny_model, tmp_path_factory):
-    """The server on the tiny model, shared by the tests of a session."""
-    with running_server(tiny_model, tmp_path_factory.mktemp("server") / "server.log") as s:
+    """The server on the tiny model, shared by the tests of a session; with LoRA on, as run.sh starts it for
+    --use_peft (a LoRA run pushes its adapter alone, unless --lora_sync merged)."""
+    with running_server(tiny_model, tmp_path_factory.mktemp("server") / "server.log", "--enable-lora",
+                        "--max-lora-rank", "16") as s:
         yield s
 
 

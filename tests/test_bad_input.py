@@ -240,6 +240,15 @@ def test_weight_transfer_port_in_use(server, tmp_path):
 
 
 @pytest.mark.slow
+def test_an_adapter_the_server_cannot_take_stops_at_start(server, tmp_path):
+    """--lora_sync adapter asks for the adapter alone; the session's server takes ranks up to 16."""
+    err = start_fails(train_args(server, tmp_path / "out", "--max_steps", "1", "--use_peft", "--lora_r", "32",
+                                 "--lora_sync", "adapter"))
+    assert "--lora_r 32 is above the server's --max-lora-rank 16: restart it with --max-lora-rank 32" in err, err
+    assert "or push merged weights with --lora_sync merged" in err
+
+
+@pytest.mark.slow
 def test_server_port_in_use(tiny_model):
     with busy_port() as port:
         err = start_fails([os.path.join(ROOT, "vllm_server.py"), "--model", tiny_model, "--port", str(port)], timeout=120)

@@ -143,6 +143,18 @@ def test_vs_trl_runs_trl_and_nanogrpo(model, shared):
     assert abs(ratio - seconds["nanogrpo (defaults)"] / seconds["TRL 1.16.0, gradient checkpointing true"]) < 0.006
 
 
+def test_lora_sync(model, shared):
+    out = bench("lora_sync.py", "--model", model, *SMALL, "--lora_r", "4", env=shared)
+    times = {how: re.search(rf"{how} +push +(\S+) s +generate +(\S+) s +step +(\S+) s", out).groups()
+             for how in ("adapter", "merged")}
+    for i, what in enumerate(("push", "generate", "step")):  # each ratio is the quotient of the runs' times
+        ratio = re.search(rf"adapter / merged, {what}: (\S+)", out)[1]
+        assert quotient(ratio, times["adapter"][i], times["merged"][i]), (what, ratio, times)
+    counted = re.search(r"bytes of one push, \S+ \(32-bit\): adapter (\S+) MB, merged (\S+) MB", out)
+    assert counted and float(counted[1]) < float(counted[2]), out  # the test server computes in fp32
+    assert "Llama-2-70B (bf16, on paper): adapter 98.8 MB, merged 128.5 GB" in out  # r=4: a quarter of r=16's
+
+
 def test_loss_parity_with_trl_on_every_setting():
     out = bench("loss_parity.py", timeout=900)
     total = out.split("_compute_loss")[1].split(" cases")[0].split()[-1]

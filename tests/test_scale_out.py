@@ -25,9 +25,10 @@ def logprobs(model, ids: list[int]) -> torch.Tensor:
         return torch.log_softmax(model(x).logits[0, :-1].float(), -1).gather(-1, x[0, 1:, None])[:, 0]
 
 
-def check_saved_run(server, out, metrics, lora: bool, tolerance: float = 1e-4):
+def check_saved_run(server, out, metrics, lora: bool, tolerance: float = 1e-4, adapter: str | None = None):
     """The probe matched after every push (to `tolerance`: the trainer may compute in bf16, the server in
-    fp32); the saved model differs from the start and is exactly what the server runs (fp32 weights)."""
+    fp32); the saved model differs from the start and is exactly what the server runs (fp32 weights; with the
+    `adapter` pushed alone, the server's base with it)."""
     from transformers import AutoModelForCausalLM
     assert len(metrics) == 3 and all(m["grad_norm"] > 0 for m in metrics)
     assert max(m["sync_probe_diff_max"] for m in metrics) < tolerance, [m["sync_probe_diff_max"] for m in metrics]
@@ -37,7 +38,10 @@ def check_saved_run(server, out, metrics, lora: bool, tolerance: float = 1e-4):
     assert any(not torch.equal(saved[k], initial[k]) for k in initial)
     probe = list(range(100, 140))
     merged = AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32)
-    server_logprobs = torch.tensor(VLLMClient(port=server["port"]).prompt_logprobs(probe))
+    client = VLLMClient(port=server["port"])
+    client.wait_for_health(60)
+    client.model_name = adapter or client.model_name
+    server_logprobs = torch.tensor(client.prompt_logprobs(probe))
     assert (logprobs(merged, probe) - server_logprobs).abs().max() < 1e-4
     if lora:  # the adapter on the base model computes what the merged model computes
         from peft import PeftModel
@@ -47,14 +51,20 @@ def check_saved_run(server, out, metrics, lora: bool, tolerance: float = 1e-4):
         assert (logprobs(adapted, probe) - logprobs(merged, probe)).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp", "ddp_lora", "fsdp_lora"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "ddp_lora_merged", "fsdp_lora"])
 def test_parallel_modes_train_keep_the_server_in_sync_and_save_what_it_runs(server, tmp_path, mode):
-    flags = {"ddp": [], "fsdp": ["--fsdp", "--gradient_checkpointing"], "ddp_lora": [*LORA, "--gradient_checkpointing"], "fsdp_lora": ["--fsdp", *LORA]}[mode]
+    """The session's server runs with LoRA on (--enable-lora): a LoRA run pushes its adapter alone, FSDP2 gathering
+    the adapter only, and the server samples with it (the probe after every push, at fp32's 1e-4); or, with
+    --lora_sync merged, every weight with the adapter merged in."""
+    flags = {"ddp": [], "fsdp": ["--fsdp", "--gradient_checkpointing"], "fsdp_lora": ["--fsdp", *LORA],
+             "ddp_lora_merged": [*LORA, "--gradient_checkpointing", "--lora_sync", "merged"]}[mode]
     lr = "5e-2" if "lora" in mode else "1e-2"
     proc, metrics = run_train(server, tmp_path / "out", *SMALL_RUN, "--learning_rate", lr, *flags)
     assert ("FSDP2" if "fsdp" in mode else "DDP") in proc.stdout and ("LoRA" in proc.stdout) == ("lora" in mode)
+    pushed = {"fsdp_lora": "| pushes the LoRA adapter alone\n", "ddp_lora_merged": "| pushes all weights, LoRA merged\n"}
+    assert pushed.get(mode, "| pushes all weights\n") in proc.stdout, proc.stdout[-2000:]
     assert metrics[-1]["kl"] > 0  # the reference (a copy, or the base with the adapter off) is in the loss
-    check_saved_run(server, tmp_path / "out", metrics, lora="lora" in mode)
+    check_saved_run(server, tmp_path / "out", metrics, lora="lora" in mode, adapter="policy-3" * (mode == "fsdp_lora"))
 
 
 def test_two_nodes_on_loopback(server, tmp_path):
