@@ -33,6 +33,8 @@ The wire protocol of a gloo weight push (trainer rank 0 = gloo rank 0, vLLM work
   3. POST /finish_weight_update, then POST /reset_prefix_cache and /reset_encoder_cache (cached KV and
      encoded images of old weights are stale).
 """
+import atexit
+import contextlib
 import ctypes
 import functools
 import gc
@@ -40,8 +42,11 @@ import hmac
 import json
 import math
 import os
+import re
+import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -430,16 +435,14 @@ class WeightSync:
 
 
 class AdapterSync:
-    """Pushes the LoRA adapter alone (--lora_sync adapter): the server runs the base model with vLLM's LoRA support
-    (--enable-lora) and samples with the adapter it was sent last, named after the policy version (optimizer steps
-    taken, `version()`). Every rank calls push() (FSDP2 gathers the adapter, never the base); rank 0 sends it over
-    HTTP, and every rank's client then names it in its requests. `source`: weight_sync.AdapterWeights. The first
-    push after connecting also sends the base weights through `base` (a WeightSync): another run may have pushed
-    its own into the server."""
+    """Pushes the LoRA adapter alone (--lora_sync adapter) to a server with vLLM's LoRA on, named after the policy
+    version (`version()`: optimizer steps). Every rank calls push() (FSDP2 gathers the adapter, never the base); rank 0
+    sends it (source: weight_sync.AdapterWeights) and every rank's client names it in its requests. The first push
+    after connecting also sends the base weights through `base` (a WeightSync): another run may have changed them."""
 
     def __init__(self, client: VLLMClient, source, rank: int, version, base: WeightSync):
-        self.client, self.source, self.rank, self.version, self.base = client, source, rank, version, base
-        self.base_sent = False
+        self.client, self.source, self.rank, self.version, self.base, self.base_sent = (client, source, rank, version,
+                                                                                        base, False)
 
     def connect(self):
         self.base.connect()
@@ -611,25 +614,22 @@ TRAINING_ROUTES = {"/health", "/v1/models", "/v1/completions", "/v1/chat/complet
 @functools.cache
 def adapter_folder() -> str:
     """The server's own folder for the adapters it is sent, removed when it exits."""
-    import atexit
-    import shutil
-    import tempfile
     folder = tempfile.mkdtemp(prefix="nanogrpo-adapters-")
     atexit.register(shutil.rmtree, folder, True)
     return folder
 
 
 async def load_adapter(request):
-    """POST /load_adapter?name=NAME (this module's route, served through route_guard): the body, a peft adapter as
-    safetensors bytes with its adapter_config.json in the metadata, goes to this server's own temporary folder and
-    is loaded under NAME (vLLM's LoRA support, --enable-lora); the adapters loaded before it are removed."""
-    import shutil
-    import tempfile
-
+    """POST /load_adapter?name=NAME: a peft adapter (safetensors, its adapter_config.json in the metadata) goes to a
+    folder of this server's and is loaded under NAME (--enable-lora); the adapters loaded before it are removed."""
     from starlette.responses import JSONResponse
     from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
-    models, name, body = request.app.state.openai_serving_models, request.query_params["name"], await request.body()
-    header = json.loads(body[8:8 + int.from_bytes(body[:8], "little")])  # safetensors: 8-byte length, JSON
+    models, name, header = request.app.state.openai_serving_models, request.query_params.get("name", ""), None
+    body = await request.body()
+    with contextlib.suppress(ValueError):  # safetensors: an 8-byte length, then a JSON header
+        header = json.loads(body[8:8 + int.from_bytes(body[:8], "little")])
+    if not re.fullmatch(r"[\w.-]+", name) or name.startswith(".") or not isinstance(header, dict):
+        return JSONResponse({"error": "give ?name= (letters, digits, . _ -) and a safetensors body"}, status_code=400)
     folder = tempfile.mkdtemp(prefix=f"{name}-", dir=adapter_folder())
     with open(os.path.join(folder, "adapter_config.json"), "w") as f:
         f.write(header.get("__metadata__", {}).get("adapter_config", "{}"))
