@@ -102,9 +102,10 @@ def checkpoints(output_dir: str) -> list[str]:
 OUTPUTS = ("metrics.jsonl", "rollouts.jsonl", "model", "adapter")  # what a run leaves, besides checkpoints
 
 
-def prepare_output_dir(output_dir: str, resume: str | None, step: int = 0):
+def prepare_output_dir(output_dir: str, resume: str | None, step: int = 0, dry_run: bool = False):
     """Rank 0, at start (not at the first save, hours later). The folder must be writable, and it is locked for
-    the run: a second run into it stops at once. A new run does not mix with an earlier run's output there. A run
+    the run: a second run into it stops at once. A new run does not mix with an earlier run's output there
+    (`dry_run`: these checks alone, the folder's content is left as it is). A run
     resumed from a checkpoint of this folder keeps the logs up to its step; if the run went further, the logs as
     they were and the checkpoints after it are moved aside (set_aside_after), so that `latest` never jumps back
     to them. Resumed from another folder's checkpoint, this folder starts as a new run's, with the logs up to the
@@ -129,6 +130,8 @@ def prepare_output_dir(output_dir: str, resume: str | None, step: int = 0):
             raise UsageError(f"--output_dir {output_dir} holds an earlier run's output ({', '.join(earlier)}): "
                              + ("continue that run with --resume_from_checkpoint latest, " if resume is None else "")
                              + "choose another --output_dir, or delete them")
+    if dry_run:
+        return lock
     aside = set_aside_after(output_dir, step) if same_folder else None
     for name in LOGS:
         source = os.path.join(os.path.dirname(os.path.abspath(resume)) if resume else output_dir, name)

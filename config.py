@@ -192,6 +192,8 @@ class Config:
     report_to: str = "none"  # none | wandb
     wandb_project: str = "nanogrpo"  # with --report_to wandb
     run_name: str = ""  # wandb run name; "" = wandb's default
+    dry_run: bool = False  # check in about a minute what would fail at step 1 or hang (server, template, rewards,
+                           # a push with the probe, a step's peak memory), then stop; nothing is trained or saved
     # (not a flag) the flags given on the command line, set by parse_config; None in a Config made in code
     given: typing.ClassVar[frozenset | None] = None
 

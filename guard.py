@@ -121,9 +121,9 @@ class ServerGuard:
         return anywhere if len(flags) > 1 else anywhere[0]
 
 
-def connect_server(cfg: Config, longest_prompt: int) -> tuple[VLLMClient, torch.dtype]:
-    """The client of the server at --vllm_server_host/port (waited for), and the dtype it computes in. Stops at once
-    if the longest prompt and completion do not fit its max model length."""
+def connect_server(cfg: Config, longest_prompt: int) -> tuple[VLLMClient, torch.dtype, int]:
+    """The client of the server at --vllm_server_host/port (waited for), the dtype it computes in and its max model
+    length. Stops at once if the longest prompt and completion do not fit it."""
     client = VLLMClient(cfg.vllm_server_host, cfg.vllm_server_port, os.environ.get("VLLM_API_KEY"),  # its --api-key
                         cfg.vllm_request_timeout, cfg.vllm_server_timeout)
     client.wait_for_health(cfg.vllm_server_timeout)
@@ -132,4 +132,4 @@ def connect_server(cfg: Config, longest_prompt: int) -> tuple[VLLMClient, torch.
         raise UsageError(f"the longest prompt ({longest_prompt} tokens) + --max_completion_length "
                          f"{cfg.max_completion_length} exceeds the server's max model length {max_model_len}: lower "
                          "them or restart the server with a larger --max-model-len")
-    return client, server_dtype
+    return client, server_dtype, max_model_len

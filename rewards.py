@@ -37,6 +37,7 @@ import re
 import signal
 import sys
 import threading
+import time
 import traceback
 from types import ModuleType, SimpleNamespace
 
@@ -487,6 +488,7 @@ class RewardScorer:
         self.attempted = dict.fromkeys(names, 0)  # the completions each function was to score in the last call
         self.calls, self.reported = dict.fromkeys(names, 0), set()
         self.metrics, self.extra = {}, {}  # what functions logged with log_metric / log_extra in the last call
+        self.seconds = {}  # each function's time in the last call that ran it (async ones: their joint call)
         self._pool = None
 
     def start(self):
@@ -548,10 +550,14 @@ class RewardScorer:
         sync = [name for name in called if name not in self.models and not self.is_async[name]]
         for names in [[name] for name in sync] + [[name for name in called if self.is_async.get(name)]]:
             if names:
+                t = time.perf_counter()
                 results |= dict(zip(names, self._run([(name, batch_of(name)) for name in names])))
+                self.seconds |= dict.fromkeys(names, time.perf_counter() - t)
         for name in called:
             if name in self.models:
+                t = time.perf_counter()
                 results[name] = self._score_model(name, self.models[name], batch_of(name))
+                self.seconds[name] = time.perf_counter() - t
         out = []
         for name in self.names:
             self.attempted[name], self.failed[name] = len(which[name]), 0
@@ -592,4 +598,7 @@ class RewardScorer:
                   flush=True)
 
     def close(self):
+        self.stop()
+
+    def __del__(self):  # a run stopped by an error ends its scorer process too (run_and_exit collects main's objects)
         self.stop()

@@ -53,6 +53,7 @@ from metrics import (MetricsLogger, ScoringWatch, StepTimer, check_finite, conso
 from mixture import load_mixture, resume_signature
 from models import build_models, build_optimizer, full_tensor, gradient_sync, reference_model
 from plot import plot_run
+from preflight import Preflight, largest_episode, peak_memory, sampled, scored
 from rewards import RewardScorer, load_postprocess, postprocessed, weighted_rewards
 from rollout import (RolloutContext, SEED_LIMIT, collate, episodes_to_json, presampled_from_json, run_rollout,
                      training_samples)
@@ -61,7 +62,7 @@ from utils import (barrier, extremes_over_ranks, gather_lines, print0, quantile_
                    setup_distributed, std_over_ranks, sum_over_ranks)
 from vision import load_processor
 from vllm_server import InThread
-from weight_sync import check_sync, server_sync
+from weight_sync import check_sync, server_sync, weight_bytes
 
 
 def group_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -396,6 +397,21 @@ def update(model, optimizer, scheduler, trainable: list, data: dict, step: int, 
     return sums, grad_norms, first_pass_logp
 
 
+def largest_update(model, ref_model, optimizer, scheduler, trainable: list, episode, pad_id: int, cfg: Config,
+                   world_size: int, autocast, off_policy: bool):
+    """--dry_run's memory check: the passes of a step (pi_old and the reference where the flags ask for them, then
+    one optimizer step) on --micro_batch_size copies of `episode`, the largest micro-batch a step can see."""
+    inputs, tokens = collate([episode] * cfg.micro_batch_size, pad_id)
+    old_logp, ref_logp, entropy_mask = old_and_ref_logprobs(model, ref_model, inputs, tokens["sampled"], cfg, autocast,
+                                                            off_policy)
+    model.train()
+    data = dict(inputs=inputs, loss_mask=tokens["sampled"], advantages=torch.linspace(-1, 1, cfg.micro_batch_size),
+                old_logp=old_logp, ref_logp=ref_logp, keep=None, sampler_logp=tokens["sampler_logp"],
+                entropy_mask=entropy_mask)
+    one_step = dataclasses.replace(cfg, num_iterations=1, steps_per_generation=1)
+    update(model, optimizer, scheduler, trainable, data, 0, one_step, world_size, autocast, StepTimer())
+
+
 def sampler_diff(tokens: dict, keep, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The sync check of every step: |logp - the sampler's log-prob| (N, C) of the tokens compared (the sampled ones
     whose sampler log-prob is known, in rows that trained: `keep`, None = all), and those tokens (N, C)."""
@@ -412,52 +428,66 @@ def main(cfg: Config):
     torch.manual_seed(cfg.seed + rank)
     G = cfg.num_generations
     prompts_per_rank = cfg.prompts_per_step // world_size
-    resume = find_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir) if cfg.resume_from_checkpoint else None
-    run_config = dataclasses.asdict(cfg) | resume_signature(cfg)  # as checkpoints keep it (a mixture's tasks too)
-    resume_step, changed_flags = check_checkpoint(resume, run_config) if resume else (0, [])  # continues it exactly
-    # writable, ours alone (locked), no earlier run's output to mix with: said now, not at the first save
-    output_lock = prepare_output_dir(cfg.output_dir, resume, resume_step) if is_main else None
+    checks = Preflight(cfg.dry_run, cfg.output_dir, is_main)  # --dry_run: each build below is a check (preflight.py)
+    with checks("output folder"):
+        resume = find_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir) if cfg.resume_from_checkpoint else None
+        run_config = dataclasses.asdict(cfg) | resume_signature(cfg)  # as checkpoints keep it (a mixture's tasks too)
+        resume_step, changed_flags = check_checkpoint(resume, run_config) if resume else (0, [])  # continues it exactly
+        # writable, ours alone (locked), no earlier run's output to mix with: said now, not at the first save
+        output_lock = prepare_output_dir(cfg.output_dir, resume, resume_step, cfg.dry_run) if is_main else None
+        checks.say(f"{cfg.output_dir}" + (f", resumes {resume} after step {resume_step}" if resume else ""))
 
-    model_path = resolve_model(cfg.model)  # the embedded model's folder, a local folder or a hub id
-    processor, tokenizer = load_tokenizer(cfg, model_path)  # processor: a vision-language model's, else None
-    pad_id = 0 if tokenizer.pad_token_id is None else tokenizer.pad_token_id  # masked out: any id (Llama 3 has none)
+    with checks("tokenizer"):
+        model_path = resolve_model(cfg.model)  # the embedded model's folder, a local folder or a hub id
+        processor, tokenizer = load_tokenizer(cfg, model_path)  # processor: a vision-language model's, else None
+        pad_id = 0 if tokenizer.pad_token_id is None else tokenizer.pad_token_id  # masked: any id (Llama 3 has none)
+        checks.say(f"{model_path}" + (", with its image processor" if processor else ""))
     # the tasks (mixture.py; one, for one dataset): their rows, rollouts (rows -> episodes through the server; tools
     # and environments: tools.py) and reward functions. `rows`: every task's, one list; eval_rows: held out
-    mixture = load_mixture(cfg, tokenizer, processor)
-    rows, eval_rows, rollout_fn = mixture.rows, mixture.eval_rows, mixture.rollout
-    # through the chat template, with the image tokens (every image is read now: a bad one stops the run here)
-    longest = mixture.longest_prompt(tokenizer, processor)
-    if longest > cfg.max_prompt_length:
-        raise UsageError(f"the longest prompt has {longest} tokens > --max_prompt_length {cfg.max_prompt_length}: "
-                         "raise it (and the server's --max-model-len) or drop the long prompts from the dataset")
-    client, server_dtype = connect_server(cfg, longest)  # waits for it; the prompts must fit
-    scorer = RewardScorer(mixture.functions, {name: mixture.columns_of(name) for name in mixture.functions}, device,
-                          cfg.max_steps, cfg.reward_timeout, cfg.reward_options())  # signatures checked now
-    postprocess = load_postprocess(cfg.reward_postprocess)  # the reward matrix's hook (rewards.postprocess_rewards)
+    with checks("tasks"):
+        mixture = load_mixture(cfg, tokenizer, processor)  # a template that cannot render the tools stops here
+        rows, eval_rows, rollout_fn = mixture.rows, mixture.eval_rows, mixture.rollout
+        # through the chat template, with the image tokens (every image is read now: a bad one stops the run here)
+        longest = mixture.longest_prompt(tokenizer, processor)
+        if longest > cfg.max_prompt_length:
+            raise UsageError(f"the longest prompt has {longest} tokens > --max_prompt_length {cfg.max_prompt_length}: "
+                             "raise it (and the server's --max-model-len) or drop the long prompts from the dataset")
+        checks.say(f"{mixture.describe()} | {len(rows)} rows, {len(eval_rows)} held out | the longest prompt "
+                   f"{longest} tokens")
+    with checks("server"):
+        client, server_dtype, max_len = connect_server(cfg, longest)  # waits for it; the prompts must fit
+        checks.say(f"{client.base} answers to our key | {server_dtype} | {longest} + {cfg.max_completion_length} "
+                   f"tokens fit its max model length {max_len}")
+    with checks("reward functions"):
+        scorer = RewardScorer(mixture.functions, {name: mixture.columns_of(name) for name in mixture.functions},
+                              device, cfg.max_steps, cfg.reward_timeout, cfg.reward_options())  # signatures checked
+        postprocess = load_postprocess(cfg.reward_postprocess)  # the reward matrix's hook (rewards.postprocess_rewards)
+        checks.say(", ".join(mixture.names) + " take the dataset's columns")
     sampling = dict(max_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                     min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty)
     names = mixture.names  # k reward columns: every task's functions, then each environment's get_reward()
 
-    state = load_checkpoint(resume) if resume else {"step": 0}  # optimizer, scheduler, RNG, step
-    policy, model, ref_model = build_models(cfg, model_path, processor is not None, resume, device, world_size)
+    with checks("models"):
+        state = load_checkpoint(resume) if resume else {"step": 0}  # optimizer, scheduler, RNG, step
+        policy, model, ref_model = build_models(cfg, model_path, processor is not None, resume, device, world_size)
+        trainable = [p for p in policy.parameters() if p.requires_grad]
+        optimizer, scheduler = build_optimizer(policy, cfg)
+        if resume:
+            changed = restore_training_state(state, model, optimizer, scheduler, rank, world_size)
+            scorer.failures = state["scorer_failures"] if is_main else 0  # the sum over the ranks that wrote it
+            print0(f"resuming from {resume} after step {state['step']}"
+                   + "".join(f"; {change} (this run's flag applies)" for change in changed + changed_flags))
+        checks.say(f"{sum(p.numel() for p in trainable):,} trainable parameters on {device}"
+                   + (", and a reference (beta > 0)" if cfg.beta > 0 else ""))
     off_policy = cfg.num_iterations > 1 or cfg.steps_per_generation > 1  # then pi_old needs its own pass
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
-    trainable = [p for p in policy.parameters() if p.requires_grad]
-    optimizer, scheduler = build_optimizer(policy, cfg)
-    if resume:
-        changed = restore_training_state(state, model, optimizer, scheduler, rank, world_size)
-        scorer.failures = state["scorer_failures"] if is_main else 0  # the sum over the ranks that wrote it
-        print0(f"resuming from {resume} after step {state['step']}"
-               + "".join(f"; {change} (this run's flag applies)" for change in changed + changed_flags))
 
     # a fixed probe the server scores after pushes, to catch a sync that silently went wrong (a VLM's has an image)
     sync_probe = mixture.sync_probe(tokenizer, processor)
     exact = server_dtype == torch.float32 and not cfg.bf16
     sync_tolerance = cfg.sync_check_tolerance if cfg.sync_check_tolerance >= 0 else (1e-3 if exact else 0.5)
-    # weights leave in the server's names and dtype (LoRA merged, or the adapter alone), FSDP2 shards gathered one
-    # tensor at a time; every rank takes part (the gathers), rank 0 alone sends
-    sync, pushed = server_sync(cfg, client, model, server_dtype, rank, version=lambda: scheduler.last_epoch)
-    logger = MetricsLogger(cfg.output_dir, is_main, cfg.report_to, run_config, cfg.wandb_project, cfg.run_name)
+    logger = MetricsLogger(cfg.output_dir, is_main and not cfg.dry_run, cfg.report_to, run_config, cfg.wandb_project,
+                           cfg.run_name)
     stop = StopRequest()  # SIGTERM / Ctrl-C: save a checkpoint, then stop
 
     def rows_of(step: int, extra_round: int = 0) -> list[int]:
@@ -518,10 +548,18 @@ def main(cfg: Config):
         steps_done = scheduler.last_epoch // updates_per_round
         return checkpoint(steps_done) if steps_done > state["step"] else None
 
-    guard = ServerGuard(client, sync, cfg.vllm_server_timeout, on_gone=save_on_stop, stop_requested=lambda: stop.flag)
     scorer.start()  # its process imports the reward functions while the first push and samples are under way
-    guard.run(sync.push)  # the server = our step-0 policy (LoRA: its adapter starts at zero, but the names must map)
-    barrier()  # no rank samples while weights are being pushed
+    # weights leave in the server's names and dtype (LoRA merged, or the adapter alone), FSDP2 shards gathered one
+    # tensor at a time; every rank takes part (the gathers), rank 0 alone sends
+    with checks("weight push"):
+        sync, pushed = server_sync(cfg, client, model, server_dtype, rank, version=lambda: scheduler.last_epoch)
+        guard = ServerGuard(client, sync, cfg.vllm_server_timeout, on_gone=save_on_stop,
+                            stop_requested=lambda: stop.flag)
+        guard.run(sync.push)  # the server = our step-0 policy (LoRA: its adapter starts at zero, but names must map)
+        barrier()  # no rank samples while weights are being pushed
+        checks.say(f"{pushed}: {weight_bytes(model, server_dtype, 'adapter' in pushed) / 2**20:,.1f} MB per push"
+                   + (f" (the base, {weight_bytes(model, server_dtype) / 2**20:,.1f} MB, once per connection)"
+                      if "adapter" in pushed else ""))
     parallel = "FSDP2" if cfg.fsdp else "DDP" if world_size > 1 else "single process"
     print0(f"nanogrpo | model {cfg.model} | {world_size} process(es) on {device.type} | {cfg.prompts_per_step} prompts "
            f"x G={G} = {cfg.prompts_per_step * G} completions per step ({prompts_per_rank * G} per rank) | "
@@ -563,6 +601,30 @@ def main(cfg: Config):
                + "".join(f" | {t.name} reward {metrics[f'eval/task/{t.name}/reward']:.3f} pass@1 "
                          f"{metrics[f'eval/task/{t.name}/pass@1']:.3f}" for t in mixture.tasks
                          if f"eval/task/{t.name}/reward" in metrics))
+
+    if cfg.dry_run:  # the parts of a first step, each a check, on one prompt per task; then stop (preflight.py)
+        with checks("sync probe"):
+            probe = guard.run(check_sync, client, model, sync_probe, autocast, is_main, sync_tolerance, 0)
+            checks.say(f"the server's log-probs of a fixed sequence are the trainer's to "
+                       f"{probe['sync_probe_diff_mean']:.2g} on average (tolerance {sync_tolerance:g})")
+        with checks("rollout"):  # rank 0 samples G completions of each task's first prompt
+            ctx = RolloutContext(client, tokenizer, G, sampling, cfg.seed, cfg.system_prompt, processor,
+                                 cfg.max_prompt_length)
+            episodes = guard.run(run_rollout, rollout_fn, [t.rows[0] for t in mixture.tasks] if is_main else [],
+                                 ctx)
+            checks.say(sampled(episodes, [t.name for t in mixture.tasks]) if is_main else "")
+        with checks("rewards"):
+            reward_matrix = guard.run(score, episodes)[1]
+            checks.say(scored(reward_matrix, names, scorer) if is_main else "")
+        with checks("memory"):  # one update of --micro_batch_size completions of the largest shape a step can see
+            largest = largest_episode(sync_probe.ids, sync_probe.model_inputs, longest, cfg.max_completion_length)
+            largest_update(model, ref_model, optimizer, scheduler, trainable, largest, pad_id, cfg, world_size,
+                           autocast, off_policy)
+            checks.say(f"one update of {cfg.micro_batch_size} x {len(largest.prompt_ids + largest.completion_ids)} "
+                       f"tokens: {peak_memory(device)}")
+        checks.passed()
+        scorer.close()
+        return
 
     # the starting point, to compare with; resumed after the last step, its evaluation if a stop came before it
     if eval_rows and (resume is None or state["step"] == cfg.max_steps and not evaluated_last(cfg.output_dir)):

@@ -6,6 +6,7 @@ Not here: the transports (vllm_server.WeightSync: gloo or NCCL broadcasts; Adapt
 import collections
 import dataclasses
 import json
+import math
 import os
 
 import safetensors.torch
@@ -107,6 +108,14 @@ def server_sync(cfg, client, model, server_dtype: torch.dtype, rank: int, versio
         print0(f"LoRA: the weights are pushed merged, since {why}")
     return (WeightSync(client, ServerWeights(model, server_dtype), rank, cfg.vllm_group_host, cfg.vllm_group_port,
                        cfg.weight_sync_bucket_mb), "all weights" + (", LoRA merged" if cfg.use_peft else ""))
+
+
+def weight_bytes(model, dtype: torch.dtype, adapter: bool = False) -> int:
+    """The bytes of a push of every weight of the server's model (ServerWeights' first push), or of the LoRA adapter
+    alone, in `dtype`."""
+    if adapter:
+        return sum(p.numel() for name, p in hf_model(model).named_parameters() if "lora_" in name) * dtype.itemsize
+    return sum(math.prod(meta.shape) for meta in ServerWeights(model, dtype).metadata()) * dtype.itemsize
 
 
 def adapter_refused(cfg, lora: dict | None, model) -> str:

@@ -104,23 +104,25 @@ def test_run_sh_gives_each_run_a_fresh_key_in_the_environment_and_stops_its_serv
     """run.sh as a user runs it: a key of its own for each run, handed to the server and the trainer in their
     environment (a command line is readable by every local user); the server it started is gone when the run is
     stopped with Ctrl-C (which the server, in a session of its own, does not get), and when the server itself
-    fails to start (a flag vLLM does not know: it exits while importing, and run.sh shows its log)."""
+    fails to start (a flag vLLM does not know: it exits while importing, and run.sh shows its log), and after a
+    --dry_run (which passes, and leaves its report and the server's log alone in the output folder)."""
     from conftest import ROOT, die_with_parent, stop
     env = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"} | {"VLLM_CPU_KVCACHE_SPACE": "1",
                                                                           "OMP_NUM_THREADS": "1"}
     keys = []
-    for way in ("ctrl-c", "server fails"):
+    for way in ("ctrl-c", "server fails", "dry run"):
         out = tmp_path / way.replace(" ", "-")
         proc = subprocess.Popen(["bash", os.path.join(ROOT, "run.sh"), "--model", tiny_model, "--reward_funcs",
                                  "tests.helpers:brevity", "--num_generations", "2", "--prompts_per_step", "2",
                                  "--max_completion_length", "8", "--max_steps", "500", "--eval_steps", "0",
-                                 "--no_save_model", "--output_dir", str(out)], stdout=subprocess.PIPE,
+                                 "--no_save_model", "--output_dir", str(out), *["--dry_run"] * (way == "dry run")],
+                                stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=die_with_parent,
                                 env=env | ({"SERVER_ARGS": "--no-such-flag"} if way == "server fails" else {}), cwd=ROOT)
         server = trainer = None
         try:
             deadline = time.monotonic() + 300
-            while not (server and (trainer or way == "server fails")) and proc.poll() is None and \
+            while not (server and (trainer or way != "ctrl-c")) and proc.poll() is None and \
                     time.monotonic() < deadline:
                 tree = {pid: cmdline(pid) for pid, _ in descendants(proc.pid)}
                 server = server or next((p for p, c in tree.items() if "vllm_server.py" in c and "setsid" not in c), None)
@@ -140,11 +142,14 @@ def test_run_sh_gives_each_run_a_fresh_key_in_the_environment_and_stops_its_serv
             deadline = time.monotonic() + 30
             while alive(server) and time.monotonic() < deadline:
                 time.sleep(0.2)
-            assert not alive(server) and (way == "ctrl-c" or proc.returncode != 0), output[-3000:]
-            said = "stopped by a signal" if way == "ctrl-c" else "the vLLM server exited; its log:"
+            assert not alive(server) and (way == "ctrl-c" or (proc.returncode == 0) == (way == "dry run")), output[-3000:]
+            said = {"ctrl-c": "stopped by a signal", "server fails": "the vLLM server exited; its log:",
+                    "dry run": "dry run passed: 11 checks"}[way]
             assert said in output, output[-3000:]
+            if way == "dry run":
+                assert sorted(os.listdir(out)) == ["dry_run.txt", "server.log"]
         finally:
             stop(proc)
             if server and alive(server):
                 os.killpg(server, signal.SIGKILL)
-    assert keys[0] != keys[1]  # fresh for each run
+    assert len(set(keys)) == 3  # fresh for each run

@@ -53,6 +53,13 @@ def test_the_trainer_sends_the_key_and_says_when_it_is_missing(keyed_server, tmp
             "--max_completion_length", "4", "--max_steps", "1", "--bf16", "false", "--no_save_model"]
     proc = run_train(keyed_server, tmp_path / "nokey", *args, nproc=1, check=False, env={"VLLM_API_KEY": ""})
     assert proc.returncode != 0 and "VLLM_API_KEY" in proc.stderr and "step 1/1" not in proc.stdout
+    # --dry_run with a wrong key: its `server` check fails, in one line, exit code 2
+    proc = run_train(keyed_server, tmp_path / "wrong", *args, "--dry_run", nproc=1, check=False,
+                     env={"VLLM_API_KEY": "not-the-key"})
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        f"error: dry run: `server` failed: the vLLM server at http://127.0.0.1:{keyed_server['port']} was started "
+        "with --api-key: the key in VLLM_API_KEY is not one of its keys"), proc.stderr[-2000:]
+    assert "  FAIL  server" in proc.stdout and "  ok    tasks" in proc.stdout
     # the key is written nowhere (logs, rollouts, the checkpoint), and the reward functions (user code, in a
     # process of their own) see neither it nor wandb's
     seen = tmp_path / "seen"

@@ -331,6 +331,17 @@ def test_two_processes_train_a_vlm_on_images_keep_the_server_in_sync_and_resume_
 
 
 @pytest.mark.slow
+def test_a_dry_run_of_a_vlm_measures_an_update_with_its_images(vlm_server, tmp_path):
+    """--dry_run's memory check builds its largest batch from the probe, whose image tokens must stay whole."""
+    from conftest import run_train
+    proc = run_train(vlm_server, tmp_path / "out", *VLM_RUN, "--dataset", image_dataset(tmp_path), "--dry_run",
+                     nproc=1, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "dry run passed: 11 checks" in proc.stdout and "  ok    memory" in proc.stdout
+    assert "4 completions of" in proc.stdout and os.listdir(tmp_path / "out") == ["dry_run.txt"]
+
+
+@pytest.mark.slow
 def test_bad_image_input_stops_at_start_in_one_line(tiny_vlm, tiny_model, tmp_path):
     """Every image is read at start: a missing or unreadable image, images for a text-only model, and prompts
     whose image tokens pass --max_prompt_length stop the run before it needs a server (exit 2, one line)."""

@@ -1,0 +1,123 @@
+"""--dry_run: the run's start-up and the parts of its first step, each a named check that prints one line with its
+result and time, in about a minute; nothing is trained or saved. train.py's main() wraps each build in
+`with checks(name):` (without --dry_run that does nothing), then, with it, runs the parts of a step on one prompt
+per task (train.dry_run) and stops. The first check that fails stops every rank with exit code 2 and its name;
+the lines go to the output folder's dry_run.txt, the only file a dry run writes there.
+What this file holds: the checks' bookkeeping (Preflight), the largest batch a step can see, peak memory."""
+import contextlib
+import os
+import resource
+import sys
+import time
+import traceback
+
+import torch
+
+from config import RunStopped, UsageError
+from rollout import Episode
+from utils import all_reduce, extremes_over_ranks
+
+REPORT = "dry_run.txt"
+
+
+class Preflight:
+    """checks(name) -> a context around one check: with --dry_run it is timed and printed (rank 0) as
+    `  ok    name   1.2 s  what it found` (what `say` was given inside) or `  FAIL  name ...`, and the ranks agree
+    on it (a failure anywhere stops every rank: UsageError naming the check); without, a plain block."""
+
+    def __init__(self, on: bool, output_dir: str, is_main: bool):
+        self.on, self.output_dir, self.is_main = on, output_dir, is_main
+        self.lines, self.detail, self.t_start = [], "", time.perf_counter()
+
+    def __call__(self, name: str):
+        return self._check(name) if self.on else contextlib.nullcontext()
+
+    def say(self, detail: str):
+        """What the check in progress found, for its line."""
+        self.detail = detail
+
+    @contextlib.contextmanager
+    def _check(self, name: str):
+        self.detail, t, failure = "", time.perf_counter(), None
+        try:
+            yield
+        except Exception as e:  # a foreseen stop says why in one line; anything else keeps its traceback too
+            failure = str(e) if isinstance(e, (UsageError, RunStopped)) else f"{type(e).__name__}: {e}"
+            if isinstance(e, torch.OutOfMemoryError):
+                failure = ("out of memory: lower --micro_batch_size, or turn on --gradient_checkpointing, --fsdp or "
+                           f"--use_peft ({failure})")
+            elif not isinstance(e, (UsageError, RunStopped)):
+                traceback.print_exc()
+        failed_anywhere = bool(all_reduce(torch.tensor([float(failure is not None)])) > 0)
+        self._line(f"  {'FAIL' if failed_anywhere else 'ok':<5} {name:<17} {time.perf_counter() - t:6.1f} s  "
+                   + ("" if failed_anywhere else self.detail))
+        if failed_anywhere:
+            self.write_report(f"dry run failed at `{name}`")
+            failure = (failure or "on another rank (see its message)").strip()
+            if "\n" in failure:  # e.g. with a traceback: whole on stderr, its first line in the error line
+                print(failure, file=sys.stderr, flush=True)
+            raise UsageError(f"dry run: `{name}` failed: {failure.splitlines()[0].rstrip(':')}")
+
+    def _line(self, line: str):
+        if self.is_main:
+            print(line, flush=True)
+            self.lines.append(line)
+
+    def passed(self):
+        self.write_report(f"dry run passed: {sum(1 for line in self.lines if 'ok' in line[:8])} checks in "
+                          f"{time.perf_counter() - self.t_start:.0f} s; nothing was trained or saved")
+
+    def write_report(self, last: str):
+        """The lines so far and `last` in output_dir/dry_run.txt (if the folder is there: its check may have failed)."""
+        self._line(last)
+        if self.is_main and os.path.isdir(self.output_dir):
+            with contextlib.suppress(OSError), open(os.path.join(self.output_dir, REPORT), "w") as f:
+                f.write("\n".join([" ".join(sys.argv), *self.lines]) + "\n")
+
+
+def sampled(episodes: list, task_names: list[str]) -> str:
+    """What a rollout of one prompt per task made, for its line; an environment that failed stops the check."""
+    failed = [e for e in episodes if e.info.get("environment_error")]
+    if failed:
+        raise UsageError(f"the environment failed in {len(failed)} of {len(episodes)} episodes; the first error:\n"
+                         f"{failed[0].info['environment_error']}")
+    lengths = [len(e.completion_ids) for e in episodes]
+    calls = sum(e.info.get("tool_calls", 0) for e in episodes)
+    return (f"{len(episodes)} completions of {', '.join(task_names)}: {min(lengths)} to {max(lengths)} tokens, "
+            f"{sum(e.finish_reason == 'length' for e in episodes)} cut at --max_completion_length"
+            + (f", {calls} tool calls" if any("tool_calls" in e.info for e in episodes) else ""))
+
+
+def scored(matrix: torch.Tensor, names: list[str], scorer) -> str:
+    """The mean of each reward column on the samples and each function's time, for its line. A function that failed
+    on any sample stops the check (its error is printed above): a run would lose those scores."""
+    for name in names:
+        if scorer.failed.get(name):
+            raise UsageError(f"reward function {name} failed on {scorer.failed[name]} of {scorer.attempted[name]} "
+                             "samples (its error is above)")
+    return " | ".join(f"{name} {matrix[:, j].nanmean().item():.2f}"
+                      + (f" in {scorer.seconds[name]:.1f} s" if name in scorer.seconds else "")
+                      for j, name in enumerate(names))
+
+
+def largest_episode(prompt_ids: list[int], model_inputs: dict, prompt_tokens: int, completion_tokens: int) -> Episode:
+    """An episode of the largest shape a step can see: a prompt (its ids, a VLM's images) cut or filled to
+    `prompt_tokens` with its last token, and a completion of `completion_tokens` such tokens, every one sampled. Made for the memory
+    it takes, not for what it says."""
+    fill = prompt_ids[-1]
+    prompt = prompt_ids if model_inputs else prompt_ids[:prompt_tokens]  # (a VLM's image tokens stay whole)
+    prompt = prompt + [fill] * max(0, prompt_tokens - len(prompt))
+    return Episode(row={}, prompt_ids=prompt, completion_ids=[fill] * completion_tokens,
+                   sampled=[True] * completion_tokens, logprobs=[-1.0] * completion_tokens, finish_reason="length",
+                   model_inputs=model_inputs)
+
+
+def peak_memory(device: torch.device) -> str:
+    """The most a rank has held so far (the largest over the ranks, a collective), of the device's total: on a GPU,
+    torch's allocations and the card's memory; on a CPU, the process's peak resident memory and the machine's."""
+    if device.type == "cuda":
+        peak, total = torch.cuda.max_memory_allocated(device), torch.cuda.get_device_properties(device).total_memory
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return f"peak {extremes_over_ranks({'peak': peak})['peak'] / 2**30:.2f} GiB on a rank, of {total / 2**30:.1f} GiB"
