@@ -83,6 +83,9 @@ class Config:
     tool_timeout: float = 30.0  # seconds a tool call may take; then it answers with an error
     chat_template: str = ""  # a Jinja chat template file to use instead of the model's (e.g. one that renders tools)
     async_generation: bool = False  # sample step t+1 while training on step t, with the weights before (1 step stale)
+    max_staleness: int = 1  # with --async_generation: batches sampled ahead, K. 1: each by one policy, the push waits
+                            # for it; K > 1: up to K in flight, pushes land while they are sampled (the server pauses
+                            # them), so a batch's tokens may come from up to K policies; older than K: dropped, counted
     # GRPO
     beta: float = 0.0  # KL penalty coefficient (k3 estimator); 0 = no reference model is loaded
     epsilon: float = 0.2  # clip range of the ratio: [1 - epsilon, 1 + epsilon_high]
@@ -320,6 +323,9 @@ class Config:
         if self.async_generation and not self.vllm_importance_sampling_correction:
             errors.append("--async_generation trains on completions sampled by the previous weights, which needs the "
                           "importance-sampling correction: drop --vllm_importance_sampling_correction false")
+        if self.max_staleness < 1 or self.max_staleness > 1 and not self.async_generation:
+            errors.append(f"--max_staleness {self.max_staleness}: the batches sampled ahead, at least 1; above 1 it "
+                          "needs --async_generation")
         if self.vllm_importance_sampling_cap >= 0:  # TRL's old name: still taken, and said
             if int(os.environ.get("RANK", 0)) == 0:
                 print("warning: --vllm_importance_sampling_cap is deprecated (as in TRL): use "

@@ -102,8 +102,8 @@ def scored(matrix: torch.Tensor, names: list[str], scorer) -> str:
 
 def largest_episode(prompt_ids: list[int], model_inputs: dict, prompt_tokens: int, completion_tokens: int) -> Episode:
     """An episode of the largest shape a step can see: a prompt (its ids, a VLM's images) cut or filled to
-    `prompt_tokens` with its last token, and a completion of `completion_tokens` such tokens, every one sampled. Made for the memory
-    it takes, not for what it says."""
+    `prompt_tokens` with its last token, and a completion of `completion_tokens` such tokens, every one sampled.
+    Made for the memory it takes, not for what it says."""
     fill = prompt_ids[-1]
     prompt = prompt_ids if model_inputs else prompt_ids[:prompt_tokens]  # (a VLM's image tokens stay whole)
     prompt = prompt + [fill] * max(0, prompt_tokens - len(prompt))

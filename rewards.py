@@ -601,4 +601,5 @@ class RewardScorer:
         self.stop()
 
     def __del__(self):  # a run stopped by an error ends its scorer process too (run_and_exit collects main's objects)
-        self.stop()
+        if hasattr(self, "_pool"):  # (not if __init__ stopped first)
+            self.stop()

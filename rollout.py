@@ -38,6 +38,7 @@ from config import UsageError
 from data import encode_prompt
 from logprobs import PerPrompt
 from rewards import EXTRA_ARGUMENTS
+from utils import InThread, print0
 
 
 @dataclass
@@ -252,3 +253,88 @@ def stack_model_inputs(episodes: list[Episode]) -> dict:
 
 
 PER_TOKEN_INPUTS = ("token_type_ids", "mm_token_type_ids")  # would need the padding of input_ids: not supported
+
+
+def ahead_from_json(lines: list[str] | None, step: int, rows_of, first: int, G: int) -> dict[int, tuple]:
+    """A checkpoint's batches sampled ahead, as every rank saved them (one JSON line per rank, in rank order:
+    {step: [policy version, its episodes]}; a checkpoint of one batch ahead: [version, episodes] of `step`) ->
+    {step: (version, this rank's episodes)}: `rows_of(step)` are this rank's rows of the step, from `first` on (so
+    any number of processes can resume them). A step that not every rank saved is left out."""
+    saved = [json.loads(line) for line in lines or []]
+    saved = [{str(step): s} if isinstance(s, list) else s or {} for s in saved]
+    steps = set.intersection(*map(set, saved)) if saved else set()
+    return {int(j): presampled_from_json([json.dumps(s[j]) for s in saved], rows_of(int(j)), first, G) for j in steps}
+
+
+class SampledAhead:
+    """The batches the server samples while the trainer trains (--async_generation), K steps ahead at most
+    (--max_staleness; K = 0: none, each batch is sampled when its step starts). `launch(step)` starts the requests of
+    steps step+1 .. step+K not under way yet, each with the policy version of now; `take(step)` returns the step's
+    (version, episodes), sampled ahead or now. K = 1: `settle(step)` waits for the batch ahead before each push, so
+    that one policy samples it; K > 1: pushes land while batches are sampled (the server pauses their requests), and a
+    batch's version is that of its start. A batch more than K rounds old (a checkpoint's, resumed with a smaller K) is
+    dropped and sampled again, said and counted. `sample(step)` makes the call that samples the step's batch,
+    `guard` runs it (a server lost meanwhile: sampled again, with the weights of then), `version()` is the policy
+    version (optimizer steps), `per_round` optimizer steps per round. `probe_alone`: the server has LoRA on (see
+    before_probe)."""
+
+    def __init__(self, K: int, sample, guard, version, per_round: int, restored: dict | None = None,
+                 probe_alone: bool = False):
+        self.K, self.sample, self.guard, self.version, self.per_round = K, sample, guard, version, per_round
+        self.probe_alone = probe_alone
+        self.batches = dict(restored or {})  # step -> (version, episodes, or the InThread sampling them)
+        self.dropped, self.staleness = 0, 0.0
+
+    def take(self, step: int) -> tuple[int, list]:
+        """(It stays until the next step's: a stop before this step's update saves it.)"""
+        for done in [j for j in self.batches if j < step]:
+            del self.batches[done]
+        version, batch = self._done(step) if step in self.batches else (None, None)
+        if batch is not None and self.version() - version > self.K * self.per_round:
+            self.dropped += 1
+            print0(f"dropped step {step + 1}'s batch sampled ahead: {(self.version() - version) / self.per_round:g} "
+                   f"policy versions old > --max_staleness {self.K}; sampled again (counted: stale_batches_dropped)")
+            batch = None
+        if batch is None:
+            version, batch = self.version(), self.guard.run(self.sample(step))
+        self.staleness = (self.version() - version) / self.per_round
+        self.batches[step] = version, batch
+        return version, batch
+
+    def launch(self, step: int):
+        for ahead in range(step + 1, step + self.K + 1):
+            if ahead not in self.batches:
+                self.batches[ahead] = self.version(), InThread(self.sample(ahead))
+
+    def settle(self, step: int):
+        if self.K == 1 and step + 1 in self.batches:
+            self.batches[step + 1] = self._done(step + 1)
+
+    def before_probe(self):
+        """K > 1 on a server with LoRA on: wait for the batches under way. vLLM's CPU LoRA layer fails on prompt
+        log-probs (the sync probe's) computed next to other requests (an einsum over mismatched rows kills the
+        engine); without LoRA on, the probe runs beside them."""
+        if self.probe_alone and self.K > 1:
+            self.finished(wait=True)
+
+    def finished(self, wait: bool) -> dict[int, tuple]:
+        """{step: (version, episodes)} of the batches sampled ahead (for a checkpoint): every one, waited for, or
+        (not `wait`: a stop, the server maybe gone) those whose requests have ended."""
+        for step, (version, batch) in list(self.batches.items()):
+            if wait and isinstance(batch, InThread):  # every rank, the same steps: a collective
+                self.batches[step] = self._done(step)
+            elif isinstance(batch, InThread) and batch.wait(0) and batch.error is None:  # this rank's alone
+                self.batches[step] = version, batch.result()
+        return {step: b for step, b in sorted(self.batches.items()) if not isinstance(b[1], InThread)}
+
+    def metrics(self) -> dict:
+        return {"staleness": self.staleness, "stale_batches_dropped": self.dropped} if self.K else {}
+
+    def _done(self, step: int) -> tuple[int, list]:
+        """The step's batch with its requests ended; sampled again with the weights of now if the server was lost."""
+        version, batch = self.batches[step]
+        if isinstance(batch, InThread):
+            reconnects = self.guard.reconnects
+            batch = self.guard.run(batch.result)
+            version = version if self.guard.reconnects == reconnects else self.version()
+        return version, batch

@@ -30,7 +30,8 @@ What this implements, and the defaults we chose (README: "Loss choices" has the 
   - beta = 0 by default (as in TRL, DAPO and Dr. GRPO): no reference model is loaded.
   - --async_generation: the server samples the next step's batch, with the weights before this step's
     update, while the trainer trains on this one; a step then costs about max(generate, train) instead
-    of their sum. Every batch is then one update stale, which the importance weights above correct.
+    of their sum. Every batch is then one update stale, which the importance weights above correct. With
+    --max_staleness K > 1 up to K batches are under way, and pushes land while they are sampled.
 """
 import dataclasses
 import functools
@@ -55,13 +56,12 @@ from models import build_models, build_optimizer, full_tensor, gradient_sync, re
 from plot import plot_run
 from preflight import Preflight, largest_episode, peak_memory, sampled, scored
 from rewards import RewardScorer, load_postprocess, postprocessed, weighted_rewards
-from rollout import (RolloutContext, SEED_LIMIT, collate, episodes_to_json, presampled_from_json, run_rollout,
-                     training_samples)
+from rollout import (RolloutContext, SEED_LIMIT, SampledAhead, ahead_from_json, collate, episodes_to_json,
+                     run_rollout, training_samples)
 from tools import environment_rewards, read_chat_template
 from utils import (barrier, extremes_over_ranks, gather_lines, print0, quantile_over_ranks, run_and_exit,
                    setup_distributed, std_over_ranks, sum_over_ranks)
 from vision import load_processor
-from vllm_server import InThread
 from weight_sync import check_sync, server_sync, weight_bytes
 
 
@@ -520,17 +520,13 @@ def main(cfg: Config):
         return batch, dynamic
     warned_short = []
 
-    # async generation: {step: (policy version, this rank's episodes)} drawn while the step before trained;
-    # checkpoints keep every rank's, in rank order (the step's prompts in order), so a resumed run, with any
-    # number of processes, trains on the same batch as an uninterrupted one
-    ahead = presampled_from_json(state.get("presampled"), [rows[i] for i in rows_of(state["step"])],
-                                 rank * prompts_per_rank, G) if cfg.async_generation else None
-    presampled = {state["step"]: ahead} if ahead else {}
-
-    def checkpoint(steps_done: int) -> str:  # every rank: FSDP2 gathers; rank 0 writes
-        ahead = presampled.get(steps_done)
-        extra = ({"presampled": gather_lines([json.dumps(ahead and (ahead[0], episodes_to_json(ahead[1])))])}
-                 if cfg.async_generation else {})
+    def checkpoint(steps_done: int, wait_for_ahead: bool = False) -> str:  # every rank: FSDP2 gathers; rank 0 writes
+        # async generation: the batches sampled ahead (all of them, waited for; at a stop, those done), every rank's,
+        # in rank order (the step's prompts in order), so that a resumed run, with any number of processes, trains
+        # on the same batches as an uninterrupted one
+        batches = ahead.finished(wait_for_ahead) if cfg.async_generation else {}
+        extra = {"presampled": gather_lines([json.dumps({j: (v, episodes_to_json(e)) for j, (v, e) in batches.items()
+                                                         if j >= steps_done})])} if cfg.async_generation else {}
         path = save_checkpoint(cfg.output_dir, steps_done, model, optimizer, scheduler, processor or tokenizer,
                                run_config, is_main, cfg.save_total_limit,
                                {**sum_over_ranks({"scorer_failures": scorer.failures}), **extra})
@@ -557,6 +553,12 @@ def main(cfg: Config):
                             stop_requested=lambda: stop.flag)
         guard.run(sync.push)  # the server = our step-0 policy (LoRA: its adapter starts at zero, but names must map)
         barrier()  # no rank samples while weights are being pushed
+        # the batches sampled ahead (--async_generation, up to --max_staleness K), a checkpoint's too
+        saved = ahead_from_json(state.get("presampled"), state["step"], lambda j: [rows[i] for i in rows_of(j)],
+                                rank * prompts_per_rank, G) if cfg.async_generation else {}
+        ahead = SampledAhead(cfg.max_staleness if cfg.async_generation else 0, rollout_call, guard,
+                             lambda: scheduler.last_epoch, updates_per_round, saved,
+                             probe_alone=bool(client.server_config().get("lora_config")))
         checks.say(f"{pushed}: {weight_bytes(model, server_dtype, 'adapter' in pushed) / 2**20:,.1f} MB per push"
                    + (f" (the base, {weight_bytes(model, server_dtype) / 2**20:,.1f} MB, once per connection)"
                       if "adapter" in pushed else ""))
@@ -638,12 +640,11 @@ def main(cfg: Config):
         # ---------------------------------------------------------------------- sample
         mine = rows_of(step)
         # version: the policy that samples, after this many optimizer steps. Async, the batch was sampled
-        # during the step before (by the weights before it), except the first one.
-        presampled = {step: presampled.get(step) or (scheduler.last_epoch, guard.run(rollout_call(step)))}
-        version, episodes = presampled[step]  # G per row, row by row
-        # async: the server samples the next batch while we train (after the last step too: the last checkpoint
-        # keeps it, so that a run continued from it goes on as if never stopped)
-        pending = InThread(rollout_call(step + 1)) if cfg.async_generation else None
+        # during the steps before (by the weights of then), except the first ones.
+        version, episodes = ahead.take(step)  # G per row, row by row
+        # async: the server samples the next K batches while we train (after the last step too: the last checkpoint
+        # keeps them, so that a run continued from it goes on as if never stopped)
+        ahead.launch(step)
         timer.lap("generate")
 
         # ---------------------------------------------------------------------- score
@@ -689,7 +690,8 @@ def main(cfg: Config):
                    **mixture.metrics(episodes, rewards, reward_matrix, zero_std, G),  # per task; multi-turn
                    **training_metrics(sums, grad_norms, tokens["mask"].sum(dim=1).float(), truncated, diff, compared,
                                       kl=cfg.beta > 0),
-                   **dynamic, "lr": scheduler.get_last_lr()[0], "optimizer_steps": scheduler.last_epoch,
+                   **dynamic, **ahead.metrics(),  # async: the batch's staleness, batches dropped as too stale
+                   "lr": scheduler.get_last_lr()[0], "optimizer_steps": scheduler.last_epoch,
                    "old_logprob_pass": int(off_policy or cfg.top_entropy_quantile < 1)}
         unlogged.update(metrics)
         logger.log_rollouts(rollout_records(episodes, texts, reward_matrix, names, rewards, tokenizer,
@@ -698,17 +700,14 @@ def main(cfg: Config):
         bad_steps = guard.run(check_finite, sum(not g.isfinite() for g in grad_norms), bad_steps, step + 1)
 
         # ---------------------------------------------------------------------- sync weights
-        if pending:  # the server samples the next batch with the weights before this update: wait for it
-            reconnects = guard.reconnects
-            next_samples = guard.run(pending.result)  # sampled again with the new weights if the server was lost
-            version_next = scheduler.last_epoch - updates_per_round * (guard.reconnects == reconnects)
-            presampled[step + 1] = version_next, next_samples
+        ahead.settle(step)  # K = 1: the server samples the next batch with the weights before this update: wait for it
         timer.lap("generate")
         guard.run(sync.push)
         barrier()  # no rank samples again before the server has the new weights
         timer.lap("sync")
         probe = {}
         if cfg.sync_check_steps and (step + 1) % cfg.sync_check_steps == 0:  # stops if the server's weights differ
+            ahead.before_probe()
             probe = guard.run(check_sync, client, model, sync_probe, autocast, is_main, sync_tolerance, step + 1)
         timer.lap("probe")
 
@@ -728,7 +727,7 @@ def main(cfg: Config):
 
         # ---------------------------------------------------------------------- checkpoint
         if stop.requested() or (cfg.save_steps and ((step + 1) % cfg.save_steps == 0 or step + 1 == cfg.max_steps)):
-            checkpoint(step + 1)
+            checkpoint(step + 1, wait_for_ahead=not stop.stopping)
         if stop.stopping:
             break
 

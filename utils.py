@@ -1,10 +1,12 @@
 """What the trainer and the tools around it share and that has no subject of its own: the process group and its
 collectives (sum_over_ranks, print0, ...), free ports, the processes a test or script starts, the lock on the output
-folder. Not here: the models and their wrappers (models.py), log-probs (logprobs.py), checkpoints (checkpoints.py), the
-data (data.py), what a run reports (metrics.py), the weights on their way to the server (weight_sync.py).
+folder, a call on a thread of its own (InThread). Not here: the models and their wrappers (models.py), log-probs
+(logprobs.py), checkpoints (checkpoints.py), the data (data.py), what a run reports (metrics.py), the weights on
+their way to the server (weight_sync.py).
 """
 import datetime
 import fcntl
+import functools
 import gc
 import math
 import os
@@ -305,3 +307,39 @@ class OutputLock:
 def release_locks():
     for lock in list(OutputLock.held):
         lock.close()
+
+
+class InThread:
+    """`fn(*args, **kwargs)` started on a thread now (a request that blocks while this process does other
+    work); `result()` waits for it and returns its value. If it failed, `result()` raises that error once
+    and then runs `fn` again, in the caller's thread: ServerGuard.run(call.result) repeats a request after
+    a reconnect."""
+
+    def __init__(self, fn, *args, **kwargs):
+        self.call, self.value, self.error = functools.partial(fn, *args, **kwargs), None, None
+        self.thread = threading.Thread(target=self._run, daemon=True)  # a run that stops does not wait for it
+        self.thread.start()
+
+    def _run(self):
+        try:
+            self.value = self.call()
+        except BaseException as e:  # raised in the caller's thread by result()
+            self.error = e
+
+    def wait(self, timeout: float | None) -> bool:
+        """Whether the call has ended and its result is still to be taken, after waiting up to `timeout` s
+        (None: until it ends)."""
+        if self.thread is None:  # taken: nothing more will come
+            time.sleep(timeout or 0)
+            return False
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+    def result(self):
+        if self.thread is None:  # the threaded call failed before: call again
+            return self.call()
+        self.thread.join()
+        self.thread, error, self.error = None, self.error, None
+        if error is not None:
+            raise error
+        return self.value

@@ -7,8 +7,8 @@ The server is vLLM's own OpenAI-compatible server, started with the same flags a
 
 What this file adds to plain `vllm serve`, and nothing else:
   - vLLM's weight-transfer routes (/init_weight_transfer_engine, /start_weight_update,
-    /update_weights, /finish_weight_update), /reset_prefix_cache and /reset_encoder_cache, enabled through
-    VLLM_SERVER_DEV_MODE=1;
+    /update_weights, /finish_weight_update), /pause and /resume, /reset_prefix_cache and /reset_encoder_cache,
+    enabled through VLLM_SERVER_DEV_MODE=1;
   - a `gloo` weight-transfer backend, so weights can be pushed without CUDA (vLLM's own backends
     need it): the default without GPUs. With GPUs the default is vLLM's `nccl`; gloo works there
     too (host memory over TCP). The trainer uses whichever the server runs;
@@ -26,12 +26,13 @@ the weight-transfer routes let a key holder replace the weights, and the weight-
 (the trainer's --vllm_group_port) has no key.
 
 The wire protocol of a gloo weight push (trainer rank 0 = gloo rank 0, vLLM worker w = rank 1 + w):
+  0. POST /pause?mode=keep (requests under way wait; POST /resume after step 3, also when the push fails)
   1. POST /start_weight_update
   2. POST /update_weights {names, dtype_names, shapes, bucket_bytes}, answered only after the
      worker has received every bucket, while the trainer broadcasts the buckets: the tensors in
      `names` order, concatenated as raw bytes and cut into buckets by `bucket_plan`.
-  3. POST /finish_weight_update, then POST /reset_prefix_cache and /reset_encoder_cache (cached KV and
-     encoded images of old weights are stale).
+  3. POST /finish_weight_update, then POST /reset_prefix_cache?reset_running_requests=true and
+     /reset_encoder_cache (cached KV and encoded images of old weights are stale; paused requests are recomputed).
 """
 import atexit
 import contextlib
@@ -47,7 +48,6 @@ import shutil
 import socket
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -59,6 +59,7 @@ from urllib3.connection import HTTPConnection
 
 from config import DEFAULT_MODEL, RunStopped, UsageError, native_bf16, run_main
 from embedded import resolve_model
+from utils import InThread
 
 DEFAULT_PORT = 8000
 DEFAULT_GROUP_PORT = 51216  # the TCP port of the trainer<->server weight-transfer rendezvous
@@ -282,11 +283,11 @@ class VLLMClient:
                              "folder's processor does")
         return [entry[str(tok)]["logprob"] for tok, entry in zip(token_ids[1:], answer["prompt_logprobs"][1:])]
 
-    def load_adapter(self, name: str, adapter: bytes):
+    def load_adapter(self, name: str, adapter: bytes, keep: int = 1):
         """Make the server sample with a LoRA adapter (a peft adapter as safetensors bytes, its adapter_config.json in
-        the metadata) under `name`, and drop the one before it (POST /load_adapter: the server writes it to a folder
-        of its own, so the trainer needs no filesystem shared with it). Requests then name it as their model."""
-        self._request("POST", "/load_adapter", params={"name": name}, data=adapter,
+        the metadata) under `name`, and drop all but the newest `keep` (POST /load_adapter: the server writes it to a
+        folder of its own, so the trainer needs no filesystem shared with it). Requests then name it as their model."""
+        self._request("POST", "/load_adapter", params={"name": name, "keep": keep}, data=adapter,
                       headers={"Content-Type": "application/octet-stream"})
         self.model_name = name
 
@@ -307,8 +308,17 @@ class VLLMClient:
     def finish_weight_update(self, weight_version: str | None = None):
         self._post("/finish_weight_update", None if weight_version is None else {"weight_version": weight_version})
 
+    def pause(self):
+        """Freeze the requests under way (they go on after resume()) and start no step: the weights can change."""
+        self._request("POST", "/pause", params={"mode": "keep"})
+
+    def resume(self):
+        self._post("/resume")
+
     def reset_prefix_cache(self):
-        self._post("/reset_prefix_cache")
+        """Forget cached KV; requests under way (paused) are preempted, and recomputed with the new weights."""
+        if not self._request("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"})["success"]:
+            raise RuntimeError("the vLLM server could not reset its prefix cache (blocks still held)")
 
     def reset_encoder_cache(self):
         """Forget the vision encoder's outputs: vLLM keeps them by image, and reset_prefix_cache leaves them."""
@@ -426,11 +436,15 @@ class WeightSync:
             return
         self.source.begin()
         try:
+            self.client.pause()  # requests under way (--max_staleness above 1) wait: no step sees half the weights
             self.engine.send_weights()
             self.client.reset_prefix_cache()  # cached KV of the old weights is stale
             self.client.reset_encoder_cache()  # and so are images encoded by the old vision tower (VLMs)
+            self.client.resume()
         except Exception:
             self.source.finish()
+            with contextlib.suppress(Exception):  # a server still there goes on; the error says what went wrong
+                self.client.resume()
             raise
 
 
@@ -440,9 +454,10 @@ class AdapterSync:
     sends it (source: weight_sync.AdapterWeights) and every rank's client names it in its requests. The first push
     after connecting also sends the base weights through `base` (a WeightSync): another run may have changed them."""
 
-    def __init__(self, client: VLLMClient, source, rank: int, version, base: WeightSync):
+    def __init__(self, client: VLLMClient, source, rank: int, version, base: WeightSync, keep: int = 1):
         self.client, self.source, self.rank, self.version, self.base, self.base_sent = (client, source, rank, version,
                                                                                         base, False)
+        self.keep = keep  # adapters the server keeps: batches sampled ahead (--max_staleness) may still use them
 
     def connect(self):
         self.base.connect()
@@ -454,7 +469,7 @@ class AdapterSync:
             self.base_sent = True
         adapter, name = self.source.payload(self.rank == 0), f"policy-{self.version()}"
         if self.rank == 0:
-            self.client.load_adapter(name, adapter)
+            self.client.load_adapter(name, adapter, self.keep)
             self.client.reset_prefix_cache()
         self.client.model_name = name
 
@@ -480,42 +495,6 @@ class _Resumable:
         """Read what this push has not read: all of it if it never began reading."""
         for _ in self.iteration if self.iteration is not None else self.source:
             pass
-
-
-class InThread:
-    """`fn(*args, **kwargs)` started on a thread now (a request that blocks while this process does other
-    work); `result()` waits for it and returns its value. If it failed, `result()` raises that error once
-    and then runs `fn` again, in the caller's thread: ServerGuard.run(call.result) repeats a request after
-    a reconnect."""
-
-    def __init__(self, fn, *args, **kwargs):
-        self.call, self.value, self.error = functools.partial(fn, *args, **kwargs), None, None
-        self.thread = threading.Thread(target=self._run, daemon=True)  # a run that stops does not wait for it
-        self.thread.start()
-
-    def _run(self):
-        try:
-            self.value = self.call()
-        except BaseException as e:  # raised in the caller's thread by result()
-            self.error = e
-
-    def wait(self, timeout: float | None) -> bool:
-        """Whether the call has ended and its result is still to be taken, after waiting up to `timeout` s
-        (None: until it ends)."""
-        if self.thread is None:  # taken: nothing more will come
-            time.sleep(timeout or 0)
-            return False
-        self.thread.join(timeout)
-        return not self.thread.is_alive()
-
-    def result(self):
-        if self.thread is None:  # the threaded call failed before: call again
-            return self.call()
-        self.thread.join()
-        self.thread, error, self.error = None, self.error, None
-        if error is not None:
-            raise error
-        return self.value
 
 
 # -----------------------------------------------------------------------------
@@ -608,7 +587,7 @@ TRAINING_ROUTES = {"/health", "/v1/models", "/v1/completions", "/v1/chat/complet
                    "/get_world_size", "/metrics",
                    "/version", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
                    "/finish_weight_update", "/shutdown_weight_transfer_engine", "/reset_prefix_cache",
-                   "/reset_encoder_cache", "/load_adapter"}
+                   "/reset_encoder_cache", "/load_adapter", "/pause", "/resume"}
 
 
 @functools.cache
@@ -620,8 +599,8 @@ def adapter_folder() -> str:
 
 
 async def load_adapter(request):
-    """POST /load_adapter?name=NAME: a peft adapter (safetensors, its adapter_config.json in the metadata) goes to a
-    folder of this server's and is loaded under NAME (--enable-lora); the adapters loaded before it are removed."""
+    """POST /load_adapter?name=NAME&keep=K: a peft adapter (safetensors, its adapter_config.json in the metadata) goes
+    to a folder of this server's and is loaded under NAME (--enable-lora); all but the newest K adapters are removed."""
     from starlette.responses import JSONResponse
     from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
     models, name, header = request.app.state.openai_serving_models, request.query_params.get("name", ""), None
@@ -640,7 +619,8 @@ async def load_adapter(request):
     if not isinstance(answer, str):  # vLLM's ErrorResponse: no LoRA support, a rank above --max-lora-rank, ...
         shutil.rmtree(folder, ignore_errors=True)
         return JSONResponse({"error": answer.error.message}, status_code=answer.error.code)
-    for old, loaded in list(models.lora_requests.items()):
+    keep = max(1, int(request.query_params.get("keep", "1")))  # the newest: requests under way may still use them
+    for old, loaded in list(models.lora_requests.items())[:-keep]:
         if loaded.lora_path != folder:
             await models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=old))
             await models.engine_client.remove_lora(loaded.lora_int_id)

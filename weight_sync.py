@@ -102,7 +102,8 @@ def server_sync(cfg, client, model, server_dtype: torch.dtype, rank: int, versio
         if not why:
             base = WeightSync(client, ServerWeights(model, server_dtype, merge_lora=False), rank, cfg.vllm_group_host,
                               cfg.vllm_group_port, cfg.weight_sync_bucket_mb)
-            return AdapterSync(client, AdapterWeights(model, server_dtype), rank, version, base), "the LoRA adapter alone"
+            return (AdapterSync(client, AdapterWeights(model, server_dtype), rank, version, base,
+                                keep=cfg.max_staleness + 1), "the LoRA adapter alone")
         if cfg.lora_sync == "adapter":
             raise UsageError(f"--lora_sync adapter: {why}; or push merged weights with --lora_sync merged")
         print0(f"LoRA: the weights are pushed merged, since {why}")

@@ -123,3 +123,26 @@ def test_every_column_reaches_rewards_as_it_is_and_the_answer_column_replaces_no
     solution_only.write_text(json.dumps({"prompt": "p", "solution": ["42", "42.0"]}) + "\n")
     row, = load_rows(str(solution_only), "train", "", "solution", 0, 0)
     assert row["solution"] == row["answer"] == ["42", "42.0"]
+
+
+def test_batches_sampled_ahead_come_back_from_a_checkpoint_per_step_and_rank():
+    """--max_staleness K: a checkpoint keeps each rank's share of every batch sampled ahead; a resume with another
+    process count gets each step's rows whole and in order; a step not every rank saved is left out; a checkpoint
+    of one batch ahead (the format before K) still reads."""
+    from rollout import Episode, ahead_from_json, episodes_to_json
+    G, rows = 2, {j: [{"prompt": f"step {j} prompt {i}"} for i in range(2)] for j in (3, 4)}  # a prompt per rank
+
+    def share(j: int, rank: int) -> list:
+        return [Episode(rows[j][rank], [1], [j, rank, g], [True] * 3, [-0.5] * 3, "stop") for g in range(G)]
+    lines = [json.dumps({str(j): [j - 2, episodes_to_json(share(j, rank))] for j in (3, 4)}) for rank in (0, 1)]
+    one = ahead_from_json(lines, 3, lambda j: rows[j], 0, G)  # one process: both ranks' shares
+    assert sorted(one) == [3, 4] and one[4][0] == 2
+    assert [e.completion_ids for e in one[4][1]] == [[4, 0, 0], [4, 0, 1], [4, 1, 0], [4, 1, 1]]
+    assert [e.row for e in one[4][1]] == [rows[4][0]] * 2 + [rows[4][1]] * 2
+    second = ahead_from_json(lines, 3, lambda j: rows[j][1:], 1, G)  # rank 1 of two
+    assert [e.completion_ids for e in second[3][1]] == [[3, 1, 0], [3, 1, 1]]
+    lines[1] = json.dumps({"3": json.loads(lines[1])["3"]})  # rank 1 saved step 3 alone
+    assert sorted(ahead_from_json(lines, 3, lambda j: rows[j], 0, G)) == [3]
+    old = [json.dumps([1, episodes_to_json(share(3, rank))]) for rank in (0, 1)]
+    assert list(ahead_from_json(old, 3, lambda j: rows[j], 0, G)) == [3]
+    assert ahead_from_json([json.dumps(None)] * 2, 3, lambda j: rows[j], 0, G) == {}

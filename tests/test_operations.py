@@ -91,6 +91,52 @@ def test_resumed_run_continues_exactly(server, tmp_path, mode):
         same_state(tmp_path / "a" / "checkpoint-3", tmp_path / "d" / "checkpoint-3", other=tmp_path / "a" / "checkpoint-2")
 
 
+def test_k_batches_ahead_are_trained_at_their_staleness_and_a_resume_trains_on_the_saved_ones(server, tmp_path):
+    """--max_staleness 2: the server samples two batches ahead, and pushes land while it samples them. Each step
+    trains on the batch sampled two policy versions before (the first ones: as old as the run), the server still
+    computes with the pushed weights (the probe after every push), and a checkpoint keeps both batches in flight:
+    a run resumed from it, with 2 processes, trains steps 3 and 4 on them as the uninterrupted run did, to the same
+    weights and optimizer state. Resumed by one process with --max_staleness 1, step 3's batch (2 versions old) is
+    dropped, said, counted and sampled afresh. FSDP2 + LoRA adapter pushes work the same."""
+    k2 = [*RUN, "--async_generation", "--max_staleness", "2"]
+    run_train(server, tmp_path / "a", *k2, "--max_steps", "4", "--save_steps", "1", "--save_total_limit", "0")
+    a = metrics_of(tmp_path / "a")
+    assert [a[s]["staleness"] for s in range(1, 5)] == [0, 1, 2, 2]
+    assert not any(m["stale_batches_dropped"] for m in a.values())
+    assert max(m["sync_probe_diff_max"] for m in a.values()) < 1e-4  # the pushes reached the server
+    assert min(a[s]["sampler_logprob_diff_max"] for s in (2, 3, 4)) > 1e-3  # trained on older weights' samples
+    ledger = [(r["step"], r["rank"], r["prompt_index"], r["completion"], r["policy_version"])
+              for r in map(json.loads, open(tmp_path / "a" / "rollouts.jsonl"))]
+    assert {(r[0], r[4]) for r in ledger} == {(1, 0), (2, 0), (3, 0), (4, 1)}
+    saved = torch.load(tmp_path / "a" / "checkpoint-2" / "trainer_state.pt", weights_only=False)["presampled"]
+    assert [sorted(json.loads(line)) for line in saved] == [["2", "3"]] * 2  # each rank's share of steps 3 and 4
+
+    proc, _ = run_train(server, tmp_path / "b", *k2, "--max_steps", "4", "--save_steps", "4",
+                        "--resume_from_checkpoint", str(tmp_path / "a" / "checkpoint-2"))
+    b = metrics_of(tmp_path / "b")
+    for step in (3, 4):
+        for key in COMPARED:
+            if key != "kl":
+                assert b[step][key] == pytest.approx(a[step][key], rel=1e-4, abs=1e-6), (step, key)
+    assert [r for r in map(json.loads, open(tmp_path / "b" / "rollouts.jsonl")) if r["step"] >= 3] and \
+        [(r["step"], r["rank"], r["prompt_index"], r["completion"], r["policy_version"])
+         for r in map(json.loads, open(tmp_path / "b" / "rollouts.jsonl")) if r["step"] >= 3] == \
+        [r for r in ledger if r[0] >= 3]
+    same_state(tmp_path / "a" / "checkpoint-4", tmp_path / "b" / "checkpoint-4", other=tmp_path / "a" / "checkpoint-2")
+
+    proc, _ = run_train(server, tmp_path / "c", *RUN, "--async_generation", "--max_steps", "3",
+                        "--resume_from_checkpoint", str(tmp_path / "a" / "checkpoint-2"), nproc=1)
+    assert "dropped step 3's batch sampled ahead: 2 policy versions old > --max_staleness 1" in proc.stdout
+    c = metrics_of(tmp_path / "c")
+    assert c[3]["stale_batches_dropped"] == 1 and c[3]["staleness"] == 0  # sampled afresh, by the current weights
+
+    # FSDP2 + LoRA pushing the adapter alone: batches under way keep sampling with the adapter they started with
+    # (the server keeps the newest K + 1), and the probe after every push sees the newest
+    _, lora = run_train(server, tmp_path / "lora", *k2, "--max_steps", "3", "--fsdp", "--use_peft", "--lora_r", "4",
+                        "--no_save_model")
+    assert [m["staleness"] for m in lora] == [0, 1, 2] and max(m["sync_probe_diff_max"] for m in lora) < 1e-4
+
+
 def saved_state(checkpoint) -> dict[str, torch.Tensor]:
     """A checkpoint's weights (model/ or adapter/) and optimizer state, flat: name -> tensor."""
     from safetensors.torch import load_file

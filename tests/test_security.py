@@ -29,7 +29,7 @@ def test_the_key_guards_every_route_and_unused_routes_are_closed(keyed_server):
         assert getattr(requests, method)(base + path, headers=wrong, timeout=10).status_code == 401, path
     assert requests.get(base + "/v1/models", headers=auth, timeout=10).status_code == 200
     assert requests.post(base + "/reset_encoder_cache", headers=auth, timeout=10).status_code == 200  # every push
-    for path in ("/collective_rpc", "/sleep", "/wake_up", "/pause", "/invocations", "/v1/load_lora_adapter"):
+    for path in ("/collective_rpc", "/sleep", "/wake_up", "/abort_requests", "/invocations", "/v1/load_lora_adapter"):
         assert requests.post(base + path, headers=auth, timeout=10).status_code == 404, path  # not exposed at all
 
 

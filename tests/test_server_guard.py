@@ -3,6 +3,7 @@ its weight transfer): wait and carry on when it comes back, save and stop when i
 weights again. tests/test_operations.py kills and restarts the real server under torchrun."""
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -142,13 +143,15 @@ def test_a_push_that_fails_still_reads_every_weight_once(reads_before_failing):
             for _ in range(reads_before_failing):
                 next(weights)
             raise ServerLost("connection refused")
-    sync = WeightSync(client=None, source=Weights(), rank=1, group_host="127.0.0.1", group_port=0)  # joins nothing
+    paused = []  # the server's requests wait during a push, and go on after it, also when it fails
+    client = SimpleNamespace(pause=lambda: paused.append(True), resume=lambda: paused.append(False))
+    sync = WeightSync(client=client, source=Weights(), rank=1, group_host="127.0.0.1", group_port=0)  # joins nothing
     sync.engine = BrokenEngine(sync.source)  # as on rank 0 after joining
     for _ in range(2):  # the second push must not take the first one's iteration for its own
         read.clear()
         with pytest.raises(ServerLost):
             sync.push()
-        assert read == ["embed", "layer0", "layer1", "head"]
+        assert read == ["embed", "layer0", "layer1", "head"] and paused[-2:] == [True, False]
 
 
 def test_every_rank_waits_and_probes_again_when_rank_0_loses_the_server(tmp_path):
