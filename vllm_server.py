@@ -26,7 +26,8 @@ the weight-transfer routes let a key holder replace the weights, and the weight-
 (the trainer's --vllm_group_port) has no key.
 
 The wire protocol of a gloo weight push (trainer rank 0 = gloo rank 0, vLLM worker w = rank 1 + w):
-  0. POST /pause?mode=keep (requests under way wait; POST /resume after step 3, also when the push fails)
+  0. POST /pause?mode=keep&clear_cache=false (requests under way wait; POST /resume after step 3, also when
+     the push fails)
   1. POST /start_weight_update
   2. POST /update_weights {names, dtype_names, shapes, bucket_bytes}, answered only after the
      worker has received every bucket, while the trainer broadcasts the buckets: the tensors in
@@ -310,7 +311,7 @@ class VLLMClient:
 
     def pause(self):
         """Freeze the requests under way (they go on after resume()) and start no step: the weights can change."""
-        self._request("POST", "/pause", params={"mode": "keep"})
+        self._request("POST", "/pause", params={"mode": "keep", "clear_cache": "false"})  # push() resets them
 
     def resume(self):
         self._post("/resume")
