@@ -213,6 +213,15 @@ class Config:
     def reward_names(self) -> list[str]:
         return [n.strip() for n in self.reward_funcs.split(",") if n.strip()]
 
+    def sampling(self) -> dict:
+        """The sampling parameters of every request to the server."""
+        return dict(max_tokens=self.max_completion_length, temperature=self.temperature, top_p=self.top_p,
+                    top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty)
+
+    def probe_tolerance(self, exact: bool) -> float:
+        """--sync_check_tolerance, or its default: 1e-3 where both sides compute in fp32 (`exact`), else 0.5."""
+        return self.sync_check_tolerance if self.sync_check_tolerance >= 0 else (1e-3 if exact else 0.5)
+
     def pass_k(self) -> list[int]:
         """The k of pass@k, 1 always among them (pass@1 is the summary's accuracy)."""
         return sorted({1, *(int(k) for k in self.eval_pass_k.split(",") if k.strip())})

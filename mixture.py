@@ -270,10 +270,15 @@ class Mixture:
         return {f"eval/task/{t.name}": [n for n, o in zip(self.names, self.own[i]) if o]
                 for i, t in enumerate(self.tasks) if t.eval_rows}
 
-    def longest_prompt(self, tokenizer, processor) -> int:
-        """The longest prompt in tokens of any task's rows, with its system prompt and tools (every image is read)."""
-        return max(max(prompt_lengths(tokenizer, processor, t.rows + t.eval_rows, t.system_prompt, t.schemas))
-                   for t in self.tasks)
+    def longest_prompt(self, tokenizer, processor, limit: int) -> int:
+        """The longest prompt in tokens of any task's rows, with its system prompt and tools (every image is read);
+        UsageError if it is over `limit` (--max_prompt_length)."""
+        longest = max(max(prompt_lengths(tokenizer, processor, t.rows + t.eval_rows, t.system_prompt, t.schemas))
+                      for t in self.tasks)
+        if longest > limit:
+            raise UsageError(f"the longest prompt has {longest} tokens > --max_prompt_length {limit}: raise it (and "
+                             "the server's --max-model-len) or drop the long prompts from the dataset")
+        return longest
 
     def columns_of(self, name: str) -> list[str]:
         """The columns of the rows that reward function `name` scores (what its signature is checked against)."""

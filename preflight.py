@@ -1,10 +1,12 @@
 """--dry_run: the run's start-up and the parts of its first step, each a named check that prints one line with its
 result and time, in about a minute; nothing is trained or saved. train.py's main() wraps each build in
 `with checks(name):` (without --dry_run that does nothing), then, with it, runs the parts of a step on one prompt
-per task (train.dry_run) and stops. The first check that fails stops every rank with exit code 2 and its name;
-the lines go to the output folder's dry_run.txt, the only file a dry run writes there.
-What this file holds: the checks' bookkeeping (Preflight), the largest batch a step can see, peak memory."""
+per task (main's `if cfg.dry_run:` block) and stops. The first check that fails stops every rank with exit code 2
+and its name; the lines go to the output folder's dry_run.txt, the only file a dry run writes there.
+What this file holds: the checks' bookkeeping (Preflight), what the rollout and rewards checks say, the memory
+check's batch and step (train.py's own passes, handed in) and its peak."""
 import contextlib
+import dataclasses
 import os
 import resource
 import sys
@@ -14,7 +16,8 @@ import traceback
 import torch
 
 from config import RunStopped, UsageError
-from rollout import Episode
+from metrics import StepTimer
+from rollout import Episode, collate
 from utils import all_reduce, extremes_over_ranks
 
 REPORT = "dry_run.txt"
@@ -64,6 +67,7 @@ class Preflight:
             self.lines.append(line)
 
     def passed(self):
+        """The last line, when every check passed."""
         self.write_report(f"dry run passed: {sum(1 for line in self.lines if 'ok' in line[:8])} checks in "
                           f"{time.perf_counter() - self.t_start:.0f} s; nothing was trained or saved")
 
@@ -77,6 +81,8 @@ class Preflight:
 
 def sampled(episodes: list, task_names: list[str]) -> str:
     """What a rollout of one prompt per task made, for its line; an environment that failed stops the check."""
+    if not episodes:  # a rank but the first
+        return ""
     failed = [e for e in episodes if e.info.get("environment_error")]
     if failed:
         raise UsageError(f"the environment failed in {len(failed)} of {len(episodes)} episodes; the first error:\n"
@@ -91,6 +97,8 @@ def sampled(episodes: list, task_names: list[str]) -> str:
 def scored(matrix: torch.Tensor, names: list[str], scorer) -> str:
     """The mean of each reward column on the samples and each function's time, for its line. A function that failed
     on any sample stops the check (its error is printed above): a run would lose those scores."""
+    if not len(matrix):  # a rank but the first
+        return ""
     for name in names:
         if scorer.failed.get(name):
             raise UsageError(f"reward function {name} failed on {scorer.failed[name]} of {scorer.attempted[name]} "
@@ -110,6 +118,24 @@ def largest_episode(prompt_ids: list[int], model_inputs: dict, prompt_tokens: in
     return Episode(row={}, prompt_ids=prompt, completion_ids=[fill] * completion_tokens,
                    sampled=[True] * completion_tokens, logprobs=[-1.0] * completion_tokens, finish_reason="length",
                    model_inputs=model_inputs)
+
+
+def largest_update(old_and_ref_logprobs, update, model, ref_model, optimizer, scheduler, trainable: list, probe,
+                   longest: int, pad_id: int, cfg, world_size: int, autocast, off_policy: bool, device) -> str:
+    """The memory check: train.py's own passes of a step (`old_and_ref_logprobs`: pi_old and the reference where the
+    flags ask for them; `update`: one optimizer step) on --micro_batch_size copies of the largest episode a step can
+    see (the sync probe's prompt made `longest` tokens, a full completion). Returns its line: shape and peak."""
+    episode = largest_episode(probe.ids, probe.model_inputs, longest, cfg.max_completion_length)
+    inputs, tokens = collate([episode] * cfg.micro_batch_size, pad_id)
+    old_logp, ref_logp, entropy_mask = old_and_ref_logprobs(model, ref_model, inputs, tokens["sampled"], cfg, autocast,
+                                                            off_policy)
+    model.train()
+    data = dict(inputs=inputs, loss_mask=tokens["sampled"], advantages=torch.linspace(-1, 1, cfg.micro_batch_size),
+                old_logp=old_logp, ref_logp=ref_logp, keep=None, sampler_logp=tokens["sampler_logp"],
+                entropy_mask=entropy_mask)
+    one_step = dataclasses.replace(cfg, num_iterations=1, steps_per_generation=1)
+    update(model, optimizer, scheduler, trainable, data, 0, one_step, world_size, autocast, StepTimer())
+    return f"one update of {cfg.micro_batch_size} x {inputs['input_ids'].shape[1]} tokens: {peak_memory(device)}"
 
 
 def peak_memory(device: torch.device) -> str:

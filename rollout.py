@@ -327,6 +327,11 @@ class SampledAhead:
                 self.batches[step] = version, batch.result()
         return {step: b for step, b in sorted(self.batches.items()) if not isinstance(b[1], InThread)}
 
+    def to_json(self, step: int, wait: bool) -> str:
+        """This rank's share of the batches sampled ahead for steps `step` on (finished(wait)), as a checkpoint keeps
+        it: {step: [version, episodes]} (ahead_from_json reads it)."""
+        return json.dumps({j: (v, episodes_to_json(e)) for j, (v, e) in self.finished(wait).items() if j >= step})
+
     def metrics(self) -> dict:
         return {"staleness": self.staleness, "stale_batches_dropped": self.dropped} if self.K else {}
 

@@ -35,33 +35,31 @@ What this implements, and the defaults we chose (README: "Loss choices" has the 
 """
 import dataclasses
 import functools
-import json
 import math
 import time
 from contextlib import nullcontext
 
 import torch
-from transformers import AutoTokenizer
 
 from checkpoints import (StopRequest, check_checkpoint, evaluated_last, find_checkpoint, load_checkpoint,
                          prepare_output_dir, restore_training_state, save_checkpoint, save_model)
-from config import Config, UsageError, native_bf16, parse_config
+from config import Config, native_bf16, parse_config
 from embedded import resolve_model
 from guard import ServerGuard, connect_server
 from logprobs import completion_logprobs, length_sorted, no_grad_logprobs, take, to_device, trim_padding
-from metrics import (MetricsLogger, ScoringWatch, StepTimer, check_finite, console_line, eval_summary, mean_over_ranks,
+from metrics import (MetricsLogger, ScoringWatch, StepTimer, check_finite, console_line, eval_line, eval_summary,
+                     mean_over_ranks,
                      merge_stats, progress, reward_metrics, rollout_records, training_metrics)
 from mixture import load_mixture, resume_signature
 from models import build_models, build_optimizer, full_tensor, gradient_sync, reference_model
 from plot import plot_run
-from preflight import Preflight, largest_episode, peak_memory, sampled, scored
+from preflight import Preflight, largest_update, sampled, scored
 from rewards import RewardScorer, load_postprocess, postprocessed, weighted_rewards
-from rollout import (RolloutContext, SEED_LIMIT, SampledAhead, ahead_from_json, collate, episodes_to_json,
-                     run_rollout, training_samples)
-from tools import environment_rewards, read_chat_template
+from rollout import RolloutContext, SEED_LIMIT, SampledAhead, ahead_from_json, collate, run_rollout, training_samples
+from tools import environment_rewards
 from utils import (barrier, extremes_over_ranks, gather_lines, print0, quantile_over_ranks, run_and_exit,
                    setup_distributed, std_over_ranks, sum_over_ranks)
-from vision import load_processor
+from vision import load_tokenizer
 from weight_sync import check_sync, server_sync, weight_bytes
 
 
@@ -346,19 +344,6 @@ def optimizer_step(optimizer, scheduler, params, max_grad_norm: float) -> torch.
 
 
 # -----------------------------------------------------------------------------
-# main()'s builds besides models.build_models and guard.connect_server: the tokenizer
-
-def load_tokenizer(cfg: Config, model_path: str):
-    """The model's processor (a vision-language model's, vision.py; else None) and its tokenizer, with
-    --chat_template if given (e.g. a template that renders tools, for a model whose own cannot)."""
-    processor = load_processor(model_path, cfg.chat_template, cfg.vision_learning_rate)
-    tokenizer = processor.tokenizer if processor else AutoTokenizer.from_pretrained(model_path)
-    if cfg.chat_template:
-        tokenizer.chat_template = read_chat_template(cfg.chat_template)
-    return processor, tokenizer
-
-
-# -----------------------------------------------------------------------------
 # the loop's mechanisms: pi_old and the reference, the updates of one step
 
 def old_and_ref_logprobs(model, ref_model, inputs: dict, loss_mask: torch.Tensor, cfg: Config, autocast,
@@ -397,21 +382,6 @@ def update(model, optimizer, scheduler, trainable: list, data: dict, step: int, 
     return sums, grad_norms, first_pass_logp
 
 
-def largest_update(model, ref_model, optimizer, scheduler, trainable: list, episode, pad_id: int, cfg: Config,
-                   world_size: int, autocast, off_policy: bool):
-    """--dry_run's memory check: the passes of a step (pi_old and the reference where the flags ask for them, then
-    one optimizer step) on --micro_batch_size copies of `episode`, the largest micro-batch a step can see."""
-    inputs, tokens = collate([episode] * cfg.micro_batch_size, pad_id)
-    old_logp, ref_logp, entropy_mask = old_and_ref_logprobs(model, ref_model, inputs, tokens["sampled"], cfg, autocast,
-                                                            off_policy)
-    model.train()
-    data = dict(inputs=inputs, loss_mask=tokens["sampled"], advantages=torch.linspace(-1, 1, cfg.micro_batch_size),
-                old_logp=old_logp, ref_logp=ref_logp, keep=None, sampler_logp=tokens["sampler_logp"],
-                entropy_mask=entropy_mask)
-    one_step = dataclasses.replace(cfg, num_iterations=1, steps_per_generation=1)
-    update(model, optimizer, scheduler, trainable, data, 0, one_step, world_size, autocast, StepTimer())
-
-
 def sampler_diff(tokens: dict, keep, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The sync check of every step: |logp - the sampler's log-prob| (N, C) of the tokens compared (the sampled ones
     whose sampler log-prob is known, in rows that trained: `keep`, None = all), and those tokens (N, C)."""
@@ -436,7 +406,6 @@ def main(cfg: Config):
         # writable, ours alone (locked), no earlier run's output to mix with: said now, not at the first save
         output_lock = prepare_output_dir(cfg.output_dir, resume, resume_step, cfg.dry_run) if is_main else None
         checks.say(f"{cfg.output_dir}" + (f", resumes {resume} after step {resume_step}" if resume else ""))
-
     with checks("tokenizer"):
         model_path = resolve_model(cfg.model)  # the embedded model's folder, a local folder or a hub id
         processor, tokenizer = load_tokenizer(cfg, model_path)  # processor: a vision-language model's, else None
@@ -448,23 +417,17 @@ def main(cfg: Config):
         mixture = load_mixture(cfg, tokenizer, processor)  # a template that cannot render the tools stops here
         rows, eval_rows, rollout_fn = mixture.rows, mixture.eval_rows, mixture.rollout
         # through the chat template, with the image tokens (every image is read now: a bad one stops the run here)
-        longest = mixture.longest_prompt(tokenizer, processor)
-        if longest > cfg.max_prompt_length:
-            raise UsageError(f"the longest prompt has {longest} tokens > --max_prompt_length {cfg.max_prompt_length}: "
-                             "raise it (and the server's --max-model-len) or drop the long prompts from the dataset")
-        checks.say(f"{mixture.describe()} | {len(rows)} rows, {len(eval_rows)} held out | the longest prompt "
-                   f"{longest} tokens")
+        longest = mixture.longest_prompt(tokenizer, processor, cfg.max_prompt_length)  # at most that
+        checks.say(f"{mixture.describe()} | {len(rows)} rows, {len(eval_rows)} held out | the longest prompt {longest}")
     with checks("server"):
         client, server_dtype, max_len = connect_server(cfg, longest)  # waits for it; the prompts must fit
-        checks.say(f"{client.base} answers to our key | {server_dtype} | {longest} + {cfg.max_completion_length} "
-                   f"tokens fit its max model length {max_len}")
+        checks.say(f"{client.base}, our key | {server_dtype} | {longest} + {cfg.max_completion_length} <= {max_len}")
     with checks("reward functions"):
         scorer = RewardScorer(mixture.functions, {name: mixture.columns_of(name) for name in mixture.functions},
                               device, cfg.max_steps, cfg.reward_timeout, cfg.reward_options())  # signatures checked
         postprocess = load_postprocess(cfg.reward_postprocess)  # the reward matrix's hook (rewards.postprocess_rewards)
         checks.say(", ".join(mixture.names) + " take the dataset's columns")
-    sampling = dict(max_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                    min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty)
+    sampling = cfg.sampling()  # max_tokens, temperature, top_p, top_k, min_p, repetition_penalty
     names = mixture.names  # k reward columns: every task's functions, then each environment's get_reward()
 
     with checks("models"):
@@ -477,15 +440,13 @@ def main(cfg: Config):
             scorer.failures = state["scorer_failures"] if is_main else 0  # the sum over the ranks that wrote it
             print0(f"resuming from {resume} after step {state['step']}"
                    + "".join(f"; {change} (this run's flag applies)" for change in changed + changed_flags))
-        checks.say(f"{sum(p.numel() for p in trainable):,} trainable parameters on {device}"
-                   + (", and a reference (beta > 0)" if cfg.beta > 0 else ""))
+        checks.say(f"{sum(p.numel() for p in trainable):,} trainable parameters on {device}, beta {cfg.beta}")
     off_policy = cfg.num_iterations > 1 or cfg.steps_per_generation > 1  # then pi_old needs its own pass
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
 
     # a fixed probe the server scores after pushes, to catch a sync that silently went wrong (a VLM's has an image)
     sync_probe = mixture.sync_probe(tokenizer, processor)
-    exact = server_dtype == torch.float32 and not cfg.bf16
-    sync_tolerance = cfg.sync_check_tolerance if cfg.sync_check_tolerance >= 0 else (1e-3 if exact else 0.5)
+    sync_tolerance = cfg.probe_tolerance(exact=server_dtype == torch.float32 and not cfg.bf16)
     logger = MetricsLogger(cfg.output_dir, is_main and not cfg.dry_run, cfg.report_to, run_config, cfg.wandb_project,
                            cfg.run_name)
     stop = StopRequest()  # SIGTERM / Ctrl-C: save a checkpoint, then stop
@@ -513,20 +474,16 @@ def main(cfg: Config):
         batch, dynamic = keep_groups_with_signal(batch, draw_more, G, cfg.dynamic_sampling_max_rounds)
         if dynamic["dynamic_sampling/groups_without_signal"] and not warned_short:
             warned_short.append(step)  # said once
-            print0(f"warning: --dynamic_sampling found too few groups with signal in "
-                   f"{cfg.dynamic_sampling_max_rounds} extra rounds at step {step + 1}; the batch was filled "
-                   "with groups without (no policy gradient). Counted in dynamic_sampling/groups_without_signal; "
-                   "raise --dynamic_sampling_max_rounds or make the task easier")
+            print0(f"warning: --dynamic_sampling found too few groups with signal in {cfg.dynamic_sampling_max_rounds} "
+                   f"extra rounds at step {step + 1}; the batch was filled with groups without (no policy gradient). "
+                   "Counted in dynamic_sampling/groups_without_signal; raise the flag or make the task easier")
         return batch, dynamic
     warned_short = []
 
     def checkpoint(steps_done: int, wait_for_ahead: bool = False) -> str:  # every rank: FSDP2 gathers; rank 0 writes
-        # async generation: the batches sampled ahead (all of them, waited for; at a stop, those done), every rank's,
-        # in rank order (the step's prompts in order), so that a resumed run, with any number of processes, trains
-        # on the same batches as an uninterrupted one
-        batches = ahead.finished(wait_for_ahead) if cfg.async_generation else {}
-        extra = {"presampled": gather_lines([json.dumps({j: (v, episodes_to_json(e)) for j, (v, e) in batches.items()
-                                                         if j >= steps_done})])} if cfg.async_generation else {}
+        # async: the batches sampled ahead (waited for; at a stop, those done), every rank's in rank order (the step's
+        # prompts in order): a resumed run, with any number of processes, trains on what an uninterrupted one would
+        extra = {"presampled": gather_lines([ahead.to_json(steps_done, wait_for_ahead)])} if ahead.K else {}
         path = save_checkpoint(cfg.output_dir, steps_done, model, optimizer, scheduler, processor or tokenizer,
                                run_config, is_main, cfg.save_total_limit,
                                {**sum_over_ranks({"scorer_failures": scorer.failures}), **extra})
@@ -597,42 +554,28 @@ def main(cfg: Config):
         # per prompt: passed if its task's first reward function gives >= 1; per task too, in a mixture
         return mixture.eval_metrics([eval_rows[i] for i in mine], matrix, rewards, lengths, n, cfg.pass_k())
 
-    def log_eval(step: int, metrics: dict):  # a mixture's tasks too: | arithmetic reward 0.61 pass@1 0.08 ...
-        print0(f"eval at step {step} | reward {metrics['eval/reward']:.3f} | "
-               + " ".join(f"pass@{k} {metrics[f'eval/pass@{k}']:.3f}" for k in cfg.pass_k())
-               + "".join(f" | {t.name} reward {metrics[f'eval/task/{t.name}/reward']:.3f} pass@1 "
-                         f"{metrics[f'eval/task/{t.name}/pass@1']:.3f}" for t in mixture.tasks
-                         if f"eval/task/{t.name}/reward" in metrics))
-
     if cfg.dry_run:  # the parts of a first step, each a check, on one prompt per task; then stop (preflight.py)
         with checks("sync probe"):
             probe = guard.run(check_sync, client, model, sync_probe, autocast, is_main, sync_tolerance, 0)
-            checks.say(f"the server's log-probs of a fixed sequence are the trainer's to "
-                       f"{probe['sync_probe_diff_mean']:.2g} on average (tolerance {sync_tolerance:g})")
+            checks.say(f"the server's log-probs are the trainer's to {probe['sync_probe_diff_mean']:.2g} on average "
+                       f"(at most {sync_tolerance:g})")
         with checks("rollout"):  # rank 0 samples G completions of each task's first prompt
             ctx = RolloutContext(client, tokenizer, G, sampling, cfg.seed, cfg.system_prompt, processor,
                                  cfg.max_prompt_length)
-            episodes = guard.run(run_rollout, rollout_fn, [t.rows[0] for t in mixture.tasks] if is_main else [],
-                                 ctx)
-            checks.say(sampled(episodes, [t.name for t in mixture.tasks]) if is_main else "")
+            episodes = guard.run(run_rollout, rollout_fn, [t.rows[0] for t in mixture.tasks if is_main], ctx)
+            checks.say(sampled(episodes, [t.name for t in mixture.tasks]))
         with checks("rewards"):
-            reward_matrix = guard.run(score, episodes)[1]
-            checks.say(scored(reward_matrix, names, scorer) if is_main else "")
+            checks.say(scored(guard.run(score, episodes)[1], names, scorer))
         with checks("memory"):  # one update of --micro_batch_size completions of the largest shape a step can see
-            largest = largest_episode(sync_probe.ids, sync_probe.model_inputs, longest, cfg.max_completion_length)
-            largest_update(model, ref_model, optimizer, scheduler, trainable, largest, pad_id, cfg, world_size,
-                           autocast, off_policy)
-            checks.say(f"one update of {cfg.micro_batch_size} x {len(largest.prompt_ids + largest.completion_ids)} "
-                       f"tokens: {peak_memory(device)}")
-        checks.passed()
-        scorer.close()
-        return
+            checks.say(largest_update(old_and_ref_logprobs, update, model, ref_model, optimizer, scheduler, trainable,
+                                      sync_probe, longest, pad_id, cfg, world_size, autocast, off_policy, device))
+        return checks.passed()  # (the scorer's process ends with main's objects)
 
     # the starting point, to compare with; resumed after the last step, its evaluation if a stop came before it
     if eval_rows and (resume is None or state["step"] == cfg.max_steps and not evaluated_last(cfg.output_dir)):
         metrics = {"step": state["step"], **evaluate()}
         logger.log(metrics)
-        log_eval(state["step"], metrics)
+        print0(eval_line(state["step"], metrics, cfg.pass_k(), [t.name for t in mixture.tasks]))
     bad_steps, t_start = 0, time.perf_counter()  # steps in a row whose loss was not finite; for the progress bar
     scoring = ScoringWatch(names, cfg.max_unscored_steps)  # steps in a row with a reward function down, or alike
     for step in range(state["step"], cfg.max_steps):
@@ -723,7 +666,7 @@ def main(cfg: Config):
                + progress(step + 1 - state["step"], cfg.max_steps - state["step"], time.perf_counter() - t_start))
         scoring.signal(metrics["frac_zero_std_groups"], step + 1, last=step + 1 == cfg.max_steps)  # warns once
         if "eval/reward" in metrics:
-            log_eval(step + 1, metrics)
+            print0(eval_line(step + 1, metrics, cfg.pass_k(), [t.name for t in mixture.tasks]))
 
         # ---------------------------------------------------------------------- checkpoint
         if stop.requested() or (cfg.save_steps and ((step + 1) % cfg.save_steps == 0 or step + 1 == cfg.max_steps)):

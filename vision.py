@@ -15,6 +15,7 @@ import io
 from config import UsageError
 from data import encode_prompts, prompt_messages
 from rollout import Episode, RolloutContext, slot_seed
+from tools import read_chat_template
 from weight_sync import Probe
 
 IMAGE_COLUMNS = ("images", "image")
@@ -45,6 +46,17 @@ def load_processor(model_path: str, chat_template: str = "", vision_learning_rat
                          "prompts (with the images) by the model folder's template, and the trainer's must be the "
                          f"same; put the template in {model_path} (chat_template.jinja) and drop --chat_template")
     return processor
+
+
+def load_tokenizer(cfg, model_path: str):
+    """The model's processor (a vision-language model's; else None) and its tokenizer, with --chat_template if given
+    (e.g. a template that renders tools, for a model whose own cannot)."""
+    from transformers import AutoTokenizer
+    processor = load_processor(model_path, cfg.chat_template, cfg.vision_learning_rate)
+    tokenizer = processor.tokenizer if processor else AutoTokenizer.from_pretrained(model_path)
+    if cfg.chat_template:
+        tokenizer.chat_template = read_chat_template(cfg.chat_template)
+    return processor, tokenizer
 
 
 def longest_edge(processor) -> int | None:

@@ -35,7 +35,7 @@ def test_a_dry_run_checks_every_part_and_changes_nothing(server, tmp_path):
     assert probe < 1e-4  # the session's server is fp32
     assert "4 completions of" in lines["rollout"] and "brevity" in lines["rewards"]
     peak = float(re.search(r"peak (\S+) GiB", lines["memory"])[1])
-    longest = int(re.search(r"the longest prompt (\d+) tokens", lines["tasks"])[1])
+    longest = int(re.search(r"the longest prompt (\d+)$", lines["tasks"])[1])
     assert 0.1 < peak < 20 and f"of 4 x {longest + 16} tokens" in lines["memory"]  # the longest prompt + 16
     assert f"dry run passed: {len(CHECKS)} checks" in proc.stdout
     assert os.listdir(out) == ["dry_run.txt"]  # no metrics, rollouts, checkpoint or model
