@@ -7,6 +7,7 @@ image tokens) are the episode's prompt_ids, and the pixel inputs (Idefics3: pixe
 pixel_attention_mask) its model_inputs, which every forward gets through the inputs dict. The server
 samples through its chat route, the one that takes images (/v1/completions silently drops them), with
 the images as data URLs; it answers with the prompt ids it expanded, which must equal the processor's.
+Also here: load_tokenizer, the processor (a VLM's) and tokenizer every run loads, with --chat_template.
 """
 import base64
 import concurrent.futures
