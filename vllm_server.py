@@ -608,8 +608,10 @@ async def load_adapter(request):
     body = await request.body()
     with contextlib.suppress(ValueError):  # safetensors: an 8-byte length, then a JSON header
         header = json.loads(body[8:8 + int.from_bytes(body[:8], "little")])
-    if not re.fullmatch(r"[\w.-]+", name) or name.startswith(".") or not isinstance(header, dict):
-        return JSONResponse({"error": "give ?name= (letters, digits, . _ -) and a safetensors body"}, status_code=400)
+    keep = request.query_params.get("keep", "1")
+    if not re.fullmatch(r"[\w.-]+", name) or name.startswith(".") or not isinstance(header, dict) or not keep.isdigit():
+        return JSONResponse({"error": "give ?name= (letters, digits, . _ -), ?keep= a count and a safetensors body"},
+                            status_code=400)
     folder = tempfile.mkdtemp(prefix=f"{name}-", dir=adapter_folder())
     with open(os.path.join(folder, "adapter_config.json"), "w") as f:
         f.write(header.get("__metadata__", {}).get("adapter_config", "{}"))
@@ -620,8 +622,7 @@ async def load_adapter(request):
     if not isinstance(answer, str):  # vLLM's ErrorResponse: no LoRA support, a rank above --max-lora-rank, ...
         shutil.rmtree(folder, ignore_errors=True)
         return JSONResponse({"error": answer.error.message}, status_code=answer.error.code)
-    keep = max(1, int(request.query_params.get("keep", "1")))  # the newest: requests under way may still use them
-    for old, loaded in list(models.lora_requests.items())[:-keep]:
+    for old, loaded in list(models.lora_requests.items())[:-max(1, int(keep))]:  # requests under way may use them
         if loaded.lora_path != folder:
             await models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=old))
             await models.engine_client.remove_lora(loaded.lora_int_id)
