@@ -36,9 +36,9 @@ import os
 import re
 import signal
 import sys
-import threading
 import time
 import traceback
+from multiprocessing import resource_tracker
 from types import ModuleType, SimpleNamespace
 
 from config import RunStopped, UsageError
@@ -385,19 +385,17 @@ def _score(jobs: list[tuple[str, dict]], options: dict) -> list[dict]:
 
 SECRETS = ("VLLM_API_KEY", "WANDB_API_KEY")  # the trainer's; reward functions are user code and need neither
 @contextlib.contextmanager
-def _ctrl_c_ignored_by_children():
-    """Processes started inside are born ignoring SIGINT (an ignored signal stays ignored across exec), and this
-    one holds it back meanwhile (blocked, it reaches its own handler after). Main thread only. (SIGTERM is left
-    alone: the pool's end stops a worker still starting with it.)"""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+def _ctrl_c_held_back_from_children():
+    """Processes started inside are born with SIGINT blocked (a thread's signal mask survives fork and exec), until
+    they leave the trainer's session (_scorer_process). Only this thread blocks it: the trainer's own Ctrl-C still
+    reaches its handler, through another thread or when the block ends. (Ignoring SIGINT instead, which also
+    survives exec, is process-wide: a Ctrl-C meanwhile was lost.) The resource tracker unblocks SIGINT when it
+    starts, so it starts first."""
+    resource_tracker.ensure_running()
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
-    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
@@ -423,9 +421,13 @@ def _scorer_process():
     - it ends with the trainer even when the trainer is killed (SIGKILL) mid-call (Linux: the parent's death
       signals it, and it takes its group along); an idle scorer also ends when its task pipe closes;
     - the trainer's secrets are not in its environment (nor in what it starts).
-    It was born ignoring Ctrl-C (RewardScorer.start): until the line below it is in the trainer's group, which
-    a terminal's Ctrl-C reaches; it killed a scorer still starting, and the pool's end then waited forever."""
+    It was born with Ctrl-C blocked (RewardScorer.start): until setsid it is in the trainer's group, which a
+    terminal's Ctrl-C reaches; it killed a scorer still starting, and the pool's end then waited forever. One
+    that came meanwhile is dropped (ignoring a signal discards it), and Ctrl-C is Python's again."""
     os.setsid()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
     for name in SECRETS:
         os.environ.pop(name, None)
     signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
@@ -496,7 +498,7 @@ class RewardScorer:
         the first call starts it. Nothing to start if no function runs in it (reward models run here)."""
         if self._pool is None and any(name not in self.models for name in self.names):
             # spawn, not fork: math-verify's timeouts use signals, which work in a process's main thread
-            with _ctrl_c_ignored_by_children(), _main_module_not_inherited():
+            with _ctrl_c_held_back_from_children(), _main_module_not_inherited():
                 self._pool = mp.get_context("spawn").Pool(1, initializer=_scorer_process)
             self._pid_of = self._pool.apply_async(os.getpid)  # also its process group's id
 

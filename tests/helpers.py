@@ -1,6 +1,7 @@
 """Reward functions for tests, passed as --reward_funcs tests.helpers:NAME (TRL's signature)."""
 import math
 import os
+import signal
 import time
 
 
@@ -100,6 +101,13 @@ def sees_secrets(completions, **kwargs):
     with open(os.environ["NANOGRPO_TEST_PID_FILE"], "w") as f:
         f.write(" ".join(os.environ.get(k, "none") for k in ("VLLM_API_KEY", "WANDB_API_KEY")))
     return brevity(completions)
+
+
+def ctrl_c_is_pythons(completions, **kwargs):
+    """1.0 for each completion if Ctrl-C reaches this process's Python handler (not blocked, not ignored; asyncio,
+    which runs the functions, has its own), else 0.0."""
+    free = signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    return [float(free and signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, signal.SIG_DFL))] * len(completions)
 
 
 def brevity_on_some_prompts(prompts, completions, **kwargs):

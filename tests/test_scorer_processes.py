@@ -88,3 +88,27 @@ def test_the_scorer_process_does_not_import_the_trainers_script(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == ["[[1.0]]", "False True"], proc.stdout + proc.stderr[-2000:]
+
+
+def test_a_ctrl_c_as_the_scorer_starts_reaches_the_trainer_and_not_the_scorer(tmp_path):
+    """The scorer process is born with Ctrl-C held back until it has a session of its own (a terminal's Ctrl-C
+    killed it as it started); the trainer's Ctrl-C meanwhile still reaches the trainer's handler, with other
+    threads running (as a trainer has). Ignoring SIGINT for the start lost it: the run went on."""
+    script = tmp_path / "trainer.py"
+    script.write_text(f"import os, signal, subprocess, sys, threading, time\nsys.path.insert(0, {ROOT!r})\n"
+                      "import rewards\n"
+                      "got = []\n"
+                      "signal.signal(signal.SIGINT, lambda *_: got.append('stop'))\n"
+                      "threading.Thread(target=time.sleep, args=(5,), daemon=True).start()\n"
+                      "with rewards._ctrl_c_held_back_from_children():\n"
+                      "    os.kill(os.getpid(), signal.SIGINT)\n"
+                      "    child = subprocess.run([sys.executable, '-c', 'import signal; "
+                      "print(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))'], capture_output=True, "
+                      "text=True).stdout.strip()\n"
+                      "time.sleep(0.5)\n"
+                      "scorer = rewards.RewardScorer(['tests.helpers:ctrl_c_is_pythons'], ['prompt'])\n"
+                      "print(got, child, scorer([{'prompt': 'a'}], ['b'], [[1]], 0))\n"
+                      "scorer.stop()\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "['stop'] True [[1.0]]", proc.stdout + proc.stderr[-2000:]
