@@ -145,7 +145,7 @@ class Config:
     micro_batch_size: int = 16  # completions per forward/backward pass (memory knob; never changes the math)
     disable_dropout: bool = True  # no dropout in the training forward (the model's and LoRA's): the policy trained
                                   # is the one that sampled (README: Loss choices)
-    gradient_checkpointing: bool = False  # recompute activations in the backward: less memory (README: Memory)
+    gradient_checkpointing: bool = True  # recompute activations in the backward: less memory (docs/memory.md), as TRL
     bf16: bool | str = "auto"  # bf16 autocast, fp32 master weights: true | false | auto = where native
                                # (GPU, avx512_bf16)
     seed: int = 42  # data order, and the server's sampling: each request carries a seed derived from it
@@ -221,6 +221,24 @@ class Config:
     def probe_tolerance(self, exact: bool) -> float:
         """--sync_check_tolerance, or its default: 1e-3 where both sides compute in fp32 (`exact`), else 0.5."""
         return self.sync_check_tolerance if self.sync_check_tolerance >= 0 else (1e-3 if exact else 0.5)
+
+    def kv_cache_bytes(self, model_dir: str, dtype_bytes: int, max_model_len: int, block: int = 128) -> int | None:
+        """The server's KV cache for what a step samples at once: every sequence at its longest (the prompt bound +
+        a full completion, in blocks of `block` tokens), --max_staleness batches with --async_generation, and one
+        sequence of `max_model_len` at least; an evaluation larger than that runs in waves. From the model's
+        config.json (a VLM's text model); None if it does not say."""
+        try:
+            with open(os.path.join(model_dir, "config.json")) as f:
+                c = json.load(f)
+            c = c.get("text_config", c)
+            heads = c["num_attention_heads"]
+            per_token = (2 * c["num_hidden_layers"] * c.get("num_key_value_heads", heads)
+                         * (c.get("head_dim") or c["hidden_size"] // heads) * dtype_bytes)
+        except (OSError, KeyError, TypeError, ValueError):
+            return None
+        sequences = self.prompts_per_step * self.num_generations * (self.max_staleness if self.async_generation else 1)
+        longest = -(-(self.max_prompt_length + self.max_completion_length) // block) * block
+        return max(sequences * longest, max_model_len) * per_token
 
     def pass_k(self) -> list[int]:
         """The k of pass@k, 1 always among them (pass@1 is the summary's accuracy)."""

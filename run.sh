@@ -9,17 +9,23 @@ set -euo pipefail
 cd "$(dirname "$0")"
 ./setup.sh
 PY=.venv/bin/python
-# the model the flags run (an embedded task picks its own), and with --use_peft the server's LoRA support (the
-# adapter alone is pushed: its rank fits); --help and flag mistakes are printed here, on stderr
-FOUND=$($PY -c 'import contextlib, sys, config
+# the model the flags run (an embedded task picks its own), with --use_peft the server's LoRA support (the
+# adapter alone is pushed: its rank fits), and a KV cache the size of what a step samples at once (not vLLM's
+# 2 GiB); --help and flag mistakes are printed here, on stderr
+FOUND=$($PY -c 'import contextlib, os, shlex, sys, config, vllm_server
 sys.argv[0] = "train.py"
 with contextlib.redirect_stdout(sys.stderr):
     cfg = config.parse_config(sys.argv[1:])
 rank = min(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512, cfg.lora_r) if r >= cfg.lora_r)  # vLLM takes these
+server = vllm_server.serve_args(["--model", cfg.model, "--max-model-len", "2048", *shlex.split(os.environ.get("SERVER_ARGS", ""))])
+kv = cfg.kv_cache_bytes(vllm_server.flag_value(server, "--model"), 4 if vllm_server.flag_value(server, "--dtype") in
+                        ("float32", "float") else 2, int(vllm_server.flag_value(server, "--max-model-len")))
 print(cfg.model)
-print(f"--enable-lora --max-lora-rank {rank}" if cfg.use_peft and cfg.lora_sync != "merged" else "")' "$@")
+print(f"--enable-lora --max-lora-rank {rank}" if cfg.use_peft and cfg.lora_sync != "merged" else "")
+print(f"--kv-cache-memory-bytes {kv}" if kv and "VLLM_CPU_KVCACHE_SPACE" not in os.environ else "")' "$@")
 MODEL=$(sed -n 1p <<< "$FOUND")
 LORA_ARGS=$(sed -n 2p <<< "$FOUND")
+KV_ARGS=$(sed -n 3p <<< "$FOUND")
 [ -n "$MODEL" ] || exit 0  # --help
 OUT=out
 for ((i = 1; i <= $#; i++)); do [ "${!i}" = "--output_dir" ] && { j=$((i + 1)); OUT=${!j}; }; done
@@ -30,7 +36,7 @@ read -r PORT GROUP_PORT < <($PY -c "import utils; print(*utils.free_ports(2))")
 # local user in /proc): no other program on this machine can use the server or replace its weights
 export VLLM_API_KEY=${VLLM_API_KEY:-$($PY -c "import secrets; print(secrets.token_urlsafe(24))")}
 echo "starting the vLLM server on 127.0.0.1:$PORT (log: $OUT/server.log)"
-setsid $PY vllm_server.py --model "$MODEL" --port "$PORT" --enforce-eager --max-model-len 2048 $LORA_ARGS \
+setsid $PY vllm_server.py --model "$MODEL" --port "$PORT" --enforce-eager --max-model-len 2048 $LORA_ARGS $KV_ARGS \
   ${SERVER_ARGS:-} >> "$OUT/server.log" 2>&1 &
 SERVER_PID=$!
 trap 'kill -TERM -- -$SERVER_PID 2>/dev/null || true; wait $SERVER_PID 2>/dev/null || true' EXIT

@@ -37,7 +37,6 @@ The wire protocol of a gloo weight push (trainer rank 0 = gloo rank 0, vLLM work
 """
 import atexit
 import contextlib
-import ctypes
 import functools
 import gc
 import hmac
@@ -60,7 +59,7 @@ from urllib3.connection import HTTPConnection
 
 from config import DEFAULT_MODEL, RunStopped, UsageError, native_bf16, run_main
 from embedded import resolve_model
-from utils import InThread
+from utils import InThread, set_malloc_thresholds
 
 DEFAULT_PORT = 8000
 DEFAULT_GROUP_PORT = 51216  # the TCP port of the trainer<->server weight-transfer rendezvous
@@ -691,19 +690,8 @@ def keep_freed_memory(limit_bytes: int = 2**30) -> bool:
     """Make glibc keep freed blocks of up to `limit_bytes` for reuse. By default it hands every block of more
     than 32 MB back to the kernel when freed (they are mmap'd), so the next one of that size faults in fresh
     zeroed pages: on a CPU that costs more than the work done in them (a 64 MB bucket of a weight push: ~20 ms
-    to fault in, ~5 ms to fill). The price: up to `limit_bytes` of freed memory stays with the process. Left
-    alone if you chose these settings yourself (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, GLIBC_TUNABLES)
-    or preload another allocator, and a no-op without glibc. Returns whether it applied."""
-    chosen = ("MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ
-              or "threshold" in os.environ.get("GLIBC_TUNABLES", "") or "malloc" in os.environ.get("LD_PRELOAD", ""))
-    if chosen:
-        return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # malloc.h
-    return bool(mallopt(M_MMAP_THRESHOLD, limit_bytes) and mallopt(M_TRIM_THRESHOLD, limit_bytes))
+    to fault in, ~5 ms to fill). The price: up to `limit_bytes` of freed memory stays with the process."""
+    return set_malloc_thresholds(limit_bytes, limit_bytes)
 
 
 def tune_cpu_server_process():
@@ -791,7 +779,8 @@ def serve_args(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None):
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # enables the weight-transfer and cache routes
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; unset, vLLM on CPU sizes it from all RAM
+    if flag_value(argv, "--kv-cache-memory-bytes") is None:  # (the variable, if set, wins over the flag)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; unset, vLLM on CPU sizes it from all RAM
     if not torch.cuda.is_available() and num_workers_of(argv) <= os.cpu_count() <= 4:
         # vLLM's "auto" keeps one core for its front end; on a small CPU, generating on all cores is
         # ~1.4x faster (measured, 2 cores), and the trainer is idle while the server generates.

@@ -81,10 +81,23 @@ def split_cores() -> tuple[set[int], set[int]]:
 SHARED_SERVER = "NANOGRPO_BENCH_SERVER"  # "port:pid" of a running vllm_server.py that serving() hands out
 
 
+def step_kv_cache_bytes(model: str, prompts: int, G: int, length: int, prompt_bound: int) -> int | None:
+    """The KV cache run.sh gives the server for steps of `prompts` x G completions of up to `length` tokens after
+    prompts of up to `prompt_bound` (train.py's --max_prompt_length), at the server's default dtype."""
+    import vllm_server
+    from config import Config
+    server = vllm_server.serve_args(["--model", model])
+    cfg = Config(prompts_per_step=prompts, num_generations=G, max_completion_length=length,
+                 max_prompt_length=prompt_bound)
+    return cfg.kv_cache_bytes(model, 4 if vllm_server.flag_value(server, "--dtype") == "float32" else 2, 2048)
+
+
 @contextlib.contextmanager
-def serving(model: str, workdir: str, *flags: str, cores: set[int] | None = None, lora_rank: int = 0):
+def serving(model: str, workdir: str, *flags: str, cores: set[int] | None = None, lora_rank: int = 0,
+            kv_cache_bytes: int | None = None):
     """vllm_server.py on `model` (eager; its default dtype: bf16 where the CPU has it, else fp32) on a free port, on
-    `cores` (None: all), with LoRA on for adapters up to `lora_rank` (0: off);
+    `cores` (None: all), with LoRA on for adapters up to `lora_rank` (0: off), with a KV cache of `kv_cache_bytes`
+    (None: the server's default);
     yields {"port", "pid" (of its process group), "memory": PeakRSS}. With $NANOGRPO_BENCH_SERVER set (the tests
     run every bench's smallest setting against one server of theirs), that server instead, if it serves `model`
     (with LoRA up to `lora_rank`) and nothing else is asked of it (`flags`, `cores`)."""
@@ -109,6 +122,7 @@ def serving(model: str, workdir: str, *flags: str, cores: set[int] | None = None
     log = open(os.path.join(workdir, "server.log"), "w")
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "vllm_server.py"), "--model", model, "--port", str(port),
                              "--enforce-eager", "--max-model-len", "2048", *flags,
+                             *(["--kv-cache-memory-bytes", str(kv_cache_bytes)] if kv_cache_bytes else []),
                              *(["--enable-lora", "--max-lora-rank", str(lora_rank)] if lora_rank else [])],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **on_cores(cores))
     memory = PeakRSS(proc.pid)

@@ -146,3 +146,24 @@ def test_batches_sampled_ahead_come_back_from_a_checkpoint_per_step_and_rank():
     old = [json.dumps([1, episodes_to_json(share(3, rank))]) for rank in (0, 1)]
     assert list(ahead_from_json(old, 3, lambda j: rows[j], 0, G)) == [3]
     assert ahead_from_json([json.dumps(None)] * 2, 3, lambda j: rows[j], 0, G) == {}
+
+
+def test_the_servers_kv_cache_is_sized_to_what_a_step_samples_at_once(tmp_path):
+    """run.sh starts the server with a KV cache for one step (K steps with --max_staleness K), not vLLM's 2 GiB:
+    sequences x (prompt bound + completion, in 128-token blocks) x the model's bytes per token."""
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 30, "num_attention_heads": 9,
+                                                      "num_key_value_heads": 3, "hidden_size": 576}))
+    per_token = 2 * 30 * 3 * 64 * 2  # K and V, layers, KV heads, head size, bf16
+    cfg = parse_config(["--prompts_per_step", "8", "--num_generations", "8", "--max_prompt_length", "100",
+                        "--max_completion_length", "128"])
+    assert cfg.kv_cache_bytes(str(tmp_path), 2, 2048) == 64 * 256 * per_token
+    assert cfg.kv_cache_bytes(str(tmp_path), 4, 2048) == 64 * 256 * per_token * 2
+    ahead = parse_config(["--prompts_per_step", "8", "--num_generations", "8", "--max_prompt_length", "100",
+                          "--max_completion_length", "128", "--async_generation", "--max_staleness", "3"])
+    assert ahead.kv_cache_bytes(str(tmp_path), 2, 2048) == 3 * 64 * 256 * per_token
+    assert cfg.kv_cache_bytes(str(tmp_path), 2, 10**6) == 10**6 * per_token  # one longest sequence at least
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 2, "num_attention_heads": 4,
+                                                                      "hidden_size": 64, "head_dim": 32}}))
+    assert cfg.kv_cache_bytes(str(tmp_path), 2, 2048) == 64 * 256 * (2 * 2 * 4 * 32 * 2)  # a VLM's text model
+    (tmp_path / "config.json").write_text("{}")
+    assert cfg.kv_cache_bytes(str(tmp_path), 2, 2048) is None  # vLLM's default then
