@@ -58,7 +58,7 @@ from rewards import RewardScorer, load_postprocess, postprocessed, weighted_rewa
 from rollout import RolloutContext, SEED_LIMIT, SampledAhead, ahead_from_json, collate, run_rollout, training_samples
 from tools import environment_rewards
 from utils import (barrier, extremes_over_ranks, gather_lines, print0, quantile_over_ranks, run_and_exit,
-                   setup_distributed, std_over_ranks, sum_over_ranks)
+                   set_malloc_thresholds, setup_distributed, std_over_ranks, sum_over_ranks)
 from vision import load_tokenizer
 from weight_sync import check_sync, server_sync, weight_bytes
 
@@ -396,6 +396,7 @@ def main(cfg: Config):
     cfg.bf16 = native_bf16(device) if cfg.bf16 == "auto" else cfg.bf16  # fp32 where bf16 is emulated (slow)
     cfg.drop_zero_std_groups = cfg.drops_zero_std_groups()  # auto: where the gradient stays the same
     torch.manual_seed(cfg.seed + rank)
+    set_malloc_thresholds(4 * 2**20, 0)  # freed activations go back, not into holes between gradients (docs/memory.md)
     G = cfg.num_generations
     prompts_per_rank = cfg.prompts_per_step // world_size
     checks = Preflight(cfg.dry_run, cfg.output_dir, is_main)  # --dry_run: each build below is a check (preflight.py)

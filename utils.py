@@ -4,6 +4,7 @@ folder, a call on a thread of its own (InThread). Not here: the models and their
 (logprobs.py), checkpoints (checkpoints.py), the data (data.py), what a run reports (metrics.py), the weights on
 their way to the server (weight_sync.py).
 """
+import ctypes
 import datetime
 import fcntl
 import functools
@@ -307,6 +308,24 @@ class OutputLock:
 def release_locks():
     for lock in list(OutputLock.held):
         lock.close()
+
+
+def set_malloc_thresholds(mmap_bytes: int, trim_bytes: int) -> bool:
+    """glibc's allocator: blocks of `mmap_bytes` or more are mapped on their own (handed back to the kernel when
+    freed), and the heap is trimmed once more than `trim_bytes` at its top are free (both fixed: glibc's own
+    threshold rises to 32 MB as blocks are freed). Left alone if you chose these settings yourself
+    (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, GLIBC_TUNABLES) or preload another allocator, and a no-op
+    without glibc. Returns whether it applied."""
+    chosen = ("MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ
+              or "threshold" in os.environ.get("GLIBC_TUNABLES", "") or "malloc" in os.environ.get("LD_PRELOAD", ""))
+    if chosen:
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # malloc.h
+    return bool(mallopt(M_MMAP_THRESHOLD, mmap_bytes) and mallopt(M_TRIM_THRESHOLD, trim_bytes))
 
 
 class InThread:

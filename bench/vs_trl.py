@@ -4,10 +4,12 @@ tokens, micro-batches of 16, learning rate 3e-5 (constant), AdamW betas (0.9, 0.
 bf16, the same number of steps. TRL runs in its own virtual environment (bench/.venv-trl, made on first
 use from PyPI: trl 1.16.0 with the torch and transformers of requirements.txt) and generates with
 transformers (its vLLM modes need CUDA); by default with gradient checkpointing (TRL's default) and
-without. nanogrpo runs against its own vLLM server, as is and with --async_generation.
+without. nanogrpo runs against its own vLLM server, as is and with --async_generation; the server's KV cache
+holds one step, as run.sh sizes it.
 
 Prints the mean step time over the steps after the first, the peak resident memory of each run (all its
-processes; nanogrpo's trainer and server apart), and each nanogrpo run's step time over TRL's.
+processes; nanogrpo's trainer and server apart), and each nanogrpo run's step time and peak memory (the
+trainer's, and the trainer's + the server's) over TRL's.
 
     .venv/bin/python bench/vs_trl.py [--steps 4] [--trl_gradient_checkpointing true,false] [--nanogrpo "" "--async_generation"]
 """
@@ -19,9 +21,10 @@ import subprocess
 import sys
 import tempfile
 
-from common import ROOT, PeakRSS, mean, serving, steady, train, workload_arguments
+from common import ROOT, PeakRSS, mean, serving, steady, step_kv_cache_bytes, train, workload_arguments
 
 VENV = os.path.join(ROOT, "bench", ".venv-trl")
+PROMPT_BOUND = 128  # tokens: train.py's --max_prompt_length (the arithmetic prompts are shorter), for the KV cache
 TRL_PACKAGES = ["trl==1.16.0", "torch==2.13.0", "transformers==5.19.0", "datasets==5.2.0", "math-verify==0.9.0"]
 
 
@@ -66,10 +69,11 @@ if __name__ == "__main__":
         results.append((f"TRL 1.16.0, gradient checkpointing {checkpointing}", sum(times) / len(times), peak,
                         f"reward {' '.join(f'{r:.2f}' for r in trl['reward'])}"))
         print(results[-1], flush=True)
-    with tempfile.TemporaryDirectory() as tmp, serving(model, tmp) as server:
+    kv = step_kv_cache_bytes(model, a.prompts, a.G, a.length, PROMPT_BOUND)  # as run.sh sizes it
+    with tempfile.TemporaryDirectory() as tmp, serving(model, tmp, kv_cache_bytes=kv) as server:
         for i, flags in enumerate(a.nanogrpo):
             metrics, peak = train(model, server["port"], os.path.join(tmp, f"run{i}"), a.steps, a.prompts, a.G, a.length,
-                                  flags=tuple(shlex.split(flags)))
+                                  flags=("--max_prompt_length", str(PROMPT_BOUND), *shlex.split(flags)))
             results.append((f"nanogrpo {flags or '(defaults)'}", mean(steady(metrics), "time/step"), peak,
                             "reward " + " ".join(f"{m['reward']:.2f}" for m in metrics if "reward" in m)))  # not evals
             print(results[-1], flush=True)
@@ -79,7 +83,9 @@ if __name__ == "__main__":
     print(f"  {'run':52s} {'s/step':>7s} {'peak GiB':>8s}")
     for name, step, peak, note in results:
         print(f"  {name:52s} {step:7.1f} {peak:8.1f}   {note}")
-    print(f"  (nanogrpo's vLLM server: peak {server_peak:.1f} GiB, of which 2 GiB KV cache)")
-    for name, step, _, _ in results:
+    print(f"  (nanogrpo's vLLM server: peak {server_peak:.2f} GiB, of which {kv / 2 ** 30:.2f} GiB KV cache: one step's)")
+    for name, step, peak, _ in results:
         if name.startswith("nanogrpo"):
-            print(f"  {name} / " + ", ".join(f"{t[0].split(', ')[1]}: {step / t[1]:.2f}" for t in results if t[0].startswith("TRL")))
+            print(f"  {name} / " + ", ".join(f"{t[0].split(', ')[1]}: step {step / t[1]:.2f}, memory: trainer {peak / t[2]:.2f}"
+                                             f" trainer + server {(peak + server_peak) / t[2]:.2f}"
+                                             for t in results if t[0].startswith("TRL")))

@@ -138,9 +138,15 @@ def test_vs_trl_runs_trl_and_nanogrpo(model, shared):
     out = bench("vs_trl.py", "--model", model, *SMALL, "--trl_gradient_checkpointing", "true", "--nanogrpo", "",
                 timeout=1200, env=shared)
     assert "TRL 1.16.0, gradient checkpointing true" in out and "nanogrpo (defaults) / gradient checkpointing true" in out
-    seconds = {name: float(step) for name, step in re.findall(r"\('([^']+)', ([\d.]+), [\d.]+, 'reward", out)}
-    ratio = float(out.split("gradient checkpointing true: ")[1].split()[0])
-    assert abs(ratio - seconds["nanogrpo (defaults)"] / seconds["TRL 1.16.0, gradient checkpointing true"]) < 0.006
+    runs = {name: (float(step), float(peak)) for name, step, peak in
+            re.findall(r"\('([^']+)', ([\d.]+), ([\d.]+), 'reward", out)}
+    (step, trainer), (trl_step, trl_peak) = runs["nanogrpo (defaults)"], runs["TRL 1.16.0, gradient checkpointing true"]
+    server = float(re.search(r"vLLM server: peak ([\d.]+) GiB", out)[1])
+    ratios = re.search(r"gradient checkpointing true: step ([\d.]+), memory: trainer ([\d.]+) trainer \+ server ([\d.]+)",
+                       out)
+    assert ratios, out
+    assert abs(float(ratios[1]) - step / trl_step) < 0.006
+    assert abs(float(ratios[2]) - trainer / trl_peak) < 0.006 and abs(float(ratios[3]) - (trainer + server) / trl_peak) < 0.02
 
 
 def test_lora_sync(model, shared):
