@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from config import Config, UsageError
+from utils import print0
 
 
 def load_model(path: str, device, fsdp: bool = False, dtype=torch.float32):
@@ -141,8 +142,10 @@ def build_models(cfg: Config, model_path: str, vlm: bool, resume: str | None, de
     reference is the same model with the adapter switched off."""
     policy = load_model(os.path.join(resume, "model") if resume and not cfg.use_peft else model_path, device, cfg.fsdp)
     policy.config.use_cache = False
-    if cfg.gradient_checkpointing:
+    if cfg.gradient_checkpointing and (policy.supports_gradient_checkpointing or cfg.gives("gradient_checkpointing")):
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif cfg.gradient_checkpointing:  # the default, on a model without it
+        print0(f"warning: {type(policy).__name__} has no gradient checkpointing: it trains without (more memory)")
     frozen = freeze_vision_tower(policy) if vlm and cfg.freeze_vision_tower else []  # VLMs: as loaded
     if cfg.use_peft:  # train a LoRA adapter; the base weights stay frozen and serve as the reference
         policy = add_lora(policy, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,

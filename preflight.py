@@ -47,8 +47,8 @@ class Preflight:
         except Exception as e:  # a foreseen stop says why in one line; anything else keeps its traceback too
             failure = str(e) if isinstance(e, (UsageError, RunStopped)) else f"{type(e).__name__}: {e}"
             if isinstance(e, torch.OutOfMemoryError):
-                failure = ("out of memory: lower --micro_batch_size, or turn on --gradient_checkpointing, --fsdp or "
-                           f"--use_peft ({failure})")
+                failure = ("out of memory: lower --micro_batch_size, keep gradient checkpointing on (the default), "
+                           f"or use --fsdp or --use_peft ({failure})")
             elif not isinstance(e, (UsageError, RunStopped)):
                 traceback.print_exc()
         failed_anywhere = bool(all_reduce(torch.tensor([float(failure is not None)])) > 0)
