@@ -12,14 +12,13 @@ PY=.venv/bin/python
 # the model the flags run (an embedded task picks its own), with --use_peft the server's LoRA support (the
 # adapter alone is pushed: its rank fits), and a KV cache the size of what a step samples at once (not vLLM's
 # 2 GiB); --help and flag mistakes are printed here, on stderr
-FOUND=$($PY -c 'import contextlib, os, shlex, sys, config, vllm_server
+FOUND=$($PY -c 'import contextlib, os, sys, config, vllm_server
 sys.argv[0] = "train.py"
 with contextlib.redirect_stdout(sys.stderr):
     cfg = config.parse_config(sys.argv[1:])
 rank = min(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512, cfg.lora_r) if r >= cfg.lora_r)  # vLLM takes these
-server = vllm_server.serve_args(["--model", cfg.model, "--max-model-len", "2048", *shlex.split(os.environ.get("SERVER_ARGS", ""))])
-kv = cfg.kv_cache_bytes(vllm_server.flag_value(server, "--model"), 4 if vllm_server.flag_value(server, "--dtype") in
-                        ("float32", "float") else 2, int(vllm_server.flag_value(server, "--max-model-len")))
+kv = vllm_server.step_kv_cache_bytes(cfg, ["--model", cfg.model, "--max-model-len", "2048",
+                                           *os.environ.get("SERVER_ARGS", "").split()])  # as bash splits it below
 print(cfg.model)
 print(f"--enable-lora --max-lora-rank {rank}" if cfg.use_peft and cfg.lora_sync != "merged" else "")
 print(f"--kv-cache-memory-bytes {kv}" if kv and "VLLM_CPU_KVCACHE_SPACE" not in os.environ else "")' "$@")

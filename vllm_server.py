@@ -776,6 +776,14 @@ def serve_args(argv: list[str]) -> list[str]:
     return argv
 
 
+def step_kv_cache_bytes(cfg, argv: list[str]) -> int | None:
+    """Config.kv_cache_bytes for the server `argv` starts (completed by serve_args): its model, dtype and maximum
+    model length (run.sh's and the benches' --kv-cache-memory-bytes)."""
+    argv = serve_args(argv)
+    dtype_bytes = 4 if flag_value(argv, "--dtype") in ("float32", "float") else 2
+    return cfg.kv_cache_bytes(flag_value(argv, "--model"), dtype_bytes, int(flag_value(argv, "--max-model-len")))
+
+
 def main(argv: list[str] | None = None):
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # enables the weight-transfer and cache routes

@@ -83,13 +83,12 @@ SHARED_SERVER = "NANOGRPO_BENCH_SERVER"  # "port:pid" of a running vllm_server.p
 
 def step_kv_cache_bytes(model: str, prompts: int, G: int, length: int, prompt_bound: int) -> int | None:
     """The KV cache run.sh gives the server for steps of `prompts` x G completions of up to `length` tokens after
-    prompts of up to `prompt_bound` (train.py's --max_prompt_length), at the server's default dtype."""
+    prompts of up to `prompt_bound` (train.py's --max_prompt_length)."""
     import vllm_server
     from config import Config
-    server = vllm_server.serve_args(["--model", model])
     cfg = Config(prompts_per_step=prompts, num_generations=G, max_completion_length=length,
                  max_prompt_length=prompt_bound)
-    return cfg.kv_cache_bytes(model, 4 if vllm_server.flag_value(server, "--dtype") == "float32" else 2, 2048)
+    return vllm_server.step_kv_cache_bytes(cfg, ["--model", model, "--max-model-len", "2048"])
 
 
 @contextlib.contextmanager

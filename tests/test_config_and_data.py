@@ -7,6 +7,7 @@ import sys
 import config
 import embedded
 from config import Config, parse_config
+from vllm_server import step_kv_cache_bytes
 from conftest import ROOT
 from data import load_rows
 
@@ -162,6 +163,9 @@ def test_the_servers_kv_cache_is_sized_to_what_a_step_samples_at_once(tmp_path):
                           "--max_completion_length", "128", "--async_generation", "--max_staleness", "3"])
     assert ahead.kv_cache_bytes(str(tmp_path), 2, 2048) == 3 * 64 * 256 * per_token
     assert cfg.kv_cache_bytes(str(tmp_path), 2, 10**6) == 10**6 * per_token  # one longest sequence at least
+    server = ["--model", str(tmp_path), "--max-model-len", "2048"]  # run.sh's: the dtype the server computes in
+    assert step_kv_cache_bytes(cfg, [*server, "--dtype", "float32"]) == 64 * 256 * per_token * 2
+    assert step_kv_cache_bytes(cfg, [*server, "--dtype", "bfloat16"]) == 64 * 256 * per_token
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 2, "num_attention_heads": 4,
                                                                       "hidden_size": 64, "head_dim": 32}}))
     assert cfg.kv_cache_bytes(str(tmp_path), 2, 2048) == 64 * 256 * (2 * 2 * 4 * 32 * 2)  # a VLM's text model

@@ -34,6 +34,15 @@ def pids_from(path) -> tuple[list[int], str]:
     return [int(scorer), int(child)], secret
 
 
+def run_script(tmp_path, body: str) -> str:
+    """`body` run as a trainer's script of its own (the repository on its path): its output; it must exit 0."""
+    script = tmp_path / "trainer.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {ROOT!r})\n" + body)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
 def test_a_reward_that_times_out_leaves_nothing_running_and_sees_no_secret(tmp_path, monkeypatch):
     monkeypatch.setenv("NANOGRPO_TEST_PID_FILE", str(tmp_path / "pids"))
     monkeypatch.setenv("VLLM_API_KEY", "secret-key")
@@ -77,38 +86,31 @@ def test_the_scorer_and_what_it_started_end_when_the_trainer_is_killed(tmp_path)
 def test_the_scorer_process_does_not_import_the_trainers_script(tmp_path):
     """spawn's children import the parent's main script first: for train.py, torch and transformers (~4 s, ~0.3 GB)
     before the first score. The scorer needs nothing of it; it scores all the same."""
-    script = tmp_path / "trainer.py"
-    script.write_text(f"import sys\nsys.path.insert(0, {ROOT!r})\nimport torch\nfrom rewards import RewardScorer\n"
-                      "if __name__ == '__main__':\n"
-                      "    scorer = RewardScorer(['accuracy'], ['prompt', 'answer'])\n"
-                      "    print(scorer([{'prompt': '2 + 2?', 'answer': '4'}], ['\\\\boxed{4}'], [[1]], 0))\n"
-                      "    maps = open(f'/proc/{scorer._pid_of.get(timeout=60)}/maps').read()\n"
-                      "    print('torch' in maps, 'libtorch' in open('/proc/self/maps').read())\n"
-                      "    scorer.stop()\n")
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.splitlines() == ["[[1.0]]", "False True"], proc.stdout + proc.stderr[-2000:]
+    out = run_script(tmp_path, "import torch\nfrom rewards import RewardScorer\n"
+                               "if __name__ == '__main__':\n"
+                               "    scorer = RewardScorer(['accuracy'], ['prompt', 'answer'])\n"
+                               "    print(scorer([{'prompt': '2 + 2?', 'answer': '4'}], ['\\\\boxed{4}'], [[1]], 0))\n"
+                               "    maps = open(f'/proc/{scorer._pid_of.get(timeout=60)}/maps').read()\n"
+                               "    print('torch' in maps, 'libtorch' in open('/proc/self/maps').read())\n"
+                               "    scorer.stop()\n")
+    assert out.splitlines() == ["[[1.0]]", "False True"], out
 
 
 def test_a_ctrl_c_as_the_scorer_starts_reaches_the_trainer_and_not_the_scorer(tmp_path):
     """The scorer process is born with Ctrl-C held back until it has a session of its own (a terminal's Ctrl-C
     killed it as it started); the trainer's Ctrl-C meanwhile still reaches the trainer's handler, with other
     threads running (as a trainer has). Ignoring SIGINT for the start lost it: the run went on."""
-    script = tmp_path / "trainer.py"
-    script.write_text(f"import os, signal, subprocess, sys, threading, time\nsys.path.insert(0, {ROOT!r})\n"
-                      "import rewards\n"
-                      "got = []\n"
-                      "signal.signal(signal.SIGINT, lambda *_: got.append('stop'))\n"
-                      "threading.Thread(target=time.sleep, args=(5,), daemon=True).start()\n"
-                      "with rewards._ctrl_c_held_back_from_children():\n"
-                      "    os.kill(os.getpid(), signal.SIGINT)\n"
-                      "    child = subprocess.run([sys.executable, '-c', 'import signal; "
-                      "print(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))'], capture_output=True, "
-                      "text=True).stdout.strip()\n"
-                      "time.sleep(0.5)\n"
-                      "scorer = rewards.RewardScorer(['tests.helpers:ctrl_c_is_pythons'], ['prompt'])\n"
-                      "print(got, child, scorer([{'prompt': 'a'}], ['b'], [[1]], 0))\n"
-                      "scorer.stop()\n")
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() == "['stop'] True [[1.0]]", proc.stdout + proc.stderr[-2000:]
+    out = run_script(tmp_path, "import os, signal, subprocess, sys, threading, time\nimport rewards\n"
+                               "got = []\n"
+                               "signal.signal(signal.SIGINT, lambda *_: got.append('stop'))\n"
+                               "threading.Thread(target=time.sleep, args=(5,), daemon=True).start()\n"
+                               "with rewards._ctrl_c_held_back_from_children():\n"
+                               "    os.kill(os.getpid(), signal.SIGINT)\n"
+                               "    child = subprocess.run([sys.executable, '-c', 'import signal; "
+                               "print(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))'], capture_output=True, "
+                               "text=True).stdout.strip()\n"
+                               "time.sleep(0.5)\n"
+                               "scorer = rewards.RewardScorer(['tests.helpers:ctrl_c_is_pythons'], ['prompt'])\n"
+                               "print(got, child, scorer([{'prompt': 'a'}], ['b'], [[1]], 0))\n"
+                               "scorer.stop()\n")
+    assert out.strip() == "['stop'] True [[1.0]]", out
