@@ -23,7 +23,9 @@ pip_quiet() {  # pip, without the warnings about the install location
   { .venv/bin/pip "$@" 2>&1 || echo "pip $* failed"; } | grep -v "^WARNING" || true
 }
 install_requirements() {  # with uv (several times faster than pip), or pip if uv cannot
-  .venv/bin/uv pip install -q --python .venv/bin/python ${PIP_FIND_LINKS:+--find-links "$PIP_FIND_LINKS"} \
+  # --compile-bytecode: uv, unlike pip, writes no .pyc files; where Python may not write them either
+  # (PYTHONDONTWRITEBYTECODE, read-only installs) every process would compile torch and vLLM again (2x the import time)
+  .venv/bin/uv pip install -q --compile-bytecode --python .venv/bin/python ${PIP_FIND_LINKS:+--find-links "$PIP_FIND_LINKS"} \
     -r requirements.txt || { echo "setup: uv could not install requirements.txt; pip instead"
                              pip_quiet install -q -r requirements.txt; }
 }
