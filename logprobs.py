@@ -69,10 +69,13 @@ class SampledLogprobs(torch.autograd.Function):
     default ~2^20 numbers on a CPU, whose cache they fit, ~2^26 on a GPU): no fp32 (B, T, V) copy of the
     logits is ever made. The backward builds the logits' gradient the same way:
     d logp / d z = (onehot(target) - softmax(z)) / temperature, and with entropy_grad (an entropy bonus)
-    d H / d z = -softmax(z) (log softmax(z) + H) / temperature; without it the entropy is a metric, no grad."""
+    d H / d z = -softmax(z) (log softmax(z) + H) / temperature; without it the entropy is a metric, no grad.
+    With `own_logits` (logits made for this call alone: the head's output, which nothing else saves) the backward
+    writes that gradient over the logits, a chunk at a time, so a micro-batch never holds two (B, T, V) tensors."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature: float, rows: int | None = None, entropy_grad: bool = False):
+    def forward(ctx, logits, targets, temperature: float, rows: int | None = None, entropy_grad: bool = False,
+                own_logits: bool = False):
         dtype = torch.promote_types(logits.dtype, torch.float32)
         rows = rows or max(1, (2 ** 26 if logits.is_cuda else 2 ** 20) // logits.shape[-1])
         logp, entropy, lse = (torch.empty(targets.shape, dtype=dtype, device=logits.device) for _ in range(3))
@@ -84,7 +87,7 @@ class SampledLogprobs(torch.autograd.Function):
                 entropy[b, i:i + rows] = s - (torch.softmax(z, dim=-1) * z).sum(dim=-1)  # H = lse - sum_v p_v z_v
                 lse[b, i:i + rows] = s
         ctx.save_for_backward(logits, targets, lse, entropy)
-        ctx.temperature, ctx.rows, ctx.entropy_grad = temperature, rows, entropy_grad
+        ctx.temperature, ctx.rows, ctx.entropy_grad, ctx.own_logits = temperature, rows, entropy_grad, own_logits
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy)
         return logp, entropy
@@ -92,7 +95,7 @@ class SampledLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         logits, targets, lse, entropy = ctx.saved_tensors
-        rows, grad = ctx.rows, torch.zeros_like(logits)
+        rows, grad = ctx.rows, logits if ctx.own_logits else torch.empty_like(logits)
         for b in range(targets.shape[0]):
             for i in range(0, targets.shape[1], rows):
                 g = grad_logp[b, i:i + rows, None]
@@ -103,19 +106,20 @@ class SampledLogprobs(torch.autograd.Function):
                 else:
                     d = d.mul_(-g)
                 grad[b, i:i + rows] = d.scatter_add_(-1, targets[b, i:i + rows, None], g) / ctx.temperature
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def logprobs_and_entropy(logits_of, targets: torch.Tensor, temperature: float, chunk_size: int | None = 32,
-                         entropy_grad: bool = False):
+                         entropy_grad: bool = False, own_logits: bool = False):
     """SampledLogprobs of positions whose logits are `logits_of(i, j)` (B, j - i, V) for j - i positions
-    from i: (B, C) log-probs of `targets` (B, C) and (B, C) entropies (with their gradient if entropy_grad).
+    from i: (B, C) log-probs of `targets` (B, C) and (B, C) entropies (with their gradient if entropy_grad;
+    own_logits: logits_of makes new logits that nothing else keeps, which the backward may overwrite).
     Without grad, `chunk_size` positions at a time, so the (B, C, V) logits never exist at once; with grad
     (or chunk_size None), all at once: one matmul and one gradient of the head instead of one per chunk."""
     C = targets.shape[1]
     step = C if torch.is_grad_enabled() or not chunk_size else chunk_size
     parts = [SampledLogprobs.apply(logits_of(i, min(i + step, C)), targets[:, i:i + step], temperature, None,
-                                   entropy_grad) for i in range(0, C, step)]
+                                   entropy_grad, own_logits) for i in range(0, C, step)]
     return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
 
 
@@ -130,7 +134,7 @@ class _LogprobHead(torch.nn.Module):
 
     def forward(self, hidden):  # (B, C + 1, H): the hidden states before each completion token, and the last
         logp, entropy = logprobs_and_entropy(lambda i, j: self.head(hidden[:, i:j]), self.targets, self.temperature,
-                                             self.chunk_size, self.entropy_grad)
+                                             self.chunk_size, self.entropy_grad, own_logits=True)
         return torch.stack([logp, entropy], dim=-1)
 
 

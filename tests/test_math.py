@@ -716,13 +716,15 @@ def test_sampled_logprobs_and_their_gradient_match_the_plain_log_softmax():
     z = logits[:, :-1] / 0.7
     plain = torch.log_softmax(z, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
     (expected,) = torch.autograd.grad((plain * w).sum(), logits)
-    for rows in (1, 3, 16):
-        logp, entropy = SampledLogprobs.apply(logits[:, :-1], targets, 0.7, rows)
+    for rows, own in ((1, False), (3, False), (16, False), (3, True)):
+        fresh = logits[:, :-1] * 1  # own_logits: new logits nothing else keeps, as the head's output
+        logp, entropy = SampledLogprobs.apply(fresh if own else logits[:, :-1], targets, 0.7, rows, False, own)
         (grad,) = torch.autograd.grad((logp * w).sum(), logits)
         assert logp.dtype == torch.float64 and not entropy.requires_grad
         assert (logp - plain).abs().max() < 1e-12 and (grad - expected).abs().max() < 1e-12, rows
         p = torch.softmax(z, dim=-1)
         assert (entropy - -(p * p.log()).sum(-1)).abs().max() < 1e-12
+        assert torch.equal(fresh, grad[:, :-1]) == own  # own logits: the gradient was written over them
     assert torch.autograd.gradcheck(lambda x: SampledLogprobs.apply(x, targets[:1, :3], 1.3, 2)[0], logits[:1, :3].detach().clone().requires_grad_())
 
 
@@ -736,8 +738,8 @@ def test_the_entropy_bonus_gradient_matches_autograd_through_the_plain_entropy()
     logq = torch.log_softmax(logits / 1.3, dim=-1)
     plain_h = -(logq.exp() * logq).sum(-1)
     (expected,) = torch.autograd.grad((logq.gather(-1, targets[..., None]).squeeze(-1) * w + plain_h * u).sum(), logits)
-    for rows in (1, 4, 16):
-        logp, entropy = SampledLogprobs.apply(logits, targets, 1.3, rows, True)
+    for rows, own in ((1, False), (4, False), (16, False), (4, True)):
+        logp, entropy = SampledLogprobs.apply(logits * 1 if own else logits, targets, 1.3, rows, True, own)
         assert entropy.requires_grad and (entropy - plain_h).abs().max() < 1e-12
         (grad,) = torch.autograd.grad((logp * w + entropy * u).sum(), logits)
         assert (grad - expected).abs().max() < 1e-12, rows
