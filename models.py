@@ -136,16 +136,25 @@ def parameter_groups(model, learning_rate: float, vision_learning_rate: float) -
     return [{"params": other, "lr": learning_rate}, {"params": vision, "lr": vision_learning_rate or learning_rate}]
 
 
+def checkpoint_activations(policy, cfg) -> bool:
+    """Gradient checkpointing (--gradient_checkpointing, on by default as in TRL): each layer's activations are
+    recomputed in the backward instead of kept. A model without it trains without under the default (a warning);
+    the flag given explicitly asks for it anyway (transformers then says it cannot). Returns whether it is on."""
+    if cfg.gradient_checkpointing and (policy.supports_gradient_checkpointing or cfg.gives("gradient_checkpointing")):
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return True
+    if cfg.gradient_checkpointing:  # the default, on a model without it
+        print0(f"warning: {type(policy).__name__} has no gradient checkpointing: it trains without (more memory)")
+    return False
+
+
 def build_models(cfg: Config, model_path: str, vlm: bool, resume: str | None, device, world_size: int):
     """The policy (its parameters: the trainable ones and the frozen), the model that trains it (FSDP2 shards per
     layer, else DDP copies), and the frozen reference for the KL penalty: None at beta 0, and with LoRA, whose
     reference is the same model with the adapter switched off."""
     policy = load_model(os.path.join(resume, "model") if resume and not cfg.use_peft else model_path, device, cfg.fsdp)
     policy.config.use_cache = False
-    if cfg.gradient_checkpointing and (policy.supports_gradient_checkpointing or cfg.gives("gradient_checkpointing")):
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif cfg.gradient_checkpointing:  # the default, on a model without it
-        print0(f"warning: {type(policy).__name__} has no gradient checkpointing: it trains without (more memory)")
+    checkpoint_activations(policy, cfg)
     frozen = freeze_vision_tower(policy) if vlm and cfg.freeze_vision_tower else []  # VLMs: as loaded
     if cfg.use_peft:  # train a LoRA adapter; the base weights stay frozen and serve as the reference
         policy = add_lora(policy, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,

@@ -171,3 +171,30 @@ def test_the_servers_kv_cache_is_sized_to_what_a_step_samples_at_once(tmp_path):
     assert cfg.kv_cache_bytes(str(tmp_path), 2, 2048) == 64 * 256 * (2 * 2 * 4 * 32 * 2)  # a VLM's text model
     (tmp_path / "config.json").write_text("{}")
     assert cfg.kv_cache_bytes(str(tmp_path), 2, 2048) is None  # vLLM's default then
+
+
+def test_gradient_checkpointing_is_on_by_default_and_a_model_without_it_trains_without_unless_asked(capsys):
+    """The default turns it on where the model has it; on a model without it, a warning and no checkpointing; the flag
+    given explicitly asks for it anyway, and transformers says the model cannot."""
+    import pytest
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedModel
+    from models import checkpoint_activations
+
+    class WithoutCheckpointing(PreTrainedModel):
+        config_class = PretrainedConfig
+        supports_gradient_checkpointing = False
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.layer = torch.nn.Linear(2, 2)
+
+    tiny = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
+    llama = LlamaForCausalLM(tiny)
+    assert checkpoint_activations(llama, parse_config([])) and llama.is_gradient_checkpointing
+    assert not checkpoint_activations(LlamaForCausalLM(tiny), parse_config(["--no_gradient_checkpointing"]))
+    capsys.readouterr()
+    assert not checkpoint_activations(WithoutCheckpointing(PretrainedConfig()), parse_config([]))
+    assert "WithoutCheckpointing has no gradient checkpointing: it trains without" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="does not support gradient checkpointing"):
+        checkpoint_activations(WithoutCheckpointing(PretrainedConfig()), parse_config(["--gradient_checkpointing"]))
