@@ -100,21 +100,23 @@ def extremes_over_ranks(values: dict) -> dict[str, float]:
 
 
 def quantile_over_ranks(values: torch.Tensor, q: float) -> float:
-    """The q-quantile (interpolated linearly, as torch.quantile, which refuses > 2^24 values) of the 1-D CPU
-    tensors `values` of all ranks together, on every rank; nan if there are none."""
-    values = values.detach().double().flatten()
+    """The q-quantile of the 1-D CPU tensors `values` of all ranks together, on every rank; nan if there are none.
+    Computed as torch.quantile computes it in float32 (TRL's high-entropy threshold), without its limit of 2^24
+    values: the position q (n - 1) is a float32 product, so where it is whole in exact arithmetic (q = 0.3,
+    21 values) it lands on a value, where float64 would land a hair past it and leave that value out."""
+    values = values.detach().float().flatten()
     if dist.is_initialized():
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
         dist.all_gather(sizes, torch.tensor([len(values)]))
         longest = max(int(n) for n in sizes)
-        parts = [torch.zeros(longest, dtype=torch.float64) for _ in sizes]
+        parts = [torch.zeros(longest) for _ in sizes]
         dist.all_gather(parts, torch.cat([values, values.new_zeros(longest - len(values))]))
         values = torch.cat([part[:int(n)] for part, n in zip(parts, sizes)])
     if not len(values):
         return math.nan
-    v, position = values.sort().values, q * (len(values) - 1)
-    low = math.floor(position)
-    return float(v[low] + (position - low) * (v[min(low + 1, len(v) - 1)] - v[low]))
+    v, position = values.sort().values, torch.tensor(q, dtype=torch.float32) * (len(values) - 1)
+    low = int(position)
+    return float(torch.lerp(v[low], v[min(low + 1, len(v) - 1)], position - low))
 
 
 def std_over_ranks(values: torch.Tensor) -> float:

@@ -367,11 +367,21 @@ def test_high_entropy_mask_keeps_the_top_quantile_of_the_tokens_of_the_step():
     torch.manual_seed(7)
     entropy, mask = torch.rand(6, 9), torch.rand(6, 9) > 0.3
     for rho in (0.2, 0.5, 1.0):
-        threshold = torch.quantile(entropy[mask].double(), 1 - rho)
+        threshold = torch.quantile(entropy[mask], 1 - rho)
         got = high_entropy_mask(entropy, mask, rho)
         assert torch.equal(got, (entropy >= threshold) & mask), rho
         assert abs(got.sum().item() - rho * mask.sum().item()) <= 1
     assert not high_entropy_mask(entropy, torch.zeros_like(mask), 0.2).any()
+    # where (1 - rho)(n - 1) is whole (rho 0.7, 21 tokens: 6), TRL's float32 torch.quantile lands on the 7th smallest
+    # and keeps it: 15 tokens (float64 lands a hair past it and keeps 14)
+    entropy, mask = torch.rand(3, 7), torch.ones(3, 7, dtype=torch.bool)
+    assert high_entropy_mask(entropy, mask, 0.7).sum() == 15
+    assert high_entropy_mask(entropy.double(), mask, 0.7).sum() == 15
+    for n in range(1, 40):  # against torch.quantile itself, float32, at every position
+        values = torch.rand(n)
+        for rho in (0.04, 0.28, 0.3, 0.7, 0.72, 0.96):
+            assert torch.equal(high_entropy_mask(values[None], torch.ones(1, n), rho)[0],
+                               values >= torch.quantile(values, 1 - rho)), (n, rho)
 
 
 def test_dynamic_sampling_keeps_groups_with_signal_and_draws_until_it_has_enough():
