@@ -271,7 +271,8 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float
     return (entropy >= threshold) & (mask > 0)
 
 
-def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autocast) -> tuple[dict, torch.Tensor]:
+def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autocast,
+                         tokens_per_step: float | None = None) -> tuple[dict, torch.Tensor]:
     """Backpropagate the loss of one optimizer step on this rank's share `data`, micro-batch by
     micro-batch. `data` holds tensors over this rank's completions: inputs (the model's, a dict),
     loss_mask, advantages, and old_logp, ref_logp, sampler_logp, entropy_mask (each or None), and optionally
@@ -279,7 +280,8 @@ def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autoca
     over all ranks, so the gradient after DDP's averaging is the same however the step is split
     over micro-batches and ranks (except bnpo, by definition). Every rank runs as many micro-batches
     (FSDP2 gathers weights in each forward, DDP reduces in the last backward): a rank with fewer rows
-    runs its first row again with weight 0.
+    runs its first row again with weight 0. `tokens_per_step`: the token count dapo (cispo, vespo) divides by, if
+    not this step's own over all ranks (update: the generation batch's over its steps, as TRL).
     Returns sums of per-token statistics over this rank's tokens, and the policy's log-probs (N, C)."""
     device = next(model.parameters()).device
     mask = data["loss_mask"]
@@ -307,7 +309,7 @@ def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autoca
             # whose detached log-probs are these; off-policy the loop computed them before updating.
             old_logp = logp.detach() if part["old_logp"] is None else part["old_logp"]
             m = mask[s, :c].to(device) * (not padding)  # a padding run counts no token
-            weights = token_weights(mask[s, :c], cfg.loss_type, counts["seqs"], counts["tokens"],
+            weights = token_weights(mask[s, :c], cfg.loss_type, counts["seqs"], tokens_per_step or counts["tokens"],
                                     cfg.max_completion_length, counts["micro"]).to(device)
             weights = weights * world_size * (not padding)  # DDP and FSDP average the gradients over ranks
             bonus_weights = bonus_mask[s, :c].to(device) * (world_size * (not padding) / max(counts["bonus"], 1.0))
@@ -367,14 +369,17 @@ def old_and_ref_logprobs(model, ref_model, inputs: dict, loss_mask: torch.Tensor
 def update(model, optimizer, scheduler, trainable: list, data: dict, step: int, cfg: Config, world_size: int,
            autocast, timer) -> tuple[dict, list, torch.Tensor]:
     """The optimizer steps of one generation round: num_iterations passes over `data`, each in steps_per_generation
-    shuffled parts, one optimizer step per part. Returns the summed statistics, each step's gradient norm, and the
-    policy's log-probs (N, C) in the first pass (before any update of this round: the sync check's)."""
+    shuffled parts, one optimizer step per part. dapo's (cispo's, vespo's) steps each divide by the round's tokens
+    over all ranks / steps_per_generation (TRL's num_items_in_batch): every token of the round weighs the same in
+    whichever step it lands. Returns the summed statistics, each step's gradient norm, and the policy's log-probs
+    (N, C) in the first pass (before any update of this round: the sync check's)."""
     sums, grad_norms, first_pass_logp = {}, [], torch.zeros(data["loss_mask"].shape)
+    tokens_per_step = sum_over_ranks({"tokens": data["loss_mask"].sum()})["tokens"] / cfg.steps_per_generation
     for iteration in range(cfg.num_iterations):
         seed = cfg.seed + step * 1000 + iteration
         order = torch.randperm(len(data["loss_mask"]), generator=torch.Generator().manual_seed(seed))
         for part in order.chunk(cfg.steps_per_generation):
-            part_sums, logp = accumulate_gradients(model, take(data, part), cfg, world_size, autocast)
+            part_sums, logp = accumulate_gradients(model, take(data, part), cfg, world_size, autocast, tokens_per_step)
             merge_stats(sums, part_sums)
             with timer.within("optimizer"):  # part of time/train
                 grad_norms.append(optimizer_step(optimizer, scheduler, trainable, cfg.max_grad_norm))

@@ -755,3 +755,37 @@ def test_the_entropy_bonus_gradient_matches_autograd_through_the_plain_entropy()
         assert (grad - expected).abs().max() < 1e-12, rows
     assert torch.autograd.gradcheck(lambda x: SampledLogprobs.apply(x, targets[:1, :3], 0.7, 2, True)[1],
                                     logits[:1, :3].detach().clone().requires_grad_())
+
+
+def test_dapo_divides_each_step_by_the_rounds_tokens_over_its_steps_as_trl():
+    """--steps_per_generation S with dapo: each optimizer step divides its token sum by the generation batch's tokens
+    / S (TRL's num_items_in_batch), so every token of the batch weighs the same whichever step it lands in. TRL's
+    example: completions of 3, 2, 1 and 0 tokens, S = 2, on-policy: rows 0 and 1 (A = 1, -1) give -(3 - 2) / 3.
+    Through train.update: completions of 3, 2, 1, 1 tokens (no split into two steps of 2 rows has equal counts),
+    advantages 1, 1, -1, 1: the two steps' losses add up to -(3 + 2 - 1 + 1) / (7 / 2) whatever the split."""
+    from contextlib import nullcontext
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from config import Config
+    from metrics import StepTimer
+    from rollout import collate, sampled_episode
+    from train import accumulate_gradients, update
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, head_dim=16)).double()
+    cfg = Config(loss_type="dapo", steps_per_generation=2, max_completion_length=3, bf16=False,
+                 vllm_importance_sampling_correction=False, max_grad_norm=0)
+
+    def batch(lengths, advantages):
+        inputs, tokens = collate([sampled_episode({}, [5, 6], list(range(7, 7 + n))) for n in lengths], 0)
+        return dict(inputs=inputs, loss_mask=tokens["mask"], advantages=torch.tensor(advantages, dtype=torch.float64),
+                    old_logp=None, ref_logp=None, keep=None, sampler_logp=None, entropy_mask=None)
+
+    sums, _ = accumulate_gradients(model, batch([3, 2], [1.0, -1.0]), cfg, 1, nullcontext(), tokens_per_step=6 / 2)
+    assert abs(sums["loss"] - -1 / 3) < 1e-12
+    model.zero_grad()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights stay: both steps on-policy
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    for step in range(3):  # other seeds, other splits
+        sums, norms, _ = update(model, optimizer, scheduler, list(model.parameters()), batch([3, 2, 1, 1], [1.0, 1.0, -1.0, 1.0]),
+                                step, cfg, 1, nullcontext(), StepTimer())
+        assert len(norms) == 2 and abs(sums["loss"] - -5 / 3.5) < 1e-12, sums["loss"]
