@@ -16,22 +16,19 @@ What this implements, and the defaults we chose (README: "Loss choices" has the 
   - loss: PPO's clipped surrogate per token, min(rho * A, clip(rho, 1 - epsilon, 1 + epsilon_high) * A),
     rho = pi / pi_old, minus beta * KL(pi || pi_ref) with Schulman's k3 estimator
     exp(ref - logp) - (ref - logp) - 1 (unbiased, never negative).
-  - aggregation: --loss_type dapo, the sum over every completion token of the optimizer step divided
-    by the number of those tokens over all ranks (TRL's default). Every token weighs the same, and
+  - aggregation: --loss_type dapo, the sum over the completion tokens of the optimizer step divided by the
+    round's tokens over all ranks (per --steps_per_generation step: as TRL). Every token weighs the same, and
     the gradient does not depend on how the step is split into micro-batches or ranks.
-  - on-policy by default: one pass, one optimizer step per generation round. pi_old is then the
-    policy that sampled, and its log-probs are the detached log-probs of the training forward: no
-    extra pass, rho = 1 in value, so the clip metrics are 0 by construction. With --num_iterations
-    > 1 or --steps_per_generation > 1 the updates are off-policy and pi_old gets its own no-grad pass
-    before the first update.
+  - on-policy by default: one pass, one optimizer step per generation round. pi_old is then the policy that
+    sampled, its log-probs the detached ones of the training forward: rho = 1 in value, the clip metrics 0. With
+    --num_iterations > 1 or --steps_per_generation > 1 pi_old gets its own no-grad pass before the first update.
   - importance sampling against the sampler, on by default: every token is weighted by
     pi_old / pi_vLLM, truncated at 2 (TIS), since vLLM never computes exactly our distribution
     (other kernels, bf16). The same log-prob difference is logged as a sync check.
   - beta = 0 by default (as in TRL, DAPO and Dr. GRPO): no reference model is loaded.
-  - --async_generation: the server samples the next step's batch, with the weights before this step's
-    update, while the trainer trains on this one; a step then costs about max(generate, train) instead
-    of their sum. Every batch is then one update stale, which the importance weights above correct. With
-    --max_staleness K > 1 up to K batches are under way, and pushes land while they are sampled.
+  - --async_generation: the server samples the next step's batch, with the weights before this step's update,
+    while the trainer trains on this one: a step costs about max(generate, train), not their sum. Each batch is
+    one update stale (the importance weights correct it); --max_staleness K: up to K batches under way.
 """
 import dataclasses
 import functools
@@ -280,8 +277,7 @@ def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autoca
     over all ranks, so the gradient after DDP's averaging is the same however the step is split
     over micro-batches and ranks (except bnpo, by definition). Every rank runs as many micro-batches
     (FSDP2 gathers weights in each forward, DDP reduces in the last backward): a rank with fewer rows
-    runs its first row again with weight 0. `tokens_per_step`: the token count dapo (cispo, vespo) divides by, if
-    not this step's own over all ranks (update: the generation batch's over its steps, as TRL).
+    runs its first row again with weight 0. dapo divides by `tokens_per_step` (default: this step's, all ranks).
     Returns sums of per-token statistics over this rank's tokens, and the policy's log-probs (N, C)."""
     device = next(model.parameters()).device
     mask = data["loss_mask"]
@@ -369,10 +365,8 @@ def old_and_ref_logprobs(model, ref_model, inputs: dict, loss_mask: torch.Tensor
 def update(model, optimizer, scheduler, trainable: list, data: dict, step: int, cfg: Config, world_size: int,
            autocast, timer) -> tuple[dict, list, torch.Tensor]:
     """The optimizer steps of one generation round: num_iterations passes over `data`, each in steps_per_generation
-    shuffled parts, one optimizer step per part. dapo's (cispo's, vespo's) steps each divide by the round's tokens
-    over all ranks / steps_per_generation (TRL's num_items_in_batch): every token of the round weighs the same in
-    whichever step it lands. Returns the summed statistics, each step's gradient norm, and the policy's log-probs
-    (N, C) in the first pass (before any update of this round: the sync check's)."""
+    shuffled parts, one optimizer step per part, dapo's divided by the round's tokens / parts (as TRL). Returns the
+    summed statistics, each step's gradient norm, and the first pass's log-probs (N, C) (the sync check's)."""
     sums, grad_norms, first_pass_logp = {}, [], torch.zeros(data["loss_mask"].shape)
     tokens_per_step = sum_over_ranks({"tokens": data["loss_mask"].sum()})["tokens"] / cfg.steps_per_generation
     for iteration in range(cfg.num_iterations):
