@@ -113,7 +113,7 @@ def serving(model: str, workdir: str, *flags: str, cores: set[int] | None = None
             raise RuntimeError(f"${SHARED_SERVER} does not take LoRA adapters of rank {lora_rank}")
         memory = PeakRSS(pid)
         try:
-            yield {"port": port, "pid": pid, "memory": memory}
+            yield {"port": port, "pid": pid, "memory": memory, "shared": True}
         finally:
             memory.stop()
         return

@@ -77,13 +77,14 @@ if __name__ == "__main__":
             results.append((f"nanogrpo {flags or '(defaults)'}", mean(steady(metrics), "time/step"), peak,
                             "reward " + " ".join(f"{m['reward']:.2f}" for m in metrics if "reward" in m)))  # not evals
             print(results[-1], flush=True)
-        server_peak = server["memory"].peak
+        server_peak, kv_note = server["memory"].peak, ("the shared server's own" if server.get("shared")
+                                                      else f"{kv / 2 ** 30:.2f} GiB, one step's")
     print(f"\n{a.model} | {a.prompts} prompts x G={a.G}, up to {a.length} tokens | {a.steps} steps, mean over steps 2-{a.steps}"
           f" | bf16 | {os.cpu_count()} CPUs")
     print(f"  {'run':52s} {'s/step':>7s} {'peak GiB':>8s}")
     for name, step, peak, note in results:
         print(f"  {name:52s} {step:7.1f} {peak:8.1f}   {note}")
-    print(f"  (nanogrpo's vLLM server: peak {server_peak:.2f} GiB, of which {kv / 2 ** 30:.2f} GiB KV cache: one step's)")
+    print(f"  (nanogrpo's vLLM server: peak {server_peak:.2f} GiB; its KV cache: {kv_note})")
     for name, step, peak, _ in results:
         if name.startswith("nanogrpo"):
             print(f"  {name} / " + ", ".join(f"{t[0].split(', ')[1]}: step {step / t[1]:.2f}, memory: trainer {peak / t[2]:.2f}"
