@@ -102,8 +102,9 @@ def extremes_over_ranks(values: dict) -> dict[str, float]:
 def quantile_over_ranks(values: torch.Tensor, q: float) -> float:
     """The q-quantile of the 1-D CPU tensors `values` of all ranks together, on every rank; nan if there are none.
     Computed as torch.quantile computes it in float32 (TRL's high-entropy threshold), without its limit of 2^24
-    values (past it the float32 position is within a value or two of exact): the position q (n - 1) is a float32 product, so where it is whole in exact arithmetic (q = 0.3,
-    21 values) it lands on a value, where float64 would land a hair past it and leave that value out."""
+    values (past it the float32 position is within a value or two of exact): the position q (n - 1) is a float32
+    product, so where it is whole in exact arithmetic (q = 0.3, 21 values) it lands on a value, where float64 would
+    land a hair past it and leave that value out."""
     values = values.detach().float().flatten()
     if dist.is_initialized():
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
