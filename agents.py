@@ -27,7 +27,7 @@ from types import SimpleNamespace
 from config import UsageError
 from rollout import Episode, RolloutContext, slot_seed
 from tools import appended_ids, load_callables, mark_groups_with_different_prompts, reward_value
-from vllm_server import ServerLost
+from vllm_server import ServerLost, structured
 
 
 def is_agent(env: str) -> bool:
@@ -85,7 +85,8 @@ class RecordingClient:
                         max_tokens=min(asked, room),
                         extra_body={**(kwargs.pop("extra_body", None) or {}), "return_token_ids": True,
                                     "top_k": s["top_k"], "min_p": s["min_p"],
-                                    "repetition_penalty": s["repetition_penalty"]})
+                                    "repetition_penalty": s["repetition_penalty"],
+                                    **structured(s.get("structured_outputs_regex", ""))})
         for k in ("model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "logprobs"):
             kwargs.pop(k, None)  # the run's settings decide (the agent may ask for fewer tokens than are left)
         prompt_ids = self._continued(messages, tools)

@@ -248,9 +248,10 @@ def rng_states() -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(output_dir: str, step: int, model, optimizer, scheduler, tokenizer, config: dict, is_main: bool,
-                    keep: int, extra: dict | None = None) -> str:
+                    keep: int, extra: dict | None = None, reference=None) -> str:
     """output_dir/checkpoint-{step}: the model (model/, or adapter/ with LoRA), trainer_state.pt (optimizer,
-    scheduler, RNG of every rank, step, `extra`) and checkpoint.json (step, config, git revision). Written
+    scheduler, RNG of every rank, step, `extra`), checkpoint.json (step, config, git revision) and, where training
+    moves it (--sync_ref_model), the `reference` model (reference/model). Written
     into checkpoint-{step}.tmp, flushed to the disk and renamed when complete, so a crash, kill -9, full disk or
     power loss at any moment leaves the earlier checkpoints as they were; then only the newest `keep` are kept
     (0 = all). A complete checkpoint of this step already there holds this state (the one the run resumed from,
@@ -272,6 +273,8 @@ def save_checkpoint(output_dir: str, step: int, model, optimizer, scheduler, tok
             shutil.rmtree(staging, ignore_errors=True)
             os.makedirs(staging)
         save_model(model, tokenizer, staging, is_main, merged=False)
+        if reference is not None:
+            save_model(reference, tokenizer, os.path.join(staging, "reference"), is_main)
         if is_main:
             torch.save({"step": step, "optimizer": optim, "scheduler": scheduler.state_dict(), "rng": rngs,
                         **(extra or {})}, os.path.join(staging, "trainer_state.pt"))

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import sys
 import typing
 from dataclasses import dataclass
@@ -74,6 +75,9 @@ class Config:
     top_k: int = -1  # sample from the k most likely tokens; -1 = off
     min_p: float = 0.0  # drop tokens less likely than min_p * the most likely one; 0 = off
     repetition_penalty: float = 1.0  # > 1 discourages repeated tokens; 1.0 = off
+    vllm_structured_outputs_regex: str = ""  # every completion matches this regular expression (the server's
+                                             # structured outputs); "" = off. README: Loss choices, on what it
+                                             # does to the importance weights
     rollout: str = ""  # your own rollout function, module:function (README: Rollouts); "" = rollout.generate
     tools: str = ""  # tools the model may call, module:function,... (README: Environments and tools)
     env: str = ""  # an environment, module:factory: one instance per trajectory, its public methods are tools;
@@ -88,6 +92,10 @@ class Config:
                             # them), so a batch's tokens may come from up to K policies; older than K: dropped, counted
     # GRPO
     beta: float = 0.0  # KL penalty coefficient (k3 estimator); 0 = no reference model is loaded
+    sync_ref_model: bool = False  # TR-DPO, as TRL: every --ref_model_sync_steps optimizer steps the reference moves
+                                  # toward the policy, ref = alpha * policy + (1 - alpha) * ref (needs beta > 0)
+    ref_model_mixup_alpha: float = 0.6  # ... alpha
+    ref_model_sync_steps: int = 512  # ... every this many optimizer steps
     epsilon: float = 0.2  # clip range of the ratio: [1 - epsilon, 1 + epsilon_high]
     epsilon_high: float = -1.0  # upper clip; -1 = same as epsilon (DAPO's clip-higher uses e.g. 0.28)
     delta: float = 0.0  # also cap the unclipped ratio at delta (two-sided clip, INTELLECT-2; e.g. 4); 0 = off
@@ -101,6 +109,9 @@ class Config:
     importance_sampling_level: str = "token"  # token | sequence (GSPO): the ratio pi / pi_old per token or per
                                               # sequence (its tokens' geometric mean), clipped as one
     scale_rewards: str = "group"  # group | batch | none: divide advantages by the group's std, the batch's, or not
+    multi_objective_aggregation: str = "sum_then_normalize"  # weigh and sum the rewards, then normalize them in the
+                                                # group | normalize_then_sum (GDPO): normalize each function's rewards
+                                                # in the group, weigh and sum them, normalize over the batch
     num_iterations: int = 1  # mu: passes over each generation batch (> 1 makes updates off-policy)
     steps_per_generation: int = 1  # optimizer steps per generation batch, each on a slice of it (> 1: off-policy)
     vllm_importance_sampling_correction: bool = True  # weight tokens by pi_old / pi_sampler (vLLM's log-probs)
@@ -116,6 +127,13 @@ class Config:
     top_entropy_quantile: float = 1.0  # train the policy term on the top rho of the step's tokens by entropy
                                        # (Beyond the 80/20 Rule, rho = 0.2); 1 = all
     entropy_coef: float = 0.0  # entropy bonus: the loss minus coef * the mean entropy of the trained tokens
+    use_adaptive_entropy: bool = False  # Skywork-OR1, as TRL: after each optimizer step the coefficient moves by
+                                        # --entropy_coef_delta, up while the step's entropy is at or below
+                                        # --entropy_target, down while above; it applies only at or below the target
+    entropy_coef_min: float = 0.0  # adaptive: the coefficient's floor
+    entropy_coef_max: float = 1.0  # adaptive: its ceiling
+    entropy_coef_delta: float = 0.005  # adaptive: its move per optimizer step
+    entropy_target: float = 0.2  # adaptive: the mean entropy of the trained tokens to hold (nats per token)
     dynamic_sampling: bool = False  # DAPO: replace groups whose rewards all agree by more, sampled until the batch
                                     # is filled with groups whose rewards differ
     dynamic_sampling_max_rounds: int = 3  # ... at most this many extra sampling rounds per step
@@ -145,6 +163,8 @@ class Config:
     micro_batch_size: int = 16  # completions per forward/backward pass (memory knob; never changes the math)
     disable_dropout: bool = True  # no dropout in the training forward (the model's and LoRA's): the policy trained
                                   # is the one that sampled (README: Loss choices)
+    cast_lm_head_to_fp32: bool = False  # the lm head's matmul in fp32 under --bf16 (ScaleRL): logits, log-probs
+                                        # and their gradient without bf16 rounding; fp32 runs are so already
     gradient_checkpointing: bool = True  # recompute activations in the backward: less memory (docs/memory.md), as TRL
     bf16: bool | str = "auto"  # bf16 autocast, fp32 master weights: true | false | auto = where native
                                # (GPU, avx512_bf16)
@@ -182,7 +202,7 @@ class Config:
                             # --eval_split of a hub --dataset
     eval_split: str = "test"  # split of the hub dataset to evaluate on
     eval_num_prompts: int = 64  # the first N prompts of the evaluation set, the same ones every time
-    eval_num_generations: int = 4  # completions per evaluation prompt (n of pass@k)
+    num_generations_eval: int = 4  # completions per evaluation prompt (n of pass@k; TRL: --num_generations)
     eval_pass_k: str = "1,4"  # comma-separated k of pass@k (unbiased estimator); correct = first reward function >= 1
     # output
     output_dir: str = "out"  # metrics.jsonl and the final model folder go here
@@ -216,7 +236,8 @@ class Config:
     def sampling(self) -> dict:
         """The sampling parameters of every request to the server."""
         return dict(max_tokens=self.max_completion_length, temperature=self.temperature, top_p=self.top_p,
-                    top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty)
+                    top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                    structured_outputs_regex=self.vllm_structured_outputs_regex)
 
     def probe_tolerance(self, exact: bool) -> float:
         """--sync_check_tolerance, or its default: 1e-3 where both sides compute in fp32 (`exact`), else 0.5."""
@@ -261,7 +282,8 @@ class Config:
         agree has zero advantages, so its policy term is 0; but not its KL term (beta > 0) or entropy bonus, and
         bnpo normalises per micro-batch, which dropping rows reshapes."""
         if self.drop_zero_std_groups == "auto":
-            return self.beta == 0 and self.entropy_coef == 0 and self.loss_type != "bnpo"
+            return (self.beta == 0 and self.entropy_coef == 0 and not self.use_adaptive_entropy
+                    and self.loss_type != "bnpo")
         return self.drop_zero_std_groups
 
     def collective_timeout(self) -> float:
@@ -320,9 +342,31 @@ class Config:
             errors.append("--dynamic_sampling_max_rounds must be at least 1")
         if not 0 < self.top_entropy_quantile <= 1:
             errors.append(f"--top_entropy_quantile {self.top_entropy_quantile:g} must be in (0, 1] (1 = every token)")
-        if self.entropy_coef != 0 and self.drop_zero_std_groups is True:
+        if (self.entropy_coef != 0 or self.use_adaptive_entropy) and self.drop_zero_std_groups is True:
             errors.append("--drop_zero_std_groups skips groups whose loss has no gradient, but the entropy bonus "
                           "gives them one: drop one of them")
+        if self.use_adaptive_entropy and not (0 <= self.entropy_coef_min <= self.entropy_coef_max
+                                              and self.entropy_coef_delta >= 0):
+            errors.append("--use_adaptive_entropy needs 0 <= --entropy_coef_min <= --entropy_coef_max and "
+                          "--entropy_coef_delta >= 0")
+        if self.multi_objective_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
+            errors.append(f"--multi_objective_aggregation {self.multi_objective_aggregation!r}: use "
+                          "sum_then_normalize or normalize_then_sum (GDPO)")
+        elif self.multi_objective_aggregation == "normalize_then_sum" and self.gives("scale_rewards"):
+            errors.append("--multi_objective_aggregation normalize_then_sum normalizes each reward in its group and "
+                          "their sum over the batch (as TRL): --scale_rewards does not apply; leave it out")
+        if self.sync_ref_model and (self.beta == 0 or self.use_peft):
+            errors.append("--sync_ref_model moves the reference model toward the policy, but there is none to move: "
+                          + ("set --beta > 0" if self.beta == 0 else "with --use_peft the reference is the base "
+                             "model itself (as TRL, not supported); train all weights"))
+        if self.sync_ref_model and not (0 < self.ref_model_mixup_alpha <= 1 and self.ref_model_sync_steps >= 1):
+            errors.append("--sync_ref_model needs 0 < --ref_model_mixup_alpha <= 1 and --ref_model_sync_steps >= 1")
+        if self.vllm_structured_outputs_regex:
+            try:
+                re.compile(self.vllm_structured_outputs_regex)
+            except re.error as e:
+                errors.append(f"--vllm_structured_outputs_regex {self.vllm_structured_outputs_regex!r} is not a "
+                              f"regular expression: {e}")
         if self.loss_type == "cispo" and self.eps_high <= 1:
             errors.append(f"--loss_type cispo caps the importance weight at --epsilon_high, an absolute bound (now "
                           f"{self.eps_high:g}, which would cap every weight below 1): set it, e.g. --epsilon_high 5 "
@@ -399,13 +443,13 @@ class Config:
             errors.append(f"--lora_sync {self.lora_sync!r}: choose auto, adapter or merged")
         if self.use_peft and (self.lora_r < 1 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1):
             errors.append("--lora_r must be >= 1, --lora_alpha > 0 and --lora_dropout in [0, 1)")
-        if self.eval_steps < -1 or self.eval_num_prompts < 1 or self.eval_num_generations < 1:
+        if self.eval_steps < -1 or self.eval_num_prompts < 1 or self.num_generations_eval < 1:
             errors.append("--eval_steps must be -1 (before and after training), 0 (never) or N > 0 (also every N "
-                          "steps); --eval_num_prompts and --eval_num_generations >= 1")
+                          "steps); --eval_num_prompts and --num_generations_eval >= 1")
         try:
-            if any(not 1 <= k <= self.eval_num_generations for k in self.pass_k()):
-                errors.append(f"--eval_pass_k {self.eval_pass_k}: each k must be between 1 and --eval_num_generations "
-                              f"({self.eval_num_generations})")
+            if any(not 1 <= k <= self.num_generations_eval for k in self.pass_k()):
+                errors.append(f"--eval_pass_k {self.eval_pass_k}: each k must be between 1 and --num_generations_eval "
+                              f"({self.num_generations_eval})")
         except ValueError:
             errors.append(f"--eval_pass_k {self.eval_pass_k!r}: use comma-separated integers, e.g. 1,8")
         if self.eval_steps > 0 and not self.eval_dataset and os.path.isfile(self.dataset) \

@@ -1,10 +1,11 @@
 """Per-token log-probs and entropies of completions: the one implementation every forward of the trainer uses
 (the training pass, pi_old, the reference, the sync probe), and the batches of model inputs it takes.
-Not here: the loss that uses them (train.py), the sampler's log-probs (vllm_server.py, rollout.py).
+Not here: the loss that uses them (grpo.py), the sampler's log-probs (vllm_server.py, rollout.py).
 """
 
 import torch
 
+from config import UsageError
 from models import hf_model
 
 
@@ -127,13 +128,22 @@ class _LogprobHead(torch.nn.Module):
     """Stands in for the lm_head during one forward: returns (B, C, 2) log-probs and entropies of the
     completion tokens `targets` instead of the (B, C + 1, V) logits."""
 
-    def __init__(self, head, targets, temperature: float, chunk_size: int | None, entropy_grad: bool):
+    def __init__(self, head, targets, temperature: float, chunk_size: int | None, entropy_grad: bool, fp32: bool):
         super().__init__()
         self.head, self.targets, self.temperature, self.chunk_size = head, targets, temperature, chunk_size
-        self.entropy_grad = entropy_grad
+        self.entropy_grad, self.fp32 = entropy_grad, fp32
+
+    def logits(self, hidden):  # (B, n, H) -> (B, n, V)
+        if not self.fp32:
+            return self.head(hidden)
+        # --cast_lm_head_to_fp32 (ScaleRL): outside autocast, fp32 hidden states times the fp32 weight (under FSDP2
+        # with bf16 the weight as gathered, in bf16)
+        with torch.autocast(hidden.device.type, enabled=False):
+            bias = None if self.head.bias is None else self.head.bias.float()
+            return torch.nn.functional.linear(hidden.float(), self.head.weight.float(), bias)
 
     def forward(self, hidden):  # (B, C + 1, H): the hidden states before each completion token, and the last
-        logp, entropy = logprobs_and_entropy(lambda i, j: self.head(hidden[:, i:j]), self.targets, self.temperature,
+        logp, entropy = logprobs_and_entropy(lambda i, j: self.logits(hidden[:, i:j]), self.targets, self.temperature,
                                              self.chunk_size, self.entropy_grad, own_logits=True)
         return torch.stack([logp, entropy], dim=-1)
 
@@ -196,9 +206,12 @@ def completion_logprobs(model, inputs: dict, num_completion_tokens: int, tempera
     inputs = with_idle_image(hf, {k: v.to(v.values.device) if isinstance(v, PerPrompt) else v  # its rows
                                   for k, v in inputs.items()})
     targets, head = inputs["input_ids"][:, -C:], hf.get_output_embeddings()
-    plain = has_plain_lm_head(model)
+    plain, fp32 = has_plain_lm_head(model), getattr(hf, "fp32_lm_head", False)  # fp32: models.build_models sets it
+    if fp32 and not plain:
+        raise UsageError("--cast_lm_head_to_fp32: this model changes its logits after the lm head (soft-capping or "
+                         "scaling), so its head's output is not the logits; leave the flag out")
     if plain:
-        hf.set_output_embeddings(_LogprobHead(head, targets, temperature, chunk_size, entropy_grad))
+        hf.set_output_embeddings(_LogprobHead(head, targets, temperature, chunk_size, entropy_grad, fp32))
     try:
         out = model(**inputs, position_ids=positions(inputs), logits_to_keep=C + 1, use_cache=False).logits
     finally:

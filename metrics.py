@@ -285,7 +285,8 @@ def training_metrics(sums: dict, grad_norms: list[torch.Tensor], lengths: torch.
     per_token = lambda k: t.get(k, 0.0) / T if T else math.nan  # nan: no token trained (every group dropped)
     metrics = {"completion_length": t["length"] / N, "completion_length_min": ext["length_min"],
                "completion_length_max": ext["length_max"], "truncated_frac": t["truncated"] / N,
-               **({"kl": per_token("kl")} if kl else {}), "entropy": per_token("entropy"),
+               **({"kl": per_token("kl"), "kl_in_loss": per_token("kl_in_loss")} if kl else {}),
+               "entropy": per_token("entropy"),
                **{f"clip_ratio/{k}": per_token(f"clip_{k}") for k in ("low", "high", "region")},
                "policy_masked_frac": per_token("policy_masked"),  # off-policy and high-entropy masks
                "loss": t.get("loss", 0.0) / len(norms), "grad_norm": sum(norms) / len(norms),

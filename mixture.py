@@ -240,6 +240,11 @@ class Mixture:
         """(N, k) which reward columns belong to each episode's task."""
         return self.own[self.task_index([e.row for e in episodes])]
 
+    def weighting(self, episodes: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """(N, k) each episode's task's reward weights, and (N, k) its task's columns (rewards.weighted_rewards)."""
+        tasks = self.task_index([e.row for e in episodes])
+        return self.weights[tasks], self.own[tasks]
+
     def sync_probe(self, tokenizer, processor) -> Probe:
         """The fixed trajectory the server scores after pushes, to catch a sync that silently went wrong: the first
         task's first prompt, with its system prompt and tools (a tool call, as the multi-turn rollout renders it),

@@ -163,10 +163,24 @@ def build_models(cfg: Config, model_path: str, vlm: bool, resume: str | None, de
         disable_dropout(policy)
     model = distribute(policy, device, cfg.fsdp, cfg.bf16, world_size)
     ref_model = None
-    if cfg.beta > 0 and not cfg.use_peft:
-        ref_model = distribute(load_model(model_path, device, cfg.fsdp).eval().requires_grad_(False), device, cfg.fsdp,
-                               cfg.bf16, world_size, trainable=False)
+    if cfg.beta > 0 and not cfg.use_peft:  # the checkpoint's own if training moved it (--sync_ref_model)
+        saved = os.path.join(resume or "", "reference", "model")
+        ref_model = distribute(load_model(saved if resume and os.path.isdir(saved) else model_path, device,
+                                          cfg.fsdp).eval().requires_grad_(False), device, cfg.fsdp, cfg.bf16,
+                               world_size, trainable=False)
+    for m in (policy, ref_model):  # read by logprobs.completion_logprobs
+        if m is not None:
+            hf_model(m).fp32_lm_head = cfg.cast_lm_head_to_fp32
     return policy, model, ref_model
+
+
+@torch.no_grad()
+def mix_into_reference(model, ref_model, alpha: float):
+    """TR-DPO's soft update of the reference model (--sync_ref_model, as TRL): ref = alpha * policy + (1 - alpha)
+    * ref, parameter by parameter. Both are sharded alike under FSDP2 (each rank mixes its shards); under DDP every
+    rank mixes its full copies, which stay equal."""
+    for ref, p in zip(ref_model.parameters(), getattr(model, "module", model).parameters(), strict=True):
+        ref.mul_(1.0 - alpha).add_(p, alpha=alpha)
 
 
 def build_optimizer(policy, cfg: Config):

@@ -16,6 +16,7 @@ import traceback
 import torch
 
 from config import RunStopped, UsageError
+from grpo import EntropyBonus
 from metrics import StepTimer
 from rollout import Episode, collate
 from utils import all_reduce, extremes_over_ranks
@@ -133,8 +134,12 @@ def largest_update(old_and_ref_logprobs, update, model, ref_model, optimizer, sc
     data = dict(inputs=inputs, loss_mask=tokens["sampled"], advantages=torch.linspace(-1, 1, cfg.micro_batch_size),
                 old_logp=old_logp, ref_logp=ref_logp, keep=None, sampler_logp=tokens["sampler_logp"],
                 entropy_mask=entropy_mask)
-    one_step = dataclasses.replace(cfg, num_iterations=1, steps_per_generation=1)
-    update(model, optimizer, scheduler, trainable, data, 0, one_step, world_size, autocast, StepTimer())
+    # one optimizer step, with the entropy bonus where adaptive control may turn it on, that moves no reference
+    coef = cfg.entropy_coef or (cfg.entropy_coef_max if cfg.use_adaptive_entropy else 0.0)
+    one_step = dataclasses.replace(cfg, num_iterations=1, steps_per_generation=1, sync_ref_model=False,
+                                   use_adaptive_entropy=False, entropy_coef=coef)
+    update(model, optimizer, scheduler, trainable, data, 0, one_step, world_size, autocast, StepTimer(),
+           EntropyBonus(one_step))
     return f"one update of {cfg.micro_batch_size} x {inputs['input_ids'].shape[1]} tokens: {peak_memory(device)}"
 
 

@@ -66,7 +66,7 @@ class RolloutContext:
     client: object  # vllm_server.VLLMClient
     tokenizer: object
     num_generations: int  # G: episodes per row
-    sampling: dict  # max_tokens, temperature, top_p, top_k, min_p, repetition_penalty of client.generate
+    sampling: dict  # max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, structured_outputs_regex
     seed: int  # the seed of this call's sampling
     system_prompt: str = ""
     processor: object = None  # a vision-language model's processor (vision.py), else None

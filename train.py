@@ -42,71 +42,44 @@ from checkpoints import (StopRequest, check_checkpoint, evaluated_last, find_che
                          prepare_output_dir, restore_training_state, save_checkpoint, save_model)
 from config import Config, native_bf16, parse_config
 from embedded import resolve_model
+from grpo import (EntropyBonus, batch_advantages, group_advantages, group_normalized, grpo_loss, loss_mask_of,
+                  sampler_is_weights, token_weights, without_signal)
 from guard import ServerGuard, connect_server
 from logprobs import completion_logprobs, length_sorted, no_grad_logprobs, take, to_device, trim_padding
 from metrics import (MetricsLogger, ScoringWatch, StepTimer, check_finite, console_line, eval_line, eval_summary,
                      mean_over_ranks,
                      merge_stats, progress, reward_metrics, rollout_records, training_metrics)
 from mixture import load_mixture, resume_signature
-from models import build_models, build_optimizer, full_tensor, gradient_sync, reference_model
+from models import build_models, build_optimizer, full_tensor, gradient_sync, mix_into_reference, reference_model
 from plot import plot_run
 from preflight import Preflight, largest_update, sampled, scored
 from rewards import RewardScorer, load_postprocess, postprocessed, weighted_rewards
 from rollout import RolloutContext, SEED_LIMIT, SampledAhead, ahead_from_json, collate, run_rollout, training_samples
 from tools import environment_rewards
 from utils import (barrier, extremes_over_ranks, gather_lines, print0, quantile_over_ranks, run_and_exit,
-                   set_malloc_thresholds, setup_distributed, std_over_ranks, sum_over_ranks)
+                   set_malloc_thresholds, setup_distributed, moments_over_ranks, sum_over_ranks)
 from vision import load_tokenizer
 from weight_sync import check_sync, server_sync, weight_bytes
 
 
-def group_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(N,) rewards of N / G consecutive groups (NaN = not scored) -> (N/G,) each group's unbiased std over its
-    scored completions (as TRL), 0 for a group with fewer than two; NaN for a group with an infinite reward."""
-    grouped = rewards.view(-1, group_size)  # (N/G, G)
-    scored = ~grouped.isnan()
-    squares = (grouped - grouped.nanmean(dim=1, keepdim=True)).where(scored, 0.0).pow(2).sum(dim=1)
-    return (squares / (scored.sum(dim=1) - 1).clamp(min=1)).sqrt()
-
-
-def without_signal(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(N/G,) whether each group's rewards all agree (their advantages are 0). A group with an infinite reward has
-    a NaN std: it is not one of them, so it reaches the loss, and the loss's non-finite check stops the run."""
-    return group_std(rewards, group_size) < 1e-6
-
-
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", batch_std: float = 1.0,
-                     eps: float = 1e-4) -> torch.Tensor:
-    """(N,) rewards of N / G consecutive groups -> (N,) advantages r - group mean, divided by the group's
-    std ("group", GRPO), by the std of the whole batch over all ranks ("batch", `batch_std`), or by
-    nothing ("none", Dr. GRPO: no difficulty bias from low-variance groups). A completion that was not
-    scored (NaN) stays out of its group's mean and std and gets advantage 0 (TRL does the same)."""
-    grouped = rewards.view(-1, group_size)  # (N/G, G)
-    adv = grouped - grouped.nanmean(dim=1, keepdim=True)
-    if scale == "group":
-        adv = adv / (group_std(rewards, group_size).unsqueeze(1) + eps)
-    elif scale == "batch":
-        adv = adv / (batch_std + eps)
-    return adv.view(-1).where(~rewards.isnan(), 0.0)
-
-
-def keep_groups_with_signal(batch: tuple, draw, G: int, max_rounds: int) -> tuple[tuple, dict]:
+def keep_groups_with_signal(batch: tuple, draw, G: int, max_rounds: int, by_column: bool = False) -> tuple[tuple, dict]:
     """DAPO's dynamic sampling on this rank's scored batch (episodes, texts, reward matrix, rewards: G per group;
-    row indices: one per group). A group whose rewards all agree has no signal (its advantages are 0); more groups
+    row indices: one per group). A group whose rewards (by_column: each function's, GDPO) all agree has no signal
+    (its advantages are 0); more groups
     come from draw(k, wanted), which samples and scores extra round k (a batch of the same kind; nothing unless
     `wanted`: every rank takes part in every round, also one that has enough), until every rank has as many
     groups with signal as it started with, or after max_rounds rounds. Returns that many groups, those with
     signal first (in the order drawn), any shortfall filled with groups without, and the rounds' metrics."""
-    want, rounds, parts = len(batch[0]) // G, 0, [batch]
-    have = int((~without_signal(batch[3], G)).sum())
+    want, rounds, parts, k = len(batch[0]) // G, 0, [batch], 2 if by_column else 3  # batch[k]: what must differ
+    have = int((~without_signal(batch[k], G)).sum())
     while rounds < max_rounds and sum_over_ranks({"short": max(want - have, 0)})["short"] > 0:
         rounds += 1
         parts.append(draw(rounds, have < want))
-        have += int((~without_signal(parts[-1][3], G)).sum())
+        have += int((~without_signal(parts[-1][k], G)).sum())
     episodes, texts, matrix, rewards, rows = (sum((b[0] for b in parts), []), sum((b[1] for b in parts), []),
                                               torch.cat([b[2] for b in parts]), torch.cat([b[3] for b in parts]),
                                               sum((b[4] for b in parts), []))
-    signal = ~without_signal(rewards, G)  # (groups,)
+    signal = ~without_signal(matrix if by_column else rewards, G)  # (groups,)
     groups = (signal.nonzero().flatten().tolist() + (~signal).nonzero().flatten().tolist())[:want]
     kept = [g * G + i for g in groups for i in range(G)]
     t = sum_over_ranks({"drawn": len(rows), "without_signal": sum(not signal[g] for g in groups)})
@@ -116,156 +89,24 @@ def keep_groups_with_signal(batch: tuple, draw, G: int, max_rounds: int) -> tupl
                    "dynamic_sampling/groups_without_signal": t["without_signal"]}
 
 
-def token_weights(mask: torch.Tensor, loss_type: str, num_seqs: float, num_tokens: float, max_completion_length: int,
-                  num_micro_batches: int) -> torch.Tensor:
-    """(B, C) weight of each completion token in the loss of one optimizer step. `num_seqs` and
-    `num_tokens` count the sequences and tokens of the step over all ranks, `num_micro_batches` the
-    micro-batches over all ranks; summing weight * per-token loss over every micro-batch of every
-    rank gives the step's loss:
-      grpo     (1/N) sum_i (1/|o_i|) sum_t     mean over sequences of each sequence's token mean
-      bnpo     mean over micro-batches of each micro-batch's token mean (depends on the split)
-      dr_grpo  1/(N * max_completion_length) sum_i sum_t   (Dr. GRPO: no length bias)
-      dapo     1/(sum_i |o_i|) sum_i sum_t                 (DAPO: every token of the step alike)
-      luspo    (1/N) sum_i sum_t                           (LUSPO: each sequence by its length)
-    cispo and vespo are normalised as dapo, sapo as grpo (as in TRL)."""
-    mask = mask.to(torch.float64)
-    loss_type = {"cispo": "dapo", "vespo": "dapo", "sapo": "grpo"}.get(loss_type, loss_type)
-    if loss_type == "luspo":
-        return mask / num_seqs
-    if loss_type == "grpo":
-        return mask / mask.sum(dim=1, keepdim=True).clamp(min=1) / num_seqs
-    if loss_type == "bnpo":
-        return mask / mask.sum().clamp(min=1) / num_micro_batches
-    if loss_type == "dr_grpo":
-        return mask / (num_seqs * max_completion_length)
-    if loss_type == "dapo":
-        return mask / max(num_tokens, 1.0)
-    raise ValueError(f"unknown loss_type {loss_type!r}")
-
-
-def loss_mask_of(sampled: torch.Tensor, truncated: torch.Tensor, mask_truncated: bool) -> torch.Tensor:
-    """(N, C) tokens that carry loss: every token the policy sampled, or, with mask_truncated (DAPO's overlong
-    filtering), none of a completion cut at max_completion_length, whose reward judged an unfinished answer."""
-    return sampled * ~truncated.unsqueeze(1) if mask_truncated else sampled
-
-
-def grpo_loss(logp, old_logp, advantages, mask, weights, cfg: Config, ref_logp=None, is_weight=None,
-              sampler_logp=None, entropy=None, entropy_mask=None, entropy_weights=None):
-    """The policy loss with a k3 KL penalty and an entropy bonus: sum over tokens of weights * per-token loss
-    (README: Loss choices).
-
-    logp, old_logp, ref_logp, sampler_logp, mask, weights, is_weight, entropy, entropy_mask, entropy_weights:
-    (B, C) per completion token; advantages: (B,). The ratio rho = pi / pi_old is per token, or with
-    cfg.importance_sampling_level "sequence" (GSPO) one per sequence: exp of the mean of its tokens'
-    log-ratios. The per-token policy loss, by cfg.loss_type:
-      clipped (grpo, bnpo, dr_grpo, dapo, luspo)  -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A); delta > 0
-                                                  also caps the unclipped rho at delta (INTELLECT-2)
-      cispo                                       -sg(min(rho, eps_high)) A logp  (the weight is clipped, MiniMax-M1)
-      sapo                                        -sigmoid(tau (rho - 1)) 4 / tau A, tau by the sign of A (SAPO)
-      vespo                                       -sg(phi(w)) A logp, phi(w) = e^lam w^k e^(-lam w) of the sequence
-                                                  ratio w = pi / pi_vLLM (VESPO; k, lam by the sign of A)
-    is_weight (the sampler correction, pi_old / pi_vLLM) multiplies the policy term (vespo: it is inside w),
-    and the KL term only with cfg.vllm_importance_sampling_kl; cfg.use_bias_correction_kl multiplies the KL
-    term by rho (DeepSeek-V3.2, TRL's default). Masks on the policy term only: cfg.off_policy_mask_threshold
-    drops sequences with A < 0 whose mean log(pi_vLLM / pi) is above it (DeepSeek-V3.2), entropy_mask keeps
-    the high-entropy tokens (--top_entropy_quantile). cfg.entropy_coef subtracts coef * sum of
-    entropy_weights * entropy. Returns the loss (a scalar to backpropagate) and a dict of masked sums."""
-    eps_low, eps_high = cfg.epsilon, cfg.eps_high
-    token_log_ratio = logp - old_logp  # (B, C)
-    log_ratio = token_log_ratio
-    if cfg.importance_sampling_level == "sequence":
-        m = mask.to(logp.dtype)
-        log_ratio = (log_ratio * m).sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
-    ratio = torch.exp(log_ratio)  # (B, C), or (B, 1)
-    adv = advantages.unsqueeze(1)  # (B, 1)
-    low = high = torch.zeros_like(ratio, dtype=torch.bool)
-    if cfg.loss_type == "cispo":
-        per_token = -torch.clamp(ratio, max=eps_high).detach() * adv * logp
-        high = ratio > eps_high
-    elif cfg.loss_type == "sapo":
-        tau = torch.where(adv > 0, adv.new_tensor(cfg.sapo_temperature_pos), adv.new_tensor(cfg.sapo_temperature_neg))
-        per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
-    elif cfg.loss_type == "vespo":
-        per_token = -vespo_weights(token_log_ratio.detach(), adv, mask, is_weight, cfg) * adv * logp
-    else:
-        unclipped = torch.clamp(ratio, max=cfg.delta) if cfg.delta > 0 else ratio
-        per_token = -torch.min(unclipped * adv, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv)
-        low, high = (ratio < 1 - eps_low) & (adv < 0), (ratio > 1 + eps_high) & (adv > 0)  # where it clips
-    kept = torch.ones_like(logp)  # tokens whose policy term counts
-    if cfg.off_policy_mask_threshold >= 0:
-        kept = kept * off_policy_mask(logp, old_logp if sampler_logp is None else sampler_logp, adv, mask,
-                                      cfg.off_policy_mask_threshold)
-    if entropy_mask is not None:
-        kept = kept * entropy_mask
-    per_token = per_token * kept
-    if is_weight is not None and cfg.loss_type != "vespo":
-        per_token = per_token * is_weight
-    if cfg.beta > 0:  # at beta 0 there is no reference, and no KL is reported (as in TRL)
-        kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # k3: unbiased, always >= 0
-        kl_term = kl * ratio if cfg.use_bias_correction_kl else kl
-        if is_weight is not None and cfg.vllm_importance_sampling_kl:
-            kl_term = kl_term * is_weight
-        per_token = per_token + cfg.beta * kl_term
-    loss = (per_token * weights).sum()
-    if cfg.entropy_coef != 0:
-        loss = loss - cfg.entropy_coef * (entropy * entropy_weights).sum()
-    mask = mask.to(logp.dtype)
-    stats = {"clip_low": (low * mask).sum(), "clip_high": (high * mask).sum(),
-             "clip_region": (((ratio < 1 - eps_low) | (ratio > 1 + eps_high)) * mask).sum(),
-             "policy_masked": ((kept == 0) * mask).sum(), **({"kl": (kl * mask).sum()} if cfg.beta > 0 else {})}
-    return loss, {k: v.detach() for k, v in stats.items()}
-
-
-def off_policy_mask(logp, sampler_logp, adv, mask, threshold: float) -> torch.Tensor:
-    """(B, 1) DeepSeek-V3.2's off-policy sequence mask: 0 for a sequence with a negative advantage whose mean
-    log(pi_vLLM / pi) over its tokens is above `threshold` (a failure the policy has moved far from, which
-    it learns little from), else 1. A sampler log-prob that is not known (NaN) adds nothing to the mean."""
-    m = mask.to(logp.dtype)
-    kl = (sampler_logp - logp.detach()).nan_to_num(0.0)
-    mean_kl = (kl * m).sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1)
-    return ((adv >= 0) | (mean_kl <= threshold)).to(logp.dtype)
-
-
-@torch.no_grad()
-def vespo_weights(token_log_ratio, adv, mask, is_weight, cfg: Config) -> torch.Tensor:
-    """(B, 1) VESPO's gamma weight phi(w) = exp(lam + k log w - lam w) (1 at w = 1) of each sequence's ratio
-    w = prod_t pi / pi_vLLM: the product of its tokens' pi / pi_old and of the sampler correction
-    `is_weight` (pi_old / pi_vLLM, token modes), in log space, clamped to [1e-8, e^20] as TRL does."""
-    m = mask.to(token_log_ratio.dtype)
-    log_w = (token_log_ratio.clamp(-20, 20) * m).sum(dim=1, keepdim=True)
-    if is_weight is not None:  # 0 where masked (log: its lower clamp), 1 where the sampler's log-prob is unknown
-        log_w = log_w + (is_weight.log().clamp(math.log(1e-8), 20) * m).sum(dim=1, keepdim=True)
-    log_w = log_w.clamp(math.log(1e-8), 20)
-    positive = adv >= 0
-    k = torch.where(positive, adv.new_tensor(cfg.vespo_k_pos), adv.new_tensor(cfg.vespo_k_neg))
-    lam = torch.where(positive, adv.new_tensor(cfg.vespo_lambda_pos), adv.new_tensor(cfg.vespo_lambda_neg))
-    lam = lam.clamp(min=1e-4)
-    return torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(0.0, posinf=0.0, neginf=0.0)
-
-
-def sampler_is_weights(old_logp, sampler_logp, mask, mode: str, clip_min: float, clip_max: float):
-    """Importance weights pi_old / pi_sampler that correct for the sampler (vLLM) not computing
-    exactly the trainer's distribution (other kernels, bf16, a stale weight). Per token, or per
-    sequence (the product over its tokens); "truncate" clamps the weight to [clip_min, clip_max] (TIS), "mask"
-    drops tokens or sequences whose ratio is outside it (as TRL). A sampler log-prob that is not known
-    (NaN: a rollout that did not have it) counts as ratio 1, as in TRL. (B, C) inputs -> (B, C) weights
-    and the raw ratios ((B, C) or (B, 1)) before truncation, for metrics."""
-    log_ratio = (old_logp - sampler_logp).where((mask > 0) & ~sampler_logp.isnan(), 0.0)
-    if mode.startswith("sequence"):
-        log_ratio = log_ratio.sum(dim=1, keepdim=True)
-    ratio = torch.exp(log_ratio)
-    if mode.endswith("truncate"):
-        weight = ratio.clamp(min=clip_min, max=clip_max)
-    else:
-        weight = ratio * ((ratio >= clip_min) & (ratio <= clip_max))
-    return weight.expand_as(old_logp) * mask, ratio
-
-
 def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
     """(N, C) the tokens of `mask` whose entropy is among the top `quantile` of the step's tokens over all ranks
     (Beyond the 80/20 Rule: the forking tokens, rho = 0.2): entropy >= the (1 - rho)-quantile, as TRL."""
     threshold = quantile_over_ranks(entropy[mask > 0], 1 - quantile)
     return (entropy >= threshold) & (mask > 0)
+
+
+def step_advantages(rewards: torch.Tensor, reward_matrix: torch.Tensor, weighting: tuple, G: int,
+                    cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N,) advantages (0: not scored) and (N,) whether each completion's group has no signal (advantages 0). GRPO:
+    the weighted sum of the rewards normalized in its group. GDPO (--multi_objective_aggregation normalize_then_sum):
+    each function's rewards normalized in the group, then weighed and summed (`weighting`: each row's weights and
+    own columns, rewards.weighted_rewards), then normalized over the batch of all ranks (as TRL)."""
+    if cfg.multi_objective_aggregation == "normalize_then_sum":
+        summed = weighted_rewards(group_normalized(reward_matrix, G), *weighting)
+        return batch_advantages(summed, *moments_over_ranks(summed)), without_signal(reward_matrix, G).repeat_interleave(G)
+    advantages = group_advantages(rewards, G, cfg.scale_rewards, moments_over_ranks(rewards)[1])
+    return advantages, without_signal(rewards, G).repeat_interleave(G)
 
 
 def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autocast,
@@ -323,7 +164,9 @@ def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autoca
                                     part["ref_logp"], is_weight, part["sampler_logp"], entropy, part["entropy_mask"],
                                     bonus_weights)
             loss.backward()
+        trained = bonus_mask[s, :c].to(device) * (not padding)  # the tokens the bonus acts on
         stats = {**stats, **extra, "entropy": (entropy.detach() * m).sum(), "tokens": m.sum(),
+                 "trained_entropy": (entropy.detach() * trained).sum(), "trained_tokens": trained.sum(),
                  "loss": loss.detach() / world_size}
         merge_stats(sums, {k: v.item() for k, v in stats.items()})  # the same names on every rank that ran
         if not padding:
@@ -363,9 +206,11 @@ def old_and_ref_logprobs(model, ref_model, inputs: dict, loss_mask: torch.Tensor
 
 
 def update(model, optimizer, scheduler, trainable: list, data: dict, step: int, cfg: Config, world_size: int,
-           autocast, timer) -> tuple[dict, list, torch.Tensor]:
+           autocast, timer, bonus: EntropyBonus, ref_model=None) -> tuple[dict, list, torch.Tensor]:
     """The optimizer steps of one generation round: num_iterations passes over `data`, each in steps_per_generation
-    shuffled parts, one optimizer step per part, dapo's divided by the round's tokens / parts (as TRL). Returns the
+    shuffled parts, one optimizer step per part, dapo's divided by the round's tokens / parts (as TRL). Each step
+    applies the entropy bonus's coefficient of then, and after it the bonus's adaptive control sees the step's entropy
+    and TR-DPO (--sync_ref_model) mixes the policy into `ref_model` every --ref_model_sync_steps. Returns the
     summed statistics, each step's gradient norm, and the first pass's log-probs (N, C) (the sync check's)."""
     sums, grad_norms, first_pass_logp = {}, [], torch.zeros(data["loss_mask"].shape)
     tokens_per_step = sum_over_ranks({"tokens": data["loss_mask"].sum()})["tokens"] / cfg.steps_per_generation
@@ -373,10 +218,17 @@ def update(model, optimizer, scheduler, trainable: list, data: dict, step: int, 
         seed = cfg.seed + step * 1000 + iteration
         order = torch.randperm(len(data["loss_mask"]), generator=torch.Generator().manual_seed(seed))
         for part in order.chunk(cfg.steps_per_generation):
-            part_sums, logp = accumulate_gradients(model, take(data, part), cfg, world_size, autocast, tokens_per_step)
+            step_cfg = dataclasses.replace(cfg, entropy_coef=bonus.applied())
+            part_sums, logp = accumulate_gradients(model, take(data, part), step_cfg, world_size, autocast,
+                                                   tokens_per_step)
             merge_stats(sums, part_sums)
             with timer.within("optimizer"):  # part of time/train
                 grad_norms.append(optimizer_step(optimizer, scheduler, trainable, cfg.max_grad_norm))
+            if bonus.adaptive:  # the mean entropy of the tokens this step trained, over all ranks
+                t = sum_over_ranks({k: part_sums[k] for k in ("trained_entropy", "trained_tokens")})
+                bonus.update(t["trained_entropy"] / max(t["trained_tokens"], 1.0))
+            if cfg.sync_ref_model and scheduler.last_epoch % cfg.ref_model_sync_steps == 0:
+                mix_into_reference(model, ref_model, cfg.ref_model_mixup_alpha)
             if iteration == 0:
                 first_pass_logp[part] = logp
     return sums, grad_norms, first_pass_logp
@@ -428,7 +280,7 @@ def main(cfg: Config):
                               device, cfg.max_steps, cfg.reward_timeout, cfg.reward_options())  # signatures checked
         postprocess = load_postprocess(cfg.reward_postprocess)  # the reward matrix's hook (rewards.postprocess_rewards)
         checks.say(", ".join(mixture.names) + " take the dataset's columns")
-    sampling = cfg.sampling()  # max_tokens, temperature, top_p, top_k, min_p, repetition_penalty
+    sampling = cfg.sampling()  # max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, a regex
     names = mixture.names  # k reward columns: every task's functions, then each environment's get_reward()
 
     with checks("models"):
@@ -443,6 +295,7 @@ def main(cfg: Config):
                    + "".join(f"; {change} (this run's flag applies)" for change in changed + changed_flags))
         checks.say(f"{sum(p.numel() for p in trainable):,} trainable parameters on {device}, beta {cfg.beta}")
     off_policy = cfg.num_iterations > 1 or cfg.steps_per_generation > 1  # then pi_old needs its own pass
+    bonus = EntropyBonus(cfg, state.get("entropy_bonus"))  # its coefficient: constant, or adaptive (checkpointed)
     # without a cache of bf16 weight copies: a forward uses each weight once (casting costs little), and a cache
     # would hold a bf16 copy of the model through it: 0.2 GB of the trainer's peak on the 135M model
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False) if cfg.bf16 else nullcontext()
@@ -474,7 +327,8 @@ def main(cfg: Config):
         def draw_more(extra_round: int, wanted: bool) -> tuple:  # (episodes, texts, reward matrix, rewards, rows)
             episodes = guard.run(rollout_call(step, extra_round) if wanted else list)  # every rank: a collective
             return (episodes, *guard.run(score, episodes), rows_of(step, extra_round) if wanted else [])
-        batch, dynamic = keep_groups_with_signal(batch, draw_more, G, cfg.dynamic_sampling_max_rounds)
+        batch, dynamic = keep_groups_with_signal(batch, draw_more, G, cfg.dynamic_sampling_max_rounds,
+                                                 by_column=cfg.multi_objective_aggregation == "normalize_then_sum")
         if dynamic["dynamic_sampling/groups_without_signal"] and not warned_short:
             warned_short.append(step)  # said once
             print0(f"warning: --dynamic_sampling found too few groups with signal in {cfg.dynamic_sampling_max_rounds} "
@@ -486,10 +340,11 @@ def main(cfg: Config):
     def checkpoint(steps_done: int, wait_for_ahead: bool = False) -> str:  # every rank: FSDP2 gathers; rank 0 writes
         # async: the batches sampled ahead (waited for; at a stop, those done), every rank's in rank order (the step's
         # prompts in order): a resumed run, with any number of processes, trains on what an uninterrupted one would
-        extra = {"presampled": gather_lines([ahead.to_json(steps_done, wait_for_ahead)])} if ahead.K else {}
+        extra = {**sum_over_ranks({"scorer_failures": scorer.failures}), "entropy_bonus": bonus.state_dict(),
+                 **({"presampled": gather_lines([ahead.to_json(steps_done, wait_for_ahead)])} if ahead.K else {})}
         path = save_checkpoint(cfg.output_dir, steps_done, model, optimizer, scheduler, processor or tokenizer,
-                               run_config, is_main, cfg.save_total_limit,
-                               {**sum_over_ranks({"scorer_failures": scorer.failures}), **extra})
+                               run_config, is_main, cfg.save_total_limit, extra,
+                               reference=ref_model if cfg.sync_ref_model else None)  # TR-DPO moves it
         print0(f"saved {path}")
         return path
     # guard.run(fn) runs the calls to the server, and every call that may stop the run, on every rank together.
@@ -544,7 +399,7 @@ def main(cfg: Config):
     def evaluate() -> dict:
         """Mean rewards and pass@k on the evaluation prompts, through the server (each rank its share). The
         requests carry the same seeds every time, so two evaluations differ only by the weights."""
-        n, mine = cfg.eval_num_generations, list(range(rank, len(eval_rows), world_size))
+        n, mine = cfg.num_generations_eval, list(range(rank, len(eval_rows), world_size))
         seed = ((cfg.seed * 1_000_000 + 999_999) * 1000 + rank) % SEED_LIMIT  # the same every time
         ctx = RolloutContext(client, tokenizer, n, sampling, seed, cfg.system_prompt, processor, cfg.max_prompt_length)
         episodes = guard.run(run_rollout, rollout_fn, [eval_rows[i] for i in mine], ctx)
@@ -602,8 +457,8 @@ def main(cfg: Config):
         timer.lap("score")
 
         # ---------------------------------------------------------------------- advantages
-        advantages = group_advantages(rewards, G, cfg.scale_rewards, std_over_ranks(rewards))  # (N,), 0: not scored
-        zero_std = without_signal(rewards, G).repeat_interleave(G)  # (N,) groups with no signal
+        # (N,) each: 0 where not scored; zero_std: the groups without signal
+        advantages, zero_std = step_advantages(rewards, reward_matrix, mixture.weighting(episodes), G, cfg)
 
         # ---------------------------------------------------------------------- old / ref log-probs
         samples, of = training_samples(episodes)  # (S,) what trains: the episodes (and agents' forks); of: theirs
@@ -624,7 +479,7 @@ def main(cfg: Config):
                     old_logp=old_logp, ref_logp=ref_logp, keep=~zero_std[of] if cfg.drop_zero_std_groups else None,
                     sampler_logp=tokens["sampler_logp"], entropy_mask=entropy_mask)
         sums, grad_norms, first_pass_logp = update(model, optimizer, scheduler, trainable, data, step, cfg, world_size,
-                                                   autocast, timer)
+                                                   autocast, timer, bonus, ref_model)
         # the server's log-probs of what it sampled vs ours for the same weights: a sync check
         diff, compared = sampler_diff(tokens, data["keep"], first_pass_logp if old_logp is None else old_logp)
         timer.lap("train")
@@ -636,7 +491,7 @@ def main(cfg: Config):
                    **mixture.metrics(episodes, rewards, reward_matrix, zero_std, G),  # per task; multi-turn
                    **training_metrics(sums, grad_norms, tokens["mask"].sum(dim=1).float(), truncated, diff, compared,
                                       kl=cfg.beta > 0),
-                   **dynamic, **ahead.metrics(),  # async: the batch's staleness, batches dropped as too stale
+                   **dynamic, **ahead.metrics(), **bonus.metrics(),  # async staleness; the entropy coefficient
                    "lr": scheduler.get_last_lr()[0], "optimizer_steps": scheduler.last_epoch,
                    "old_logprob_pass": int(off_policy or cfg.top_entropy_quantile < 1)}
         unlogged.update(metrics)
@@ -687,7 +542,7 @@ def main(cfg: Config):
     logger.close()
     if is_main and (picture := plot_run(cfg.output_dir, reference=cfg.beta > 0)):
         print0(f"plotted {picture}")
-    if is_main and (summary := eval_summary(cfg.output_dir, mixture.summary_names(), cfg.eval_num_generations)):
+    if is_main and (summary := eval_summary(cfg.output_dir, mixture.summary_names(), cfg.num_generations_eval)):
         print0(summary)  # the last line: what the run learned, on problems it never trained on
     scorer.close()
     if output_lock:

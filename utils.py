@@ -120,10 +120,14 @@ def quantile_over_ranks(values: torch.Tensor, q: float) -> float:
     return float(torch.lerp(v[low], v[min(low + 1, len(v) - 1)], position - low))
 
 
-def std_over_ranks(values: torch.Tensor) -> float:
-    """The unbiased std of `values` over all ranks, NaN entries left out (--scale_rewards batch)."""
-    t = sum_over_ranks({"n": (~values.isnan()).sum(), "sum": values.nansum(), "sq": values.pow(2).nansum()})
-    return math.sqrt(max(t["sq"] - t["sum"] ** 2 / max(t["n"], 1), 0.0) / max(t["n"] - 1, 1))
+def moments_over_ranks(values: torch.Tensor) -> tuple[float, float]:
+    """The mean and unbiased std of `values` over all ranks, NaN entries left out (--scale_rewards batch, GDPO), in
+    float64 and in two passes (the std from the deviations from the mean: no cancellation for large rewards)."""
+    values = values.double()
+    t = sum_over_ranks({"n": (~values.isnan()).sum(), "sum": values.nansum()})
+    mean = t["sum"] / max(t["n"], 1)
+    squares = sum_over_ranks({"sq": (values - mean).pow(2).nansum()})["sq"]
+    return mean, math.sqrt(squares / max(t["n"] - 1, 1))
 
 
 def barrier():

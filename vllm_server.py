@@ -123,6 +123,11 @@ class KeepAliveAdapter(requests.adapters.HTTPAdapter):
         super().init_poolmanager(*args, socket_options=HTTPConnection.default_socket_options + self.OPTIONS, **kwargs)
 
 
+def structured(regex: str) -> dict:
+    """The request fields of vLLM's structured outputs for a regular expression ("": none)."""
+    return {"structured_outputs": {"regex": regex}} if regex else {}
+
+
 class VLLMClient:
     """What the trainer needs from the server: health, completions of token ids, weight pushes."""
 
@@ -228,16 +233,17 @@ class VLLMClient:
 
     def generate(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = -1, min_p: float = 0.0, repetition_penalty: float = 1.0,
-                 seed: int | None = None) -> list[dict]:
+                 seed: int | None = None, structured_outputs_regex: str = "") -> list[dict]:
         """n completions of each prompt (token ids). Returns len(prompts) * n dicts, prompt-major:
         {token_ids, logprobs (the sampler's, per token), finish_reason ('stop' or 'length')}.
         With a `seed` the samples depend only on it and the weights, not on what else the server runs; every prompt
-        gets that seed (the j-th of n seed + j): for streams of their own, see generate_each."""
+        gets that seed (the j-th of n seed + j): for streams of their own, see generate_each. A
+        `structured_outputs_regex`: every completion matches it (vLLM's structured outputs)."""
         if not prompts:
             return []
         body = dict(model=self.model_name, prompt=prompts, n=n, max_tokens=max_tokens, temperature=temperature,
                     top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
-                    logprobs=0, return_token_ids=True, skip_special_tokens=False)
+                    logprobs=0, return_token_ids=True, skip_special_tokens=False, **structured(structured_outputs_regex))
         choices = sorted(self._post("/v1/completions", body)["choices"], key=lambda c: c["index"])
         assert len(choices) == len(prompts) * n, f"asked for {len(prompts) * n} completions, got {len(choices)}"
         return [dict(token_ids=c["token_ids"], logprobs=c["logprobs"]["token_logprobs"],
@@ -251,13 +257,13 @@ class VLLMClient:
 
     def chat(self, messages: list[dict], n: int, max_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
              top_k: int = -1, min_p: float = 0.0, repetition_penalty: float = 1.0,
-             seed: int | None = None) -> tuple[list[int], list[dict]]:
+             seed: int | None = None, structured_outputs_regex: str = "") -> tuple[list[int], list[dict]]:
         """n completions of one conversation through the chat route (which takes images, as image_url parts),
         rendered by the server's chat template: (the prompt's token ids as the server expanded them, the
         samples as generate returns them)."""
         body = dict(model=self.model_name, messages=messages, n=n, max_tokens=max_tokens, temperature=temperature,
                     top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
-                    logprobs=True, return_token_ids=True, skip_special_tokens=False)
+                    logprobs=True, return_token_ids=True, skip_special_tokens=False, **structured(structured_outputs_regex))
         answer = self._post("/v1/chat/completions", body)
         choices = sorted(answer["choices"], key=lambda c: c["index"])
         assert len(choices) == n, f"asked for {n} completions, got {len(choices)}"

@@ -23,7 +23,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from config import Config  # noqa: E402
-from train import grpo_loss, high_entropy_mask, sampler_is_weights, token_weights  # noqa: E402
+from grpo import grpo_loss, sampler_is_weights, token_weights  # noqa: E402
+from train import high_entropy_mask  # noqa: E402
 
 from vs_trl import ROOT, trl_python  # noqa: E402
 

@@ -51,7 +51,7 @@ GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
     (["--async_generation", "--vllm_importance_sampling_correction", "false"], "needs the importance-sampling correction"),
     (["--async_generation", "--max_staleness", "0"], "--max_staleness 0: the batches sampled ahead, at least 1"),
     (["--max_staleness", "2"], "above 1 it needs --async_generation"),
-    (["--eval_steps", "5", "--eval_pass_k", "16"], "each k must be between 1 and --eval_num_generations (4)"),
+    (["--eval_steps", "5", "--eval_pass_k", "16"], "each k must be between 1 and --num_generations_eval (4)"),
     (["--eval_steps", "-2"], "--eval_steps must be -1 (before and after training), 0 (never) or N > 0"),
     (["--eval_steps", "5", "--dataset", GSM8K], "it has no held-out split; give --eval_dataset"),
     (["--dataset", "none"], "--dataset none: only an --env makes its own prompts"),

@@ -8,7 +8,7 @@ from transformers import LlamaForCausalLM
 
 from config import Config
 from models import lr_factor
-from train import group_advantages, grpo_loss, token_weights
+from grpo import group_advantages, grpo_loss, token_weights
 from conftest import collated
 from data import step_prompt_indices
 from embedded import arithmetic_problems
@@ -38,7 +38,7 @@ def test_unscored_completions_stay_out_of_their_group_and_get_advantage_zero():
     advantage is 0. With rewards [1, 1, 1, 0-as-unscored] it used to get -1.5, and with rewards that are never
     positive an unscored completion (0) was the best of its group."""
     from rewards import weighted_rewards
-    from train import group_std
+    from grpo import group_std
     nan = math.nan
     matrix = torch.tensor([[1.0, nan], [1.0, 0.5], [nan, nan], [0.0, 1.0],  # partly scored rows add what they have
                            [-2.0, nan], [-1.0, nan], [nan, nan], [-3.0, nan],  # rewards never positive
@@ -63,7 +63,7 @@ def test_unscored_completions_stay_out_of_their_group_and_get_advantage_zero():
     assert group_advantages(inf, 4).isnan().any()
     # ... also when every reward of a group is inf: it is not a group without signal, which would be dropped
     # (--drop_zero_std_groups) or replaced (--dynamic_sampling) without a word
-    from train import without_signal
+    from grpo import without_signal
     all_inf = torch.tensor([math.inf] * 4 + [2.0] * 4 + [1.0, math.nan, math.nan, math.nan])
     assert without_signal(all_inf, 4).tolist() == [False, True, True] and group_std(all_inf, 4)[0].isnan()
 
@@ -519,7 +519,7 @@ def naive_is_weights(old, sampler, mask, mode, clip_min, clip_max):
 
 
 def test_sampler_is_weights_match_naive_loop_in_each_mode():
-    from train import sampler_is_weights
+    from grpo import sampler_is_weights
     torch.manual_seed(0)
     old = -torch.rand(3, 4, dtype=torch.float64) * 2
     sampler = old + torch.randn(3, 4, dtype=torch.float64) * 0.6
@@ -580,7 +580,7 @@ def test_dropping_zero_std_groups_keeps_the_gradient_exact_without_kl():
 
 
 def test_truncated_completions_carry_no_loss_when_masked():
-    from train import loss_mask_of
+    from grpo import loss_mask_of
     cmask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1]])
     truncated = torch.tensor([True, False, False])
     got = loss_mask_of(cmask, truncated, True)
@@ -768,6 +768,7 @@ def test_dapo_divides_each_step_by_the_rounds_tokens_over_its_steps_as_trl():
     from config import Config
     from metrics import StepTimer
     from rollout import collate, sampled_episode
+    from grpo import EntropyBonus
     from train import accumulate_gradients, update
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -787,5 +788,5 @@ def test_dapo_divides_each_step_by_the_rounds_tokens_over_its_steps_as_trl():
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     for step in range(3):  # other seeds, other splits
         sums, norms, _ = update(model, optimizer, scheduler, list(model.parameters()), batch([3, 2, 1, 1], [1.0, 1.0, -1.0, 1.0]),
-                                step, cfg, 1, nullcontext(), StepTimer())
+                                step, cfg, 1, nullcontext(), StepTimer(), EntropyBonus(cfg))
         assert len(norms) == 2 and abs(sums["loss"] - -5 / 3.5) < 1e-12, sums["loss"]

@@ -162,7 +162,7 @@ def test_two_tasks_train_each_scored_by_its_own_rewards_and_resume_exactly(serve
     from mixture import load_mixture
     mixture_file = two_sources(tmp_path)
     flags = [*RUN, "--dataset", mixture_file, "--reward_postprocess", "tests.helpers:stretch_near_target",
-             "--eval_steps", "2", "--eval_num_prompts", "4", "--eval_num_generations", "2", "--eval_pass_k", "1,2"]
+             "--eval_steps", "2", "--eval_num_prompts", "4", "--num_generations_eval", "2", "--eval_pass_k", "1,2"]
     hook_log = tmp_path / "hook.jsonl"
     proc, metrics = run_train(server, tmp_path / "a", *flags, "--max_steps", "4", "--save_steps", "2",
                               "--save_total_limit", "0", env={"NANOGRPO_TEST_HOOK_LOG": str(hook_log)})

@@ -491,7 +491,7 @@ def test_a_resumed_run_evaluates_the_starting_point_and_the_last_step_once(serve
     final evaluation, no summary. Now it evaluates, once."""
     out, gate = tmp_path / "out", tmp_path / "gate"
     monkeypatch.setenv("NANOGRPO_TEST_GATE", str(gate))
-    evaluated = ["--eval_steps", "2", "--eval_num_prompts", "4", "--eval_num_generations", "2", "--eval_pass_k", "1",
+    evaluated = ["--eval_steps", "2", "--eval_num_prompts", "4", "--num_generations_eval", "2", "--eval_pass_k", "1",
                  "--max_steps", "2", "--save_steps", "2"]
     proc = start_run(server, out, *RUN, *evaluated, "--rollout", "tests.helpers:gated_at_call_2")
     try:

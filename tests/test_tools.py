@@ -240,7 +240,8 @@ def test_environment_tokens_get_no_gradient():
     from transformers import LlamaConfig, LlamaForCausalLM
     from config import Config
     from rollout import Episode, collate
-    from train import accumulate_gradients, loss_mask_of
+    from grpo import loss_mask_of
+    from train import accumulate_gradients
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2, head_dim=16)).double()

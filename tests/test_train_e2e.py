@@ -254,7 +254,7 @@ def test_evaluation_rollout_ledger_plot_and_wandb_table(server, tmp_path):
     proc, metrics = run_train(
         server, out, "--reward_funcs", "tests.helpers:brevity", "--num_generations", "4", "--prompts_per_step", "4",
         "--max_completion_length", "8", "--max_steps", "3", "--bf16", "false", "--eval_steps", "2",
-        "--eval_num_prompts", "5", "--eval_num_generations", "4", "--eval_pass_k", "1,2,4", "--report_to", "wandb",
+        "--eval_num_prompts", "5", "--num_generations_eval", "4", "--eval_pass_k", "1,2,4", "--report_to", "wandb",
         env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
     assert [m["step"] for m in metrics if "reward" in m] == [1, 2, 3]
     evals = {m["step"]: m for m in metrics if "eval/reward" in m}

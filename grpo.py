@@ -1,0 +1,237 @@
+"""
+The math of GRPO as pure functions of tensors: advantages from rewards, each token's weight in the loss, the loss
+itself and its masks and importance weights. No collectives and no I/O: train.py calls them with its step's
+tensors and the counts it summed over the ranks, tests/test_math.py with hand-made tensors against loops over
+tokens, bench/loss_parity.py against TRL's own code. README: "Loss choices" has the formulas, docs/loss_choices.md
+why each default is what it is.
+"""
+import math
+
+import torch
+
+from config import Config
+
+
+def group_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(N,) rewards of N / G consecutive groups (NaN = not scored) -> (N/G,) each group's unbiased std over its
+    scored completions (as TRL), 0 for a group with fewer than two; NaN for a group with an infinite reward."""
+    grouped = rewards.view(-1, group_size)  # (N/G, G)
+    scored = ~grouped.isnan()
+    squares = (grouped - grouped.nanmean(dim=1, keepdim=True)).where(scored, 0.0).pow(2).sum(dim=1)
+    return (squares / (scored.sum(dim=1) - 1).clamp(min=1)).sqrt()
+
+
+def without_signal(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(N/G,) whether each group's rewards all agree (their advantages are 0): of (N,) rewards, or of every column
+    of an (N, k) reward matrix (GDPO normalizes each function's rewards in the group). A group with an infinite reward
+    has a NaN std: it is not one of them, so it reaches the loss, and the loss's non-finite check stops the run."""
+    columns = rewards.view(len(rewards), -1).T  # (k, N)
+    return torch.stack([group_std(column, group_size) < 1e-6 for column in columns]).all(dim=0)
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", batch_std: float = 1.0,
+                     eps: float = 1e-4) -> torch.Tensor:
+    """(N,) rewards of N / G consecutive groups -> (N,) advantages r - group mean, divided by the group's
+    std ("group", GRPO), by the std of the whole batch over all ranks ("batch", `batch_std`), or by
+    nothing ("none", Dr. GRPO: no difficulty bias from low-variance groups). A completion that was not
+    scored (NaN) stays out of its group's mean and std and gets advantage 0 (TRL does the same)."""
+    grouped = rewards.view(-1, group_size)  # (N/G, G)
+    adv = grouped - grouped.nanmean(dim=1, keepdim=True)
+    if scale == "group":
+        adv = adv / (group_std(rewards, group_size).unsqueeze(1) + eps)
+    elif scale == "batch":
+        adv = adv / (batch_std + eps)
+    return adv.view(-1).where(~rewards.isnan(), 0.0)
+
+
+def group_normalized(matrix: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
+    """GDPO's first step (--multi_objective_aggregation normalize_then_sum): (N, k) rewards of k functions (NaN =
+    not scored) -> (N, k), each function's rewards minus their group's mean, over their group's std + eps (a group
+    with one scored completion: 0), so that no function's scale drowns the others before they are weighted and
+    summed. NaN stays NaN (adds nothing to the weighted sum)."""
+    mean = matrix.view(-1, group_size, matrix.shape[1]).nanmean(dim=1)  # (N/G, k)
+    std = torch.stack([group_std(column, group_size) for column in matrix.T], dim=1)  # (N/G, k)
+    return (matrix - mean.repeat_interleave(group_size, dim=0)) / (std.repeat_interleave(group_size, dim=0) + eps)
+
+
+def batch_advantages(rewards: torch.Tensor, mean: float, std: float, eps: float = 1e-4) -> torch.Tensor:
+    """GDPO's last step: (N,) summed group-normalized rewards -> (N,) advantages (r - mean) / (std + eps), the
+    batch's mean and std over all ranks; 0 where not scored (NaN)."""
+    return ((rewards - mean) / (std + eps)).nan_to_num(0.0)
+
+
+class EntropyBonus:
+    """The entropy bonus's coefficient, step by step: --entropy_coef; or, with --use_adaptive_entropy, Skywork-OR1's
+    adaptive control as TRL has it. The coefficient starts at --entropy_coef and after every optimizer step moves by
+    --entropy_coef_delta, up while the step's mean entropy of its trained tokens (over all ranks) is at or below
+    --entropy_target, down while above, within [--entropy_coef_min, --entropy_coef_max]. A step applies it only if
+    the step before measured an entropy at or below the target (none before the first). Checkpoints keep the state."""
+
+    def __init__(self, cfg: Config, state: dict | None = None):
+        self.cfg, self.adaptive = cfg, cfg.use_adaptive_entropy
+        self.coef, self.last_entropy = (state["coef"], state["last_entropy"]) if state else (cfg.entropy_coef, math.inf)
+
+    def applied(self) -> float:
+        """The coefficient of the next optimizer step's bonus."""
+        if not self.adaptive:
+            return self.cfg.entropy_coef
+        return self.coef if self.last_entropy <= self.cfg.entropy_target else 0.0
+
+    def update(self, entropy: float):
+        """After an optimizer step: `entropy` is the mean entropy of the tokens it trained, over all ranks."""
+        if self.adaptive:
+            step = self.cfg.entropy_coef_delta if entropy <= self.cfg.entropy_target else -self.cfg.entropy_coef_delta
+            self.coef = min(max(self.coef + step, self.cfg.entropy_coef_min), self.cfg.entropy_coef_max)
+            self.last_entropy = entropy
+
+    def metrics(self) -> dict:
+        return {"entropy_coef": self.coef} if self.adaptive or self.coef else {}
+
+    def state_dict(self) -> dict:
+        return {"coef": self.coef, "last_entropy": self.last_entropy}
+
+
+
+def token_weights(mask: torch.Tensor, loss_type: str, num_seqs: float, num_tokens: float, max_completion_length: int,
+                  num_micro_batches: int) -> torch.Tensor:
+    """(B, C) weight of each completion token in the loss of one optimizer step. `num_seqs` and
+    `num_tokens` count the sequences and tokens of the step over all ranks, `num_micro_batches` the
+    micro-batches over all ranks; summing weight * per-token loss over every micro-batch of every
+    rank gives the step's loss:
+      grpo     (1/N) sum_i (1/|o_i|) sum_t     mean over sequences of each sequence's token mean
+      bnpo     mean over micro-batches of each micro-batch's token mean (depends on the split)
+      dr_grpo  1/(N * max_completion_length) sum_i sum_t   (Dr. GRPO: no length bias)
+      dapo     1/(sum_i |o_i|) sum_i sum_t                 (DAPO: every token of the step alike)
+      luspo    (1/N) sum_i sum_t                           (LUSPO: each sequence by its length)
+    cispo and vespo are normalised as dapo, sapo as grpo (as in TRL)."""
+    mask = mask.to(torch.float64)
+    loss_type = {"cispo": "dapo", "vespo": "dapo", "sapo": "grpo"}.get(loss_type, loss_type)
+    if loss_type == "luspo":
+        return mask / num_seqs
+    if loss_type == "grpo":
+        return mask / mask.sum(dim=1, keepdim=True).clamp(min=1) / num_seqs
+    if loss_type == "bnpo":
+        return mask / mask.sum().clamp(min=1) / num_micro_batches
+    if loss_type == "dr_grpo":
+        return mask / (num_seqs * max_completion_length)
+    if loss_type == "dapo":
+        return mask / max(num_tokens, 1.0)
+    raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+def loss_mask_of(sampled: torch.Tensor, truncated: torch.Tensor, mask_truncated: bool) -> torch.Tensor:
+    """(N, C) tokens that carry loss: every token the policy sampled, or, with mask_truncated (DAPO's overlong
+    filtering), none of a completion cut at max_completion_length, whose reward judged an unfinished answer."""
+    return sampled * ~truncated.unsqueeze(1) if mask_truncated else sampled
+
+
+def grpo_loss(logp, old_logp, advantages, mask, weights, cfg: Config, ref_logp=None, is_weight=None,
+              sampler_logp=None, entropy=None, entropy_mask=None, entropy_weights=None):
+    """The policy loss with a k3 KL penalty and an entropy bonus: sum over tokens of weights * per-token loss
+    (README: Loss choices).
+
+    logp, old_logp, ref_logp, sampler_logp, mask, weights, is_weight, entropy, entropy_mask, entropy_weights:
+    (B, C) per completion token; advantages: (B,). The ratio rho = pi / pi_old is per token, or with
+    cfg.importance_sampling_level "sequence" (GSPO) one per sequence: exp of the mean of its tokens'
+    log-ratios. The per-token policy loss, by cfg.loss_type:
+      clipped (grpo, bnpo, dr_grpo, dapo, luspo)  -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A); delta > 0
+                                                  also caps the unclipped rho at delta (INTELLECT-2)
+      cispo                                       -sg(min(rho, eps_high)) A logp  (the weight is clipped, MiniMax-M1)
+      sapo                                        -sigmoid(tau (rho - 1)) 4 / tau A, tau by the sign of A (SAPO)
+      vespo                                       -sg(phi(w)) A logp, phi(w) = e^lam w^k e^(-lam w) of the sequence
+                                                  ratio w = pi / pi_vLLM (VESPO; k, lam by the sign of A)
+    is_weight (the sampler correction, pi_old / pi_vLLM) multiplies the policy term (vespo: it is inside w),
+    and the KL term only with cfg.vllm_importance_sampling_kl; cfg.use_bias_correction_kl multiplies the KL
+    term by rho (DeepSeek-V3.2, TRL's default). Masks on the policy term only: cfg.off_policy_mask_threshold
+    drops sequences with A < 0 whose mean log(pi_vLLM / pi) is above it (DeepSeek-V3.2), entropy_mask keeps
+    the high-entropy tokens (--top_entropy_quantile). cfg.entropy_coef subtracts coef * sum of
+    entropy_weights * entropy. Returns the loss (a scalar to backpropagate) and a dict of masked sums."""
+    eps_low, eps_high = cfg.epsilon, cfg.eps_high
+    token_log_ratio = logp - old_logp  # (B, C)
+    log_ratio = token_log_ratio
+    if cfg.importance_sampling_level == "sequence":
+        m = mask.to(logp.dtype)
+        log_ratio = (log_ratio * m).sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
+    ratio = torch.exp(log_ratio)  # (B, C), or (B, 1)
+    adv = advantages.unsqueeze(1)  # (B, 1)
+    low = high = torch.zeros_like(ratio, dtype=torch.bool)
+    if cfg.loss_type == "cispo":
+        per_token = -torch.clamp(ratio, max=eps_high).detach() * adv * logp
+        high = ratio > eps_high
+    elif cfg.loss_type == "sapo":
+        tau = torch.where(adv > 0, adv.new_tensor(cfg.sapo_temperature_pos), adv.new_tensor(cfg.sapo_temperature_neg))
+        per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
+    elif cfg.loss_type == "vespo":
+        per_token = -vespo_weights(token_log_ratio.detach(), adv, mask, is_weight, cfg) * adv * logp
+    else:
+        unclipped = torch.clamp(ratio, max=cfg.delta) if cfg.delta > 0 else ratio
+        per_token = -torch.min(unclipped * adv, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv)
+        low, high = (ratio < 1 - eps_low) & (adv < 0), (ratio > 1 + eps_high) & (adv > 0)  # where it clips
+    kept = torch.ones_like(logp)  # tokens whose policy term counts
+    if cfg.off_policy_mask_threshold >= 0:
+        kept = kept * off_policy_mask(logp, old_logp if sampler_logp is None else sampler_logp, adv, mask,
+                                      cfg.off_policy_mask_threshold)
+    if entropy_mask is not None:
+        kept = kept * entropy_mask
+    per_token = per_token * kept
+    if is_weight is not None and cfg.loss_type != "vespo":
+        per_token = per_token * is_weight
+    if cfg.beta > 0:  # at beta 0 there is no reference, and no KL is reported (as in TRL)
+        kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # k3: unbiased, always >= 0
+        kl_in_loss = kl * ratio if cfg.use_bias_correction_kl else kl  # TRL logs its mean as kl
+        kl_term = kl_in_loss * is_weight if is_weight is not None and cfg.vllm_importance_sampling_kl else kl_in_loss
+        per_token = per_token + cfg.beta * kl_term
+    loss = (per_token * weights).sum()
+    if cfg.entropy_coef != 0:
+        loss = loss - cfg.entropy_coef * (entropy * entropy_weights).sum()
+    mask = mask.to(logp.dtype)
+    stats = {"clip_low": (low * mask).sum(), "clip_high": (high * mask).sum(),
+             "clip_region": (((ratio < 1 - eps_low) | (ratio > 1 + eps_high)) * mask).sum(),
+             "policy_masked": ((kept == 0) * mask).sum(),
+             **({"kl": (kl * mask).sum(), "kl_in_loss": (kl_in_loss * mask).sum()} if cfg.beta > 0 else {})}
+    return loss, {k: v.detach() for k, v in stats.items()}
+
+
+def off_policy_mask(logp, sampler_logp, adv, mask, threshold: float) -> torch.Tensor:
+    """(B, 1) DeepSeek-V3.2's off-policy sequence mask: 0 for a sequence with a negative advantage whose mean
+    log(pi_vLLM / pi) over its tokens is above `threshold` (a failure the policy has moved far from, which
+    it learns little from), else 1. A sampler log-prob that is not known (NaN) adds nothing to the mean."""
+    m = mask.to(logp.dtype)
+    kl = (sampler_logp - logp.detach()).nan_to_num(0.0)
+    mean_kl = (kl * m).sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1)
+    return ((adv >= 0) | (mean_kl <= threshold)).to(logp.dtype)
+
+
+@torch.no_grad()
+def vespo_weights(token_log_ratio, adv, mask, is_weight, cfg: Config) -> torch.Tensor:
+    """(B, 1) VESPO's gamma weight phi(w) = exp(lam + k log w - lam w) (1 at w = 1) of each sequence's ratio
+    w = prod_t pi / pi_vLLM: the product of its tokens' pi / pi_old and of the sampler correction
+    `is_weight` (pi_old / pi_vLLM, token modes), in log space, clamped to [1e-8, e^20] as TRL does."""
+    m = mask.to(token_log_ratio.dtype)
+    log_w = (token_log_ratio.clamp(-20, 20) * m).sum(dim=1, keepdim=True)
+    if is_weight is not None:  # 0 where masked (log: its lower clamp), 1 where the sampler's log-prob is unknown
+        log_w = log_w + (is_weight.log().clamp(math.log(1e-8), 20) * m).sum(dim=1, keepdim=True)
+    log_w = log_w.clamp(math.log(1e-8), 20)
+    positive = adv >= 0
+    k = torch.where(positive, adv.new_tensor(cfg.vespo_k_pos), adv.new_tensor(cfg.vespo_k_neg))
+    lam = torch.where(positive, adv.new_tensor(cfg.vespo_lambda_pos), adv.new_tensor(cfg.vespo_lambda_neg))
+    lam = lam.clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(0.0, posinf=0.0, neginf=0.0)
+
+
+def sampler_is_weights(old_logp, sampler_logp, mask, mode: str, clip_min: float, clip_max: float):
+    """Importance weights pi_old / pi_sampler that correct for the sampler (vLLM) not computing
+    exactly the trainer's distribution (other kernels, bf16, a stale weight). Per token, or per
+    sequence (the product over its tokens); "truncate" clamps the weight to [clip_min, clip_max] (TIS), "mask"
+    drops tokens or sequences whose ratio is outside it (as TRL). A sampler log-prob that is not known
+    (NaN: a rollout that did not have it) counts as ratio 1, as in TRL. (B, C) inputs -> (B, C) weights
+    and the raw ratios ((B, C) or (B, 1)) before truncation, for metrics."""
+    log_ratio = (old_logp - sampler_logp).where((mask > 0) & ~sampler_logp.isnan(), 0.0)
+    if mode.startswith("sequence"):
+        log_ratio = log_ratio.sum(dim=1, keepdim=True)
+    ratio = torch.exp(log_ratio)
+    if mode.endswith("truncate"):
+        weight = ratio.clamp(min=clip_min, max=clip_max)
+    else:
+        weight = ratio * ((ratio >= clip_min) & (ratio <= clip_max))
+    return weight.expand_as(old_logp) * mask, ratio

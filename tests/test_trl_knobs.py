@@ -1,0 +1,155 @@
+"""TRL's later GRPO knobs against float64 loops written here: GDPO's aggregation, adaptive entropy control, the KL
+as the loss weighs it, TR-DPO's reference update and the fp32 lm head. Each against TRL's own code too:
+bench/loss_parity.py."""
+import math
+from contextlib import nullcontext
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from config import Config
+from grpo import EntropyBonus, batch_advantages, group_normalized, grpo_loss, without_signal
+from rewards import weighted_rewards
+
+
+def tiny_llama(seed: int = 0, tied: bool = True) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                                        tie_word_embeddings=tied))
+
+
+def test_gdpo_normalizes_each_reward_in_its_group_then_the_weighted_sum_over_the_batch():
+    """normalize_then_sum: per group and function (r - mean) / (std + 1e-4) over the scored ones, the weighted sum
+    over the scored functions (NaN where none scored), then (s - batch mean) / (batch std + 1e-4); 0 if unscored."""
+    g = torch.Generator().manual_seed(0)
+    G, k = 4, 3
+    matrix = torch.rand(12, k, generator=g, dtype=torch.float64) * torch.tensor([1.0, 10.0, 0.1], dtype=torch.float64)
+    matrix[1, 0] = math.nan  # one function did not score one completion
+    matrix[6] = math.nan  # no function scored this one
+    matrix[8:12, 2] = 0.5  # a function that agrees within a group
+    weights = torch.tensor([1.0, 0.5, 2.0], dtype=torch.float64)
+    normalized = [[math.nan] * k for _ in range(12)]
+    for group in range(3):
+        for j in range(k):
+            scored = [i for i in range(group * G, group * G + G) if not math.isnan(matrix[i, j])]
+            mean = sum(matrix[i, j].item() for i in scored) / len(scored)
+            std = math.sqrt(sum((matrix[i, j].item() - mean) ** 2 for i in scored) / (len(scored) - 1))
+            for i in scored:
+                normalized[i][j] = (matrix[i, j].item() - mean) / (std + 1e-4)
+    summed = [math.nan if all(math.isnan(x) for x in row) else
+              sum(w * x for w, x in zip(weights.tolist(), row) if not math.isnan(x)) for row in normalized]
+    scored = [s for s in summed if not math.isnan(s)]
+    mean = sum(scored) / len(scored)
+    std = math.sqrt(sum((s - mean) ** 2 for s in scored) / (len(scored) - 1))
+    expected = [0.0 if math.isnan(s) else (s - mean) / (std + 1e-4) for s in summed]
+
+    got_summed = weighted_rewards(group_normalized(matrix, G), weights)
+    got = batch_advantages(got_summed, mean, std)
+    assert torch.allclose(got, torch.tensor(expected, dtype=torch.float64), atol=1e-12, rtol=0)
+    assert got[6] == 0 and not torch.isnan(got).any()
+    assert abs(got_summed.nansum().item()) < 1e-9  # each function's normalized rewards sum to 0 in every group
+
+
+def test_gdpo_finds_signal_where_the_weighted_sums_agree_but_the_functions_do_not():
+    """Rewards (2, 0) and (0, 1) weighted 1 and 2 both sum to 2: no signal for GRPO, but GDPO normalizes each
+    function first, and their advantages differ. A group where every function agrees has none for either."""
+    matrix = torch.tensor([[2.0, 0.0], [0.0, 1.0], [1.0, 1.0], [1.0, 1.0]], dtype=torch.float64)
+    weights = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    assert without_signal(weighted_rewards(matrix, weights), 2).tolist() == [True, True]
+    assert without_signal(matrix, 2).tolist() == [False, True]
+    summed = weighted_rewards(group_normalized(matrix, 2), weights)
+    assert summed[0] < 0 < summed[1] and summed[2] == summed[3] == 0
+
+
+def test_adaptive_entropy_moves_the_coefficient_and_applies_it_only_at_or_below_the_target():
+    cfg = Config(entropy_coef=0.01, use_adaptive_entropy=True, entropy_coef_delta=0.02, entropy_coef_min=0.0,
+                 entropy_coef_max=0.04, entropy_target=0.5)
+    bonus = EntropyBonus(cfg)
+    applied, coefs = [], []
+    for entropy in (0.7, 0.3, 0.4, 0.5, 0.9, 0.9):
+        applied.append(bonus.applied())
+        bonus.update(entropy)
+        coefs.append(bonus.coef)
+    assert applied == [0.0, 0.0, 0.02, 0.04, 0.04, 0.0]  # none before a measurement, then by the last step's entropy
+    assert [round(c, 12) for c in coefs] == [0.0, 0.02, 0.04, 0.04, 0.02, 0.0]  # within [min, max]
+    again = EntropyBonus(cfg, bonus.state_dict())  # a checkpoint's state
+    assert (again.coef, again.last_entropy) == (bonus.coef, bonus.last_entropy)
+    fixed = EntropyBonus(Config(entropy_coef=0.01))
+    fixed.update(0.0)
+    assert fixed.applied() == 0.01 and fixed.metrics() == {"entropy_coef": 0.01}
+
+
+def test_adaptive_entropy_through_update_sees_each_steps_entropy_and_applies_it_to_the_next():
+    """train.update: the first step applies no bonus (no entropy measured yet); its entropy is below the target, so
+    the second applies the coefficient: its loss is the first's minus coef * the mean entropy of its tokens."""
+    from metrics import StepTimer
+    from rollout import collate, sampled_episode
+    from train import update
+    model = tiny_llama().double()
+    cfg = Config(loss_type="dapo", steps_per_generation=2, max_completion_length=3, bf16=False, entropy_coef=0.3,
+                 use_adaptive_entropy=True, entropy_coef_delta=0.1, entropy_target=100.0,
+                 vllm_importance_sampling_correction=False, max_grad_norm=0)
+    inputs, tokens = collate([sampled_episode({}, [5, 6], [7, 8, 9]) for _ in range(2)], 0)
+    data = dict(inputs=inputs, loss_mask=tokens["mask"], advantages=torch.zeros(2, dtype=torch.float64), old_logp=None,
+                ref_logp=None, keep=None, sampler_logp=None, entropy_mask=None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    bonus = EntropyBonus(cfg)
+    sums, norms, _ = update(model, optimizer, scheduler, list(model.parameters()), data, 0, cfg, 1, nullcontext(),
+                            StepTimer(), bonus)
+    # two identical rows, one per step: the first step's loss is 0 (advantages 0, no bonus), the second's the bonus
+    mean_entropy = sums["trained_entropy"] / sums["trained_tokens"]
+    assert abs(sums["loss"] - -0.4 * mean_entropy) < 1e-6  # coef 0.3 + 0.1 after the first step (fp32 entropies)
+    assert abs(bonus.coef - 0.5) < 1e-12 and abs(bonus.last_entropy - mean_entropy) < 1e-12
+
+
+def test_the_kl_in_the_loss_is_k3_times_the_ratio_with_the_bias_correction():
+    g = torch.Generator().manual_seed(1)
+    B, C = 3, 4
+    logp = -torch.rand(B, C, generator=g, dtype=torch.float64)
+    old, ref = logp + 0.2 * torch.randn(B, C, generator=g), logp + 0.3 * torch.randn(B, C, generator=g)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.float64)
+    for correction in (True, False):
+        cfg = Config(beta=0.04, use_bias_correction_kl=correction)
+        _, stats = grpo_loss(logp, old, torch.ones(B, dtype=torch.float64), mask, mask, cfg, ref)
+        plain = in_loss = 0.0
+        for b in range(B):
+            for t in range(C):
+                if mask[b, t]:
+                    d = (ref[b, t] - logp[b, t]).item()
+                    k3 = math.exp(d) - d - 1
+                    plain += k3
+                    in_loss += k3 * (math.exp((logp[b, t] - old[b, t]).item()) if correction else 1.0)
+        assert abs(stats["kl"].item() - plain) < 1e-12 and abs(stats["kl_in_loss"].item() - in_loss) < 1e-12
+
+
+def test_tr_dpo_mixes_the_policy_into_the_reference():
+    from models import mix_into_reference
+    policy, ref = tiny_llama(0), tiny_llama(1)
+    before = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    mix_into_reference(policy, ref, 0.6)
+    for (name, r), p in zip(ref.named_parameters(), policy.parameters()):
+        assert torch.allclose(r, 0.6 * p + 0.4 * before[name], atol=1e-6), name
+    assert all(not p.requires_grad or p.grad is None for p in ref.parameters())
+
+
+def test_the_fp32_lm_head_computes_the_logits_of_the_bf16_forward_in_fp32():
+    """Under bf16 autocast: with the flag, the log-probs are log_softmax of fp32 hidden @ fp32 weight (the
+    forward's own hidden states, taken with a hook); without it, of the bf16 product, far from that."""
+    from logprobs import completion_logprobs
+    from models import hf_model
+    model = tiny_llama(2, tied=False)
+    ids = torch.tensor([[3, 9, 14, 15, 26, 5]])
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    seen = {}
+    model.model.norm.register_forward_hook(lambda m, a, out: seen.update(hidden=out))
+    got = {}
+    for fp32 in (True, False):
+        hf_model(model).fp32_lm_head = fp32
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            got[fp32] = completion_logprobs(model, inputs, 3, 1.0)[0]
+    hidden = seen["hidden"][:, -4:-1].float()  # the positions before the 3 completion tokens
+    reference = torch.log_softmax(hidden @ model.lm_head.weight.float().T, dim=-1).gather(-1, ids[:, -3:, None])[..., 0]
+    assert (got[True] - reference).abs().max() < 1e-6
+    assert (got[False] - reference).abs().max() > 1e-4  # bf16 logits: what the flag changes
