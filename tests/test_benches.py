@@ -166,6 +166,8 @@ def test_loss_parity_with_trl_on_every_setting():
     out = bench("loss_parity.py", timeout=900)
     total = out.split("_compute_loss")[1].split(" cases")[0].split()[-1]
     assert int(total) > 1000 and f"{total} of {total} cases equal to 1e-10" in out, out
+    for row in ("adaptive entropy", "the kl metric", "multi_objective_aggregation"):
+        assert int(out.split(row)[1].split(" cases")[0].split()[-1]) > 0, (row, out)
 
 
 def test_fsdp_memory(model):
