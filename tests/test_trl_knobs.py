@@ -1,13 +1,17 @@
 """TRL's later GRPO knobs against float64 loops written here: GDPO's aggregation, adaptive entropy control, the KL
 as the loss weighs it, TR-DPO's reference update and the fp32 lm head. Each against TRL's own code too:
 bench/loss_parity.py."""
+import json
 import math
+import re
 from contextlib import nullcontext
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from config import Config
+from conftest import run_train
 from grpo import EntropyBonus, batch_advantages, group_normalized, grpo_loss, without_signal
 from rewards import weighted_rewards
 
@@ -153,3 +157,54 @@ def test_the_fp32_lm_head_computes_the_logits_of_the_bf16_forward_in_fp32():
     reference = torch.log_softmax(hidden @ model.lm_head.weight.float().T, dim=-1).gather(-1, ids[:, -3:, None])[..., 0]
     assert (got[True] - reference).abs().max() < 1e-6
     assert (got[False] - reference).abs().max() > 1e-4  # bf16 logits: what the flag changes
+
+
+@pytest.mark.slow
+def test_gdpo_adaptive_entropy_tr_dpo_the_kl_metric_and_eval_generations_in_a_two_step_run(server, tmp_path):
+    """Two ranks, two steps of two passes each (4 optimizer steps), through the real server: the ledger's advantages
+    are GDPO's of its rewards over both ranks; the entropy coefficient rose 0.01 per optimizer step (the entropy is
+    below the target); off-policy passes weigh the KL by the ratio; the checkpoint's reference moved toward the
+    policy; evaluation sampled --num_generations_eval completions per prompt."""
+    from safetensors.torch import load_file
+    out = tmp_path / "out"
+    _, metrics = run_train(server, out, "--reward_funcs", "tests.helpers:brevity,format", "--reward_weights", "1,2",
+                           "--multi_objective_aggregation", "normalize_then_sum", "--use_adaptive_entropy",
+                           "--entropy_coef", "0.01", "--entropy_coef_delta", "0.01", "--entropy_target", "100",
+                           "--beta", "0.04", "--num_iterations", "2", "--sync_ref_model", "--ref_model_sync_steps", "1",
+                           "--ref_model_mixup_alpha", "0.5", "--num_generations", "4", "--prompts_per_step", "4",
+                           "--max_completion_length", "8", "--max_steps", "2", "--learning_rate", "3e-3",
+                           "--bf16", "false", "--save_steps", "2", "--eval_steps", "-1", "--eval_num_prompts", "4",
+                           "--num_generations_eval", "2", "--eval_pass_k", "1,2")
+    train = [m for m in metrics if "loss" in m]
+    assert [round(m["entropy_coef"], 9) for m in train] == [0.03, 0.05]
+    assert all(m["kl_in_loss"] != m["kl"] and m["kl"] > 0 for m in train[1:])  # step 1's first pass: ratio 1
+    rows = [json.loads(line) for line in open(out / "rollouts.jsonl")]
+    step1 = sorted((r for r in rows if r["split"] == "train" and r["step"] == 1), key=lambda r: (r["rank"],))
+    matrix = torch.tensor([list(r["rewards"].values()) for r in step1], dtype=torch.float64)  # brevity, format
+    summed = weighted_rewards(group_normalized(matrix, 4), torch.tensor([1.0, 2.0], dtype=torch.float64))
+    expected = batch_advantages(summed, summed.mean().item(), summed.std().item())
+    assert torch.allclose(torch.tensor([r["advantage"] for r in step1], dtype=torch.float64), expected, atol=1e-5)
+    evals = [r for r in rows if r["split"] == "eval"]
+    assert len(evals) == 2 * 4 * 2  # before and after: 4 prompts x 2
+    folder = out / "checkpoint-2"
+    initial, policy = load_file(f"{server['model']}/model.safetensors"), load_file(folder / "model" / "model.safetensors")
+    reference = load_file(folder / "reference" / "model" / "model.safetensors")
+    for name in ("model.layers.0.mlp.up_proj.weight", "model.embed_tokens.weight"):
+        moved, between = (reference[name] - initial[name]).norm(), (reference[name] - policy[name]).norm()
+        assert moved > 0 and between < (policy[name] - initial[name]).norm(), name
+
+
+@pytest.mark.slow
+def test_a_regex_constrains_every_completion_and_the_fp32_head_trains_in_bf16(server, tmp_path):
+    """--vllm_structured_outputs_regex: every completion matches it; the sampler's log-probs are of the constrained
+    distribution, above the policy's, so the importance weights pi_old / pi_vLLM fall below 1. With
+    --cast_lm_head_to_fp32 under bf16 the two steps train."""
+    out = tmp_path / "out"
+    _, metrics = run_train(server, out, "--vllm_structured_outputs_regex", "(yes|no|maybe)", "--cast_lm_head_to_fp32",
+                           "--bf16", "true", "--reward_funcs", "tests.helpers:brevity", "--num_generations", "4",
+                           "--prompts_per_step", "2", "--max_completion_length", "8", "--max_steps", "2",
+                           "--learning_rate", "1e-3", "--no_save_model", nproc=1)
+    rows = [json.loads(line) for line in open(out / "rollouts.jsonl")]
+    assert len(rows) == 16 and all(re.fullmatch("(yes|no|maybe)", r["completion"]) for r in rows), rows
+    assert all(math.isfinite(m["loss"]) and m["grad_norm"] > 0 for m in metrics)
+    assert all(m["is_ratio/mean"] < 0.9 for m in metrics), [m["is_ratio/mean"] for m in metrics]
