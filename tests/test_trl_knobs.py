@@ -160,11 +160,11 @@ def test_the_fp32_lm_head_computes_the_logits_of_the_bf16_forward_in_fp32():
 
 
 @pytest.mark.slow
-def test_gdpo_adaptive_entropy_tr_dpo_the_kl_metric_and_eval_generations_in_a_two_step_run(server, tmp_path):
-    """Two ranks, two steps of two passes each (4 optimizer steps), through the real server: the ledger's advantages
-    are GDPO's of its rewards over both ranks; the entropy coefficient rose 0.01 per optimizer step (the entropy is
-    below the target); off-policy passes weigh the KL by the ratio; the checkpoint's reference moved toward the
-    policy; evaluation sampled --num_generations_eval completions per prompt."""
+def test_gdpo_adaptive_entropy_tr_dpo_the_kl_metric_and_eval_generations_in_a_two_step_fsdp_run(server, tmp_path):
+    """Two ranks under FSDP2, two steps of two passes each (4 optimizer steps), through the real server: the ledger's
+    advantages are GDPO's of its rewards over both ranks; the entropy coefficient rose 0.01 per optimizer step (the
+    entropy is below the target); off-policy passes weigh the KL by the ratio; the checkpoint's reference (mixed
+    shard by shard) moved toward the policy; evaluation sampled --num_generations_eval completions per prompt."""
     from safetensors.torch import load_file
     out = tmp_path / "out"
     _, metrics = run_train(server, out, "--reward_funcs", "tests.helpers:brevity,format", "--reward_weights", "1,2",
@@ -174,7 +174,7 @@ def test_gdpo_adaptive_entropy_tr_dpo_the_kl_metric_and_eval_generations_in_a_tw
                            "--ref_model_mixup_alpha", "0.5", "--num_generations", "4", "--prompts_per_step", "4",
                            "--max_completion_length", "8", "--max_steps", "2", "--learning_rate", "3e-3",
                            "--bf16", "false", "--save_steps", "2", "--eval_steps", "-1", "--eval_num_prompts", "4",
-                           "--num_generations_eval", "2", "--eval_pass_k", "1,2")
+                           "--num_generations_eval", "2", "--eval_pass_k", "1,2", "--fsdp")
     train = [m for m in metrics if "loss" in m]
     assert [round(m["entropy_coef"], 9) for m in train] == [0.03, 0.05]
     assert all(m["kl_in_loss"] != m["kl"] and m["kl"] > 0 for m in train[1:])  # step 1's first pass: ratio 1
@@ -208,3 +208,20 @@ def test_a_regex_constrains_every_completion_and_the_fp32_head_trains_in_bf16(se
     assert len(rows) == 16 and all(re.fullmatch("(yes|no|maybe)", r["completion"]) for r in rows), rows
     assert all(math.isfinite(m["loss"]) and m["grad_norm"] > 0 for m in metrics)
     assert all(m["is_ratio/mean"] < 0.9 for m in metrics), [m["is_ratio/mean"] for m in metrics]
+
+
+def test_a_resume_takes_the_reference_the_checkpoint_kept(tmp_path):
+    """--sync_ref_model saves the moved reference in the checkpoint (reference/model); build_models loads it on
+    resume, and the starting model's weights where the checkpoint has none (a run without --sync_ref_model)."""
+    from models import build_models
+    start, policy, moved = (tiny_llama(seed) for seed in (0, 1, 2))
+    start.save_pretrained(tmp_path / "start")
+    policy.save_pretrained(tmp_path / "ckpt" / "model")
+    cfg = Config(beta=0.04, sync_ref_model=True, bf16=False, gradient_checkpointing=False)
+    name = "model.layers.0.mlp.up_proj.weight"
+    weight = lambda m: dict(m.named_parameters())[name]  # noqa: E731
+    for kept, expected in ((False, start), (True, moved)):
+        if kept:
+            moved.save_pretrained(tmp_path / "ckpt" / "reference" / "model")
+        loaded, _, ref = build_models(cfg, str(tmp_path / "start"), False, str(tmp_path / "ckpt"), torch.device("cpu"), 1)
+        assert torch.equal(weight(loaded), weight(policy)) and torch.equal(weight(ref), weight(expected)), kept
