@@ -25,7 +25,7 @@ def without_signal(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """(N/G,) whether each group's rewards all agree (their advantages are 0): of (N,) rewards, or of every column
     of an (N, k) reward matrix (GDPO normalizes each function's rewards in the group). A group with an infinite reward
     has a NaN std: it is not one of them, so it reaches the loss, and the loss's non-finite check stops the run."""
-    columns = rewards.view(len(rewards), -1).T  # (k, N)
+    columns = (rewards if rewards.dim() == 2 else rewards.unsqueeze(1)).T  # (k, N)
     return torch.stack([group_std(column, group_size) < 1e-6 for column in columns]).all(dim=0)
 
 

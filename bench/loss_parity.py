@@ -194,7 +194,7 @@ if __name__ == "__main__":
     total = len(todo) + len(advantage_todo)
     print(f"nanogrpo vs TRL 1.16.0 GRPOTrainer._compute_loss and its advantages, float64: {total} cases")
     described = {"adaptive": "adaptive entropy: loss, gradient, the coefficient and entropy after the step",
-                 "kl metric": "the kl metric (with beta > 0; ours: kl_in_loss), of the cases above",
+                 "kl metric": "the kl metric (with beta > 0; ours: kl_in_loss), in those above",
                  "advantages": "advantages, both multi_objective_aggregation modes (TRL's own code)"}
     for row, n in counts.items():
         print(f"  {described.get(row, row):8s} {n:4d} cases, largest difference {worst[row]:.1e}")

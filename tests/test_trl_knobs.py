@@ -64,6 +64,8 @@ def test_gdpo_finds_signal_where_the_weighted_sums_agree_but_the_functions_do_no
     assert without_signal(matrix, 2).tolist() == [False, True]
     summed = weighted_rewards(group_normalized(matrix, 2), weights)
     assert summed[0] < 0 < summed[1] and summed[2] == summed[3] == 0
+    # a rank that drew nothing this round (--dynamic_sampling: the others still wanted groups)
+    assert without_signal(torch.zeros(0), 2).shape == without_signal(torch.zeros(0, 2), 2).shape == (0,)
 
 
 def test_adaptive_entropy_moves_the_coefficient_and_applies_it_only_at_or_below_the_target():
