@@ -9,7 +9,8 @@ Launch (start the server first, see README):
     torchrun --nproc_per_node 2 train.py --fsdp --use_peft  # FSDP2-sharded, training a LoRA adapter
     torchrun --nnodes 2 --node_rank 0 --master_addr HOST --nproc_per_node 8 train.py ...   # N nodes
 
-What this implements, and the defaults we chose (README: "Loss choices" has the formulas):
+What this implements, and the defaults we chose (README: "Loss choices" has the formulas; grpo.py the math, as pure
+functions of tensors):
   - advantages: A_i = (r_i - mean(r_group)) / (std(r_group) + 1e-4), the same for every token of
     completion i (--scale_rewards group; batch and none are options). A group is the G completions
     of one prompt and lives on one rank, so group statistics need no collective.
@@ -57,7 +58,7 @@ from rewards import RewardScorer, load_postprocess, postprocessed, weighted_rewa
 from rollout import RolloutContext, SEED_LIMIT, SampledAhead, ahead_from_json, collate, run_rollout, training_samples
 from tools import environment_rewards
 from utils import (barrier, extremes_over_ranks, gather_lines, print0, quantile_over_ranks, run_and_exit,
-                   set_malloc_thresholds, setup_distributed, moments_over_ranks, sum_over_ranks)
+                   moments_over_ranks, set_malloc_thresholds, setup_distributed, sum_over_ranks)
 from vision import load_tokenizer
 from weight_sync import check_sync, server_sync, weight_bytes
 
@@ -65,10 +66,9 @@ from weight_sync import check_sync, server_sync, weight_bytes
 def keep_groups_with_signal(batch: tuple, draw, G: int, max_rounds: int, by_column: bool = False) -> tuple[tuple, dict]:
     """DAPO's dynamic sampling on this rank's scored batch (episodes, texts, reward matrix, rewards: G per group;
     row indices: one per group). A group whose rewards (by_column: each function's, GDPO) all agree has no signal
-    (its advantages are 0); more groups
-    come from draw(k, wanted), which samples and scores extra round k (a batch of the same kind; nothing unless
-    `wanted`: every rank takes part in every round, also one that has enough), until every rank has as many
-    groups with signal as it started with, or after max_rounds rounds. Returns that many groups, those with
+    (its advantages are 0); more groups come from draw(k, wanted), which samples and scores extra round k (a batch of
+    the same kind; nothing unless `wanted`: every rank takes part in every round, also one that has enough), until
+    every rank has as many groups with signal as it started with, or after max_rounds rounds. Returns that many groups, those with
     signal first (in the order drawn), any shortfall filled with groups without, and the rounds' metrics."""
     want, rounds, parts, k = len(batch[0]) // G, 0, [batch], 2 if by_column else 3  # batch[k]: what must differ
     have = int((~without_signal(batch[k], G)).sum())
