@@ -398,6 +398,34 @@ def test_the_embedded_vision_task_its_reward_and_its_flags():
     assert cfg.evaluates() and parse_config(["--dataset", "shapes", "--freeze_vision", "true"]).freeze_vision_tower
 
 
+def test_the_embedded_vlms_connector_puts_a_shapes_image_tokens_near_its_colours_word(tmp_path):
+    """embedded.align_connector, as build_embedded_vlm runs it: on held-out pictures, the image token that shows the
+    most of the shape is nearer the word of its colour than of any other (chance: 1 in 4). Unaligned (the random
+    connector), it is not."""
+    from transformers import AutoProcessor, AutoModelForImageTextToText
+    from embedded import COLOURS, build_embedded_vlm, default_model_path, shape_problems
+    folder = build_embedded_vlm(str(tmp_path / "vlm"), default_model_path())
+    processor, model = AutoProcessor.from_pretrained(folder), AutoModelForImageTextToText.from_pretrained(folder)
+    words = model.model.text_model.embed_tokens.weight[
+        [processor.tokenizer.encode(" " + c, add_special_tokens=False)[0] for c in COLOURS]]  # (4, d)
+    rows = shape_problems(0, 0, "test")
+
+    def hits() -> int:
+        with torch.no_grad():
+            tokens = model.model.get_image_features(
+                pixel_values=processor.image_processor([r["image"] for r in rows], return_tensors="pt")["pixel_values"])
+            tokens = getattr(tokens, "pooler_output", tokens)  # (64, 16, d)
+            # the token that differs most from the picture's mean token: the one showing the most shape
+            shape = tokens[torch.arange(len(rows)), (tokens - tokens.mean(dim=1, keepdim=True)).norm(dim=-1).argmax(1)]
+            nearest = torch.cdist(shape, words).argmin(dim=1)
+        return sum(list(COLOURS)[i] == r["answer"] for i, r in zip(nearest.tolist(), rows))
+
+    aligned = hits()
+    assert aligned >= 56, aligned  # of 64 (64 when written)
+    torch.nn.init.normal_(model.model.connector.modality_projection.proj.weight, std=0.02)
+    assert hits() <= 32  # (21)
+
+
 def test_images_larger_than_the_processors_size_are_scaled_down_before_either_side_sees_them(tiny_vlm):
     from PIL import Image
     from vision import load_processor, longest_edge, row_images
