@@ -48,16 +48,18 @@ def group_normalized(matrix: torch.Tensor, group_size: int, eps: float = 1e-4) -
     """GDPO's first step (--multi_objective_aggregation normalize_then_sum): (N, k) rewards of k functions (NaN =
     not scored) -> (N, k), each function's rewards minus their group's mean, over their group's std + eps (a group
     with one scored completion: 0), so that no function's scale drowns the others before they are weighted and
-    summed. NaN stays NaN (adds nothing to the weighted sum)."""
+    summed. NaN stays NaN (adds nothing to the weighted sum); an infinite reward stays infinite (loud downstream)."""
     mean = matrix.view(-1, group_size, matrix.shape[1]).nanmean(dim=1)  # (N/G, k)
     std = torch.stack([group_std(column, group_size) for column in matrix.T], dim=1)  # (N/G, k)
-    return (matrix - mean.repeat_interleave(group_size, dim=0)) / (std.repeat_interleave(group_size, dim=0) + eps)
+    normalized = (matrix - mean.repeat_interleave(group_size, dim=0)) / (std.repeat_interleave(group_size, dim=0) + eps)
+    return normalized.where(~matrix.isinf(), matrix)
 
 
 def batch_advantages(rewards: torch.Tensor, mean: float, std: float, eps: float = 1e-4) -> torch.Tensor:
     """GDPO's last step: (N,) summed group-normalized rewards -> (N,) advantages (r - mean) / (std + eps), the
-    batch's mean and std over all ranks; 0 where not scored (NaN)."""
-    return ((rewards - mean) / (std + eps)).nan_to_num(0.0)
+    batch's mean and std over all ranks; 0 where not scored (NaN). An infinite reward stays non-finite (the loss's
+    check stops the run), as in group_advantages."""
+    return ((rewards - mean) / (std + eps)).where(~rewards.isnan(), 0.0)
 
 
 class EntropyBonus:
@@ -89,7 +91,6 @@ class EntropyBonus:
 
     def state_dict(self) -> dict:
         return {"coef": self.coef, "last_entropy": self.last_entropy}
-
 
 
 def token_weights(mask: torch.Tensor, loss_type: str, num_seqs: float, num_tokens: float, max_completion_length: int,

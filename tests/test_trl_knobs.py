@@ -53,6 +53,10 @@ def test_gdpo_normalizes_each_reward_in_its_group_then_the_weighted_sum_over_the
     assert torch.allclose(got, torch.tensor(expected, dtype=torch.float64), atol=1e-12, rtol=0)
     assert got[6] == 0 and not torch.isnan(got).any()
     assert abs(got_summed.nansum().item()) < 1e-9  # each function's normalized rewards sum to 0 in every group
+    inf = matrix.clone()
+    inf[0, 1] = math.inf  # a reward function that returned inf: loud (non-finite), not silently 0
+    summed = weighted_rewards(group_normalized(inf, G), weights)
+    assert not batch_advantages(summed, summed.nanmean().item(), 1.0).isfinite().all()
 
 
 def test_gdpo_finds_signal_where_the_weighted_sums_agree_but_the_functions_do_not():
