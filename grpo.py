@@ -71,7 +71,9 @@ class EntropyBonus:
 
     def __init__(self, cfg: Config, state: dict | None = None):
         self.cfg, self.adaptive = cfg, cfg.use_adaptive_entropy
-        self.coef, self.last_entropy = (state["coef"], state["last_entropy"]) if state else (cfg.entropy_coef, math.inf)
+        self.coef, self.last_entropy = cfg.entropy_coef, math.inf
+        if state and self.adaptive:  # (a constant coefficient is the flag's, also on resume)
+            self.coef, self.last_entropy = state["coef"], state["last_entropy"]
 
     def applied(self) -> float:
         """The coefficient of the next optimizer step's bonus."""

@@ -210,6 +210,9 @@ def completion_logprobs(model, inputs: dict, num_completion_tokens: int, tempera
     if fp32 and not plain:
         raise UsageError("--cast_lm_head_to_fp32: this model changes its logits after the lm head (soft-capping or "
                          "scaling), so its head's output is not the logits; leave the flag out")
+    if fp32 and not isinstance(head, torch.nn.Linear):  # e.g. a LoRA adapter on it, which the fp32 product would skip
+        raise UsageError(f"--cast_lm_head_to_fp32 computes the head as one linear layer, but it is a "
+                         f"{type(head).__name__}: take lm_head out of --lora_target_modules, or leave the flag out")
     if plain:
         hf.set_output_embeddings(_LogprobHead(head, targets, temperature, chunk_size, entropy_grad, fp32))
     try:

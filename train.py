@@ -105,7 +105,8 @@ def step_advantages(rewards: torch.Tensor, reward_matrix: torch.Tensor, weightin
     if cfg.multi_objective_aggregation == "normalize_then_sum":
         summed = weighted_rewards(group_normalized(reward_matrix, G), *weighting)
         return batch_advantages(summed, *moments_over_ranks(summed)), without_signal(reward_matrix, G).repeat_interleave(G)
-    advantages = group_advantages(rewards, G, cfg.scale_rewards, moments_over_ranks(rewards)[1])
+    batch_std = moments_over_ranks(rewards)[1] if cfg.scale_rewards == "batch" else 1.0  # (collectives)
+    advantages = group_advantages(rewards, G, cfg.scale_rewards, batch_std)
     return advantages, without_signal(rewards, G).repeat_interleave(G)
 
 
@@ -394,6 +395,7 @@ def main(cfg: Config):
         scores = environment_rewards(episodes, scores, scorer, mixture.env_names, mixture.env_reward_of(tasks))
         reward_matrix = torch.tensor(scores, dtype=torch.float32).T.reshape(len(texts), len(names))  # (N, k)
         reward_matrix = postprocessed(postprocess, reward_matrix, names, mixture.names_of(tasks))  # the hook
+        reward_matrix = reward_matrix.where(mixture.own[tasks], float("nan"))  # another task's column: unscored
         return texts, reward_matrix, weighted_rewards(reward_matrix, mixture.weights[tasks], mixture.own[tasks])
 
     def evaluate() -> dict:

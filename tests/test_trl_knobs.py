@@ -231,3 +231,23 @@ def test_a_resume_takes_the_reference_the_checkpoint_kept(tmp_path):
             moved.save_pretrained(tmp_path / "ckpt" / "reference" / "model")
         loaded, _, ref = build_models(cfg, str(tmp_path / "start"), False, str(tmp_path / "ckpt"), torch.device("cpu"), 1)
         assert torch.equal(weight(loaded), weight(policy)) and torch.equal(weight(ref), weight(expected)), kept
+
+
+def test_a_constant_entropy_coefficient_is_the_flags_also_after_a_resume():
+    """Only adaptive control takes its coefficient from the checkpoint; a run resumed with another --entropy_coef
+    applies (and logs) the flag's."""
+    bonus = EntropyBonus(Config(entropy_coef=0.02), {"coef": 0.01, "last_entropy": 0.3})
+    assert bonus.applied() == 0.02 and bonus.metrics() == {"entropy_coef": 0.02}
+    adaptive = EntropyBonus(Config(entropy_coef=0.02, use_adaptive_entropy=True), {"coef": 0.01, "last_entropy": 0.1})
+    assert adaptive.applied() == 0.01
+
+
+def test_the_fp32_head_refuses_a_lora_adapter_on_the_head_it_would_skip():
+    from config import UsageError
+    from logprobs import completion_logprobs
+    from models import add_lora, hf_model
+    model = add_lora(tiny_llama(3, tied=False), 4, 8.0, 0.0, "lm_head,q_proj")
+    hf_model(model).fp32_lm_head = True
+    ids = torch.tensor([[3, 9, 14, 15]])
+    with pytest.raises(UsageError, match="lora_target_modules"):
+        completion_logprobs(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, 2, 1.0)
