@@ -110,6 +110,9 @@ class ServerLost(ConnectionError):
     the trainer can wait for it, push its weights again and carry on (guard.ServerGuard)."""
 
 
+REPEATABLE = ("/v1/completions", "/v1/chat/completions")  # routes a call may repeat: nothing changes on the server
+
+
 class KeepAliveAdapter(requests.adapters.HTTPAdapter):
     """Connections with TCP keep-alive: a request whose connection carries nothing any more (the server's host
     died, or its address went to a replacement) fails within about two minutes, as the peer answers the probes
@@ -150,6 +153,18 @@ class VLLMClient:
         return self._request("GET", path, params=params)
 
     def _request(self, method: str, path: str, **kwargs) -> dict:
+        """_request_once, and once more if the connection broke before an answer and the call can be repeated (a GET,
+        or a sampling route: seeded, it repeats exactly). A pooled connection may break so when the server closes it,
+        idle for its keep-alive time (5 s), just as the client sends on it; if the server is really gone, the second
+        try fails too (ServerLost)."""
+        try:
+            return self._request_once(method, path, **kwargs)
+        except ServerLost as e:
+            if not isinstance(e.__cause__, requests.ConnectionError) or not (method == "GET" or path in REPEATABLE):
+                raise
+        return self._request_once(method, path, **kwargs)
+
+    def _request_once(self, method: str, path: str, **kwargs) -> dict:
         """One call, which may take as long as its work does (a batch of long generations is not a lost server).
         While it runs, /health is asked every HEALTH_EVERY_S: a server silent there for `server_timeout` s is lost
         (ServerLost: the trainer waits for it). A call longer than `request_timeout` (0: no limit) stops the run."""

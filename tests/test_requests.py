@@ -130,3 +130,33 @@ def test_the_client_s_connections_probe_a_silent_peer(stand_in):
     assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 60
     assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 4
     conn.close()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/update_weights"])
+def test_a_connection_broken_before_the_answer_repeats_a_sampling_call_only(stand_in, path):
+    """A pooled connection the server closes (idle for its keep-alive time) just as the client sends on it breaks
+    without an answer. Before, that was a lost server: the run waited, pushed the weights again and repeated the
+    rollout. A sampling call (seeded: it repeats exactly) is now sent once more; a weight update is not (the server
+    may have begun it), and stays a lost server."""
+    import socket
+    import struct
+    handler, port = stand_in
+    posts = []
+
+    def do_POST(self):
+        posts.append(self.path)
+        if len(posts) == 1:  # the first: the connection is reset with no answer
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.connection.close()
+            self.close_connection = True
+            return
+        StandIn.do_POST(self)
+    handler.do_POST = do_POST
+    client = VLLMClient(port=port)
+    if path == "/update_weights":
+        with pytest.raises(ServerLost, match="ConnectionError"):
+            client.update_weights({})
+        assert posts == [path]
+    else:
+        assert client.generate([[1, 2]], n=1, max_tokens=4)[0]["token_ids"] == [5]
+        assert posts == [path, path]
