@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 DEFAULT_MODEL = "smollm2-135m"  # the embedded model; any other value is a hub id or a folder
 EMBEDDED_VLM = "smollm2-vision"  # the embedded vision-language model: SmolLM2 with a small vision tower (embedded.py)
+TOOL_MODEL = "smollm2-135m-tools"  # the embedded model taught its tools' call format (embedded.py), for the environments
 
 DEFAULT_DATASET = "arithmetic"  # the embedded, procedurally generated task (embedded.arithmetic_problems)
 
@@ -592,8 +593,16 @@ def _parser(defaults: bool = True) -> argparse.ArgumentParser:
 # The embedded environments (embedded.py; README: Environments and tools): --env NAME runs the factory with
 # these flags, unless they are given.
 EMBEDDED_ENVIRONMENTS = {
-    "calculator": ("embedded:Calculator", {"max_completion_length": 96}),
-    "guess": ("embedded:Guess", {"dataset": NO_DATASET, "reward_funcs": "", "max_completion_length": 160}),
+    # both on the embedded tool model, which writes its calls (embedded.build_tool_model), 10 short steps (README:
+    # Environments and tools). The calculator's reward is the answer's accuracy alone: with format's point for a
+    # boxed answer, a wrong answer written at once scored above a call that went wrong, and the first step taught
+    # the model to stop calling
+    "calculator": ("embedded:Calculator", {"model": TOOL_MODEL, "dataset": "three_digit", "reward_funcs": "accuracy",
+                                           "learning_rate": 3e-5, "prompts_per_step": 4, "max_steps": 10,
+                                           "max_completion_length": 128, "eval_num_prompts": 32}),
+    "guess": ("embedded:Guess", {"model": TOOL_MODEL, "dataset": NO_DATASET, "reward_funcs": "", "learning_rate": 3e-5,
+                                 "prompts_per_step": 4, "max_steps": 10, "max_completion_length": 192,
+                                 "eval_num_prompts": 32}),
 }
 
 # The embedded tasks: --dataset NAME runs with these flags, unless they are given (not with an --env, which makes
@@ -609,6 +618,8 @@ EMBEDDED_TASKS = {
                       "learning_rate": 7e-5, "lr_scheduler_type": "linear"},
     # is a number even or odd (embedded.parity_problems), scored by the first of the two words the answer says
     "parity": {"reward_funcs": "choice"},
+    # sums of three-digit numbers (embedded.three_digit_problems): the calculator's task (--env calculator)
+    "three_digit": {},
     # the embedded vision task (embedded.shape_problems): a small VLM learns to name the colour of a shape in a picture
     "shapes": {"model": EMBEDDED_VLM, "reward_funcs": "embedded:named_colour", "max_completion_length": 12,
                "max_steps": 30, "num_arithmetic_problems": 1000, "freeze_vision_tower": False},

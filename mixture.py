@@ -385,6 +385,13 @@ class Mixture:
                 out |= summary(f"eval/task/{task.name}", [i])
         return out
 
+    def trajectory_metrics(self, episodes: list) -> dict:
+        """tools.trajectory_metrics over the trajectories of the tasks with tools or an environment; {} if none has."""
+        if not any(task.tools or task.env for task in self.tasks):
+            return {}
+        t = self.task_index([e.row for e in episodes]).tolist()
+        return trajectory_metrics([e for e, i in zip(episodes, t) if self.tasks[i].tools or self.tasks[i].env])
+
     def metrics(self, episodes: list, rewards: torch.Tensor, matrix: torch.Tensor, zero_std: torch.Tensor,
                 G: int) -> dict:
         """Over all ranks: the trajectories' metrics of the tasks with tools or an environment
@@ -392,10 +399,7 @@ class Mixture:
         `task/<name>/reward` (the mean over its scored completions), `task/<name>/rewards/<fn>` for each of its
         functions (the mean over the completions it scored), `task/<name>/frac_zero_std_groups`."""
         t = self.task_index([e.row for e in episodes])  # (N,)
-        out = {}
-        if any(task.tools or task.env for task in self.tasks):
-            out = trajectory_metrics([e for e, i in zip(episodes, t.tolist()) if self.tasks[i].tools
-                                      or self.tasks[i].env])
+        out = self.trajectory_metrics(episodes)
         if not self.mixed:
             return out
         sums = {}

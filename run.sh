@@ -3,6 +3,7 @@
 #   bash run.sh                                  # the embedded defaults: SmolLM2-135M on the arithmetic task
 #   bash run.sh --max_steps 50 --beta 0.04       # any train.py flag
 #   bash run.sh --dataset shapes                 # the embedded vision task, on a small vision-language model
+#   bash run.sh --env calculator                 # tool use: three-digit sums with a calculator (also: guess)
 #   SERVER_ARGS="--dtype float32" bash run.sh    # any `vllm serve` flag for the server
 # On a GPU machine, run vllm_server.py and torchrun yourself (README: "On GPUs").
 set -euo pipefail

@@ -193,12 +193,12 @@ def _settle(future: concurrent.futures.Future, job):
         future.set_exception(e)
 
 
-def call_tools(turns: list[tuple[list[dict], dict]], timeout: float) -> list[list[str]]:
+def call_tools(turns: list[tuple[list[dict], dict]], timeout: float) -> list[list[tuple[str, bool]]]:
     """The tool calls of one turn of several trajectories, each (its calls, its {name: tool}): a trajectory's calls one
     after another in the order the model wrote them (a call may use what the one before left in the environment),
-    the trajectories side by side, all under one deadline `timeout` s from now. Each call's answer is the text of a
-    tool message: the tool's result, or an error the model reads (a tool that raises, is unknown, gets wrong
-    arguments, or has not answered by the deadline; the calls after that one are not made)."""
+    the trajectories side by side, all under one deadline `timeout` s from now. Each call's answer is (the text of a
+    tool message, whether the call failed): the tool's result, or an error the model reads (a tool that raises, is
+    unknown, gets wrong arguments, or has not answered by the deadline; the calls after that one are not made)."""
     answers, late = [[] for _ in turns], threading.Event()
 
     def in_order(calls, tools, out):
@@ -210,18 +210,18 @@ def call_tools(turns: list[tuple[list[dict], dict]], timeout: float) -> list[lis
                  timeout, "a tool")
     late.set()
     done = [list(out) for out in answers]  # what had answered by the deadline
-    return [out + [f"error: the tool {call['name']} did not answer within {timeout:g} s" if k == 0 else
-                   f"error: the tool {call['name']} was not called: the call before it did not answer in time"
+    return [out + [(f"error: the tool {call['name']} did not answer within {timeout:g} s" if k == 0 else
+                    f"error: the tool {call['name']} was not called: the call before it did not answer in time", True)
                    for k, call in enumerate(calls[len(out):])] for (calls, _), out in zip(turns, done)]
 
 
-def _answer(call: dict, tools: dict) -> str:
+def _answer(call: dict, tools: dict) -> tuple[str, bool]:
     if call["name"] not in tools:
-        return f"error: there is no tool {call['name']!r}; the tools are {', '.join(sorted(tools))}"
+        return f"error: there is no tool {call['name']!r}; the tools are {', '.join(sorted(tools))}", True
     try:
-        return str(call_user(tools[call["name"]], **call["arguments"]))
+        return str(call_user(tools[call["name"]], **call["arguments"])), False
     except Exception as e:
-        return f"error: {type(e).__name__}: {e}"
+        return f"error: {type(e).__name__}: {e}", True
 
 
 def appended_ids(tokenizer, messages: list[dict], new: list[dict], tools: list[dict] | None) -> list[int] | None:
@@ -295,7 +295,8 @@ def start_trajectories(rows: list[dict], ctx: RolloutContext, tools: list, env_f
                      f"{ctx.max_prompt_length}: raise it (and the server's --max-model-len), or shorten that text\n")
         runs.append(dict(row=row, slot=i, env=env, tools={f.__name__: f for f in fns}, schemas=schemas,
                          messages=messages, start=len(messages), prompt_ids=prompt_ids, ids=[], sampled=[],
-                         logprobs=[], finish="stop", live=error is None, error=error, calls=0, rewritten=False))
+                         logprobs=[], finish="stop", live=error is None, error=error, calls=0, failed_calls=0,
+                         rewritten=False))
     return runs
 
 
@@ -341,8 +342,9 @@ def tool_rollout(rows: list[dict], ctx: RolloutContext, tools: list = (), env_fa
                 pending.append((r, calls, errors))
         answers = call_tools([(calls, r["tools"]) for r, calls, _ in pending], timeout)
         for (r, calls, errors), answered in zip(pending, answers):
-            r["calls"] += len(calls)
-            new = ([{"role": "tool", "name": c["name"], "content": a} for c, a in zip(calls, answered)]
+            r["calls"] += len(calls) + len(errors)
+            r["failed_calls"] += len(errors) + sum(failed for _, failed in answered)
+            new = ([{"role": "tool", "name": c["name"], "content": a} for c, (a, _) in zip(calls, answered)]
                    + [{"role": "tool", "name": "error", "content": e} for e in errors])
             suffix = appended_ids(tokenizer, r["messages"], new, r["schemas"])
             if suffix is None:  # the template rewrote history: end the trajectory where it is exact
@@ -358,7 +360,8 @@ def tool_rollout(rows: list[dict], ctx: RolloutContext, tools: list = (), env_fa
     return mark_groups_with_different_prompts([
         Episode(r["row"], r["prompt_ids"], r["ids"], r["sampled"], r["logprobs"], r["finish"],
                 messages=r["messages"][r["start"]:],
-                info={"tool_calls": r["calls"], "template_rewrote_history": r["rewritten"],
+                info={"tool_calls": r["calls"], "failed_tool_calls": r["failed_calls"],
+                      "template_rewrote_history": r["rewritten"],
                       "environment_error": error or r["error"], "environment_reward": reward})
         for r, (reward, error) in zip(runs, rewards)], ctx.num_generations)
 
@@ -468,11 +471,13 @@ def environment_rewards(episodes: list[Episode], scores: list[list[float]], scor
 
 
 def trajectory_metrics(episodes: list[Episode]) -> dict:
-    """Over all ranks: tool calls per trajectory, the completion tokens the model wrote and those the tools and the
-    chat template added, trajectories ended because the template rewrote history, environments that failed, groups
+    """Over all ranks: tool calls per trajectory (each call the model wrote, read or not) and those that failed (not
+    valid JSON, an unknown tool, wrong arguments, the tool raised or timed out), the completion tokens the model
+    wrote and those the tools and the chat template added, trajectories ended because the template rewrote history, environments that failed, groups
     whose prompts differ (warned once: GRPO's baseline then compares answers to different prompts), agents' calls
     that started a new sample (an edited history)."""
     t = sum_over_ranks({"n": len(episodes), "calls": sum(e.info.get("tool_calls", 0) for e in episodes),
+                        "failed_calls": sum(e.info.get("failed_tool_calls", 0) for e in episodes),
                         "model": sum(sum(e.sampled) for e in episodes),
                         "all": sum(len(e.completion_ids) for e in episodes),
                         "rewritten": sum(bool(e.info.get("template_rewrote_history")) for e in episodes),
@@ -486,7 +491,7 @@ def trajectory_metrics(episodes: list[Episode]) -> dict:
                "Make the start depend on the row alone (with --dataset none, on its seed). Counted in "
                "tools/groups_with_different_prompts", file=sys.stderr)
     n = max(t["n"], 1.0)
-    return {"tools/calls": t["calls"] / n, "completion_length/model": t["model"] / n,
+    return {"tools/calls": t["calls"] / n, "tools/failed_calls": t["failed_calls"] / n, "completion_length/model": t["model"] / n,
             "completion_length/environment": (t["all"] - t["model"]) / n,
             "tools/template_rewrote_history": t["rewritten"], "environment_failures": t["failed"],
             "tools/groups_with_different_prompts": t["differ"], "agents/forks": t["forks"]}

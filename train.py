@@ -412,7 +412,8 @@ def main(cfg: Config):
                                             policy_version=scheduler.last_epoch, rank=rank))
         lengths = torch.tensor([len(e.completion_ids) for e in episodes], dtype=torch.float32)
         # per prompt: passed if its task's first reward function gives >= 1; per task too, in a mixture
-        return mixture.eval_metrics([eval_rows[i] for i in mine], matrix, rewards, lengths, n, cfg.pass_k())
+        return mixture.eval_metrics([eval_rows[i] for i in mine], matrix, rewards, lengths, n, cfg.pass_k()) | {
+            f"eval/{name}": value for name, value in mixture.trajectory_metrics(episodes).items()}
 
     if cfg.dry_run:  # the parts of a first step, each a check, on one prompt per task; then stop (preflight.py)
         with checks("sync probe"):

@@ -3,9 +3,12 @@ embedded model on the embedded arithmetic task) once per seed against it, and pr
 evaluation before and after training for each seed: the mean of each reward over the held-out prompts x
 samples (accuracy is pass@1), then their mean and spread over the seeds, and each run's wall time (server
 start not included: the server is started once). With --env, an embedded environment (README: Environments
-and tools) instead, also printing the tool calls per trajectory in the first and the last training steps.
+and tools) instead, also printing the held-out tool calls per trajectory and the share of them that worked
+(well-formed: read, a known tool, right arguments), before and after; for the guess game also the mean number of
+guesses to find the number (a game not found counts as 6).
 
     .venv/bin/python bench/learning.py                    # seeds 42, 43, 44: the default run 3 times
+    .venv/bin/python bench/learning.py --env calculator   # three-digit sums with a calculator (the tool model)
     .venv/bin/python bench/learning.py --env guess        # the embedded guess game, 3 times
     .venv/bin/python bench/learning.py -- --dataset shapes   # the embedded vision task (its VLM), 3 times
     .venv/bin/python bench/learning.py -- --dataset arithmetic,parity   # a mixture: each task's rewards
@@ -48,6 +51,20 @@ def run(port: int, out: str, seed: int, flags: list[str]) -> tuple[list[dict], f
         print(" ", log.read().strip().splitlines()[-1], flush=True)  # train.py's summary line
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()], time.perf_counter() - t
+
+
+def guesses_to_find(out: str, step: int, most: int = 5) -> float:
+    """The embedded guess game's held-out games at the evaluation of `step`: the mean number of guesses it took to find
+    the number, a game not found counting as `most` + 1 (one more than the rounds of calls it may make)."""
+    import json
+    import re
+    counts = []
+    with open(os.path.join(out, "rollouts.jsonl")) as f:
+        for record in map(json.loads, f):
+            if record["split"] == "eval" and record["step"] == step:
+                answers = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", record["completion"], re.S)
+                counts.append(answers.index("found it") + 1 if "found it" in answers else most + 1)
+    return statistics.mean(counts)
 
 
 def spread(values: list[float]) -> str:
@@ -106,12 +123,19 @@ if __name__ == "__main__":
                 name = key.removeprefix("eval/task/" if per_task else "eval/rewards/").replace("/rewards/", "/")
                 results.setdefault(name, []).append((first[key], last[key]))
                 line.append(f"{name} {first[key]:.3f} -> {last[key]:.3f} ({last[key] - first[key]:+.3f})")
-            if "tools/calls" in steps[0]:  # tool calls per trajectory, the first 3 training steps vs the last 3
-                calls = [statistics.mean(r["tools/calls"] for r in part) for part in (steps[:3], steps[-3:])]
-                line.append(f"tool calls {calls[0]:.2f} -> {calls[1]:.2f}")
+            if "eval/tools/calls" in first:  # held out: tool calls per trajectory, and the share that worked
+                calls = [(r["eval/tools/calls"], 1 - r["eval/tools/failed_calls"] / max(r["eval/tools/calls"], 1e-9))
+                         for r in (first, last)]
+                line.append(f"tool calls {calls[0][0]:.2f} -> {calls[1][0]:.2f} (well-formed {calls[0][1]:.2f} -> "
+                            f"{calls[1][1]:.2f})")
+                results.setdefault("calls", []).append((calls[0][0], calls[1][0]))
+            if args.env == "guess":  # the game: guesses to find the number (not found: 6)
+                found = [guesses_to_find(os.path.join(work, f"run{i + 1}-seed{seed}"), r["step"]) for r in (first, last)]
+                line.append(f"guesses to find it {found[0]:.2f} -> {found[1]:.2f}")
+                results.setdefault("guesses", []).append(tuple(found))
             print(f"seed {seed}: {', '.join(line)} | steps {first['step']} -> {last['step']}, "
                   f"{int(last['eval/num_prompts'])} prompts | {seconds / 60:.1f} min", flush=True)
     for name, pairs in results.items():
         gains = [b - a for a, b in pairs]
         print(f"{name:8s} before {statistics.mean(a for a, _ in pairs):.3f}, after {statistics.mean(b for _, b in pairs):.3f}"
-              f" | gain {spread(gains)} | improved in {sum(g > 0 for g in gains)} of {len(gains)} seeds")
+              f" | gain {spread(gains)} | rose in {sum(g > 0 for g in gains)} of {len(gains)} seeds")

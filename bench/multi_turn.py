@@ -4,9 +4,9 @@ invocation runs, one after the other (never at once: they share the CPU):
   1. tools.tool_rollout (the rollout of --tools and --env) with an environment, against vllm_server.py, for
      --steps steps of --prompts rows x G trajectories: every turn is a request per live trajectory (each with a
      seed of its own), sent together; then the tools run and the chat template renders the next turn. Each turn
-     is recorded. The embedded
-     environments start each call turn with the call's opening (their turn_prefix; the embedded model writes
-     no tool call of its own), so the model's turns continue calls and come after the tools' answers.
+     is recorded. The embedded environments run with `prefill` on: each call turn starts with the call's opening
+     (their turn_prefix), so that any model's turns (a tiny random one's, the base SmolLM2's, which writes no call
+     of its own) continue calls and come after the tools' answers.
   2. the limit: vllm.LLM (no HTTP server, no trainer, no tools, no template) in a fresh process, replaying
      the recorded turns in order, each turn's prompts in one call, each completion forced to the length it had
      (ignore_eos, min_tokens).
@@ -47,6 +47,8 @@ def rollouts(model: str, port: int, env: str, steps: int, prompts: int, G: int, 
     from tools import load_callables, tool_rollout
     from vllm_server import VLLMClient
     factory = load_callables(EMBEDDED_ENVIRONMENTS.get(env, (env,))[0], "--env")[0]
+    if hasattr(factory, "prefill"):  # an embedded environment: its call turns opened, whatever the model
+        factory = type(factory.__name__, (factory,), {"prefill": True})
     tokenizer = AutoTokenizer.from_pretrained(model)
     rows = load_rows("none", "train", "", "", 0, 0, num_starts=steps * prompts) if env == "guess" else \
         load_rows("arithmetic", "train", "", "", steps * prompts, 0)

@@ -33,7 +33,7 @@ def test_an_embedded_task_sets_its_flags_unless_they_are_given():
     own = parse_config(["--dataset", "train.jsonl"])
     assert (own.reward_funcs, own.reward_weights, own.system_prompt) == ("accuracy,format", "", "")
     calc = parse_config(["--env", "calculator"])  # an environment's conversation is its own
-    assert (calc.reward_funcs, calc.system_prompt, calc.max_completion_length) == ("accuracy,format", "", 96)
+    assert (calc.reward_funcs, calc.system_prompt, calc.max_completion_length) == ("accuracy", "", 128)
 
 
 def test_bf16_is_auto_unless_told():

@@ -277,7 +277,7 @@ def test_a_mixture_of_datasets_under_one_env_takes_the_envs_flags_not_a_tasks():
     from mixture import parse_tasks
     alone = parse_config(["--dataset", "arithmetic", "--env", "calculator"])
     for t in parse_tasks(parse_config(["--dataset", "arithmetic,parity", "--env", "calculator"])):
-        assert (t.system_prompt, t.reward_funcs) == (alone.system_prompt, alone.reward_funcs) == ("", "accuracy,format")
+        assert (t.system_prompt, t.reward_funcs) == (alone.system_prompt, alone.reward_funcs) == ("", "accuracy")
 
 
 # ----------------------------------------------------------------------------- agents, on the real server

@@ -78,9 +78,11 @@ def test_tools_answer_with_their_result_or_an_error_and_a_hung_one_is_abandoned(
     tools = {"add": add, "hangs": hangs}
     calls = [{"name": "add", "arguments": {"a": 2, "b": 3}}, {"name": "sub", "arguments": {}},
              {"name": "add", "arguments": {"a": 1, "c": 2}}, {"name": "hangs", "arguments": {"seconds": 30}}]
-    out = [answers[0] for answers in call_tools([([c], tools) for c in calls], 1.0)]  # each its own trajectory
+    answers = [answers[0] for answers in call_tools([([c], tools) for c in calls], 1.0)]  # each its own trajectory
+    out, failed = [text for text, _ in answers], [failed for _, failed in answers]
     assert out[0] == "5" and "there is no tool 'sub'" in out[1] and "unexpected keyword argument 'c'" in out[2]
     assert out[3] == "error: the tool hangs did not answer within 1 s"  # its thread is a daemon: it holds nothing up
+    assert failed == [False, True, True, True]  # counted in tools/failed_calls
     with pytest.raises(UsageError, match="Google-style docstring"):
         tool_schemas([lambda x: x])
 
@@ -322,7 +324,7 @@ def test_an_environment_without_a_dataset_starts_each_group_from_its_rows_seed(t
     assert rows == [{"prompt": "", "seed": k} for k in range(4)]
     assert load_rows("none", "test", "", "", 0, 0, num_starts=2)[0]["seed"] == 10 ** 9  # held-out starts
     ctx = RolloutContext(GuessesFive(tokenizer), tokenizer, 3, dict(max_tokens=200, temperature=1.0), seed=1)
-    episodes = tool_rollout(rows, ctx, env_factory=lambda: type("Unprefilled", (Guess,), {"prefill": False})())
+    episodes = tool_rollout(rows, ctx, env_factory=Guess)
     for g in range(4):
         group = episodes[3 * g:3 * g + 3]
         assert len({tuple(e.prompt_ids) for e in group}) == 1 and "I am thinking of a whole number" in \
@@ -356,7 +358,8 @@ class OpeningFails:
 
 
 def test_an_environments_turn_prefix_is_given_not_sampled_and_the_model_continues_it(tokenizer):
-    """Guess starts every turn until the number is found with the opening of a guess call (turn_prefix): its
+    """Guess with `prefill` (for a model that writes no call by itself; the embedded tool model does) starts every
+    turn until the number is found with the opening of a guess call (turn_prefix): its
     tokens are in the trajectory as given (sampled=False, no log-prob), the model's own tokens close the call,
     and the call is read from both; a turn_prefix that raises is the trajectory's environment error."""
     import math
@@ -367,7 +370,8 @@ def test_an_environments_turn_prefix_is_given_not_sampled_and_the_model_continue
     five = next(seed for seed in range(100) if random.Random(seed).randint(1, 10) == 5)  # Guess draws so
     rows = [{"prompt": "", "seed": seed} for seed in (0, five, 1)]
     ctx = RolloutContext(GuessesFive(tokenizer), tokenizer, 2, dict(max_tokens=300, temperature=1.0), seed=1)
-    episodes = tool_rollout(rows, ctx, env_factory=Guess, max_iterations=2)
+    Prefilled = type("Prefilled", (Guess,), {"prefill": True})
+    episodes = tool_rollout(rows, ctx, env_factory=Prefilled, max_iterations=2)
     opening = tokenizer.encode(call_opening("guess", "number"), add_special_tokens=False)
     founds = []
     for k, e in enumerate(episodes):
@@ -387,7 +391,7 @@ def test_an_environments_turn_prefix_is_given_not_sampled_and_the_model_continue
         assert e.info["environment_reward"] == float(founds[-1])
     assert founds == [False, False, True, True, False, False]
     short = RolloutContext(ctx.client, tokenizer, 2, dict(max_tokens=len(opening) - 2, temperature=1.0), seed=1)
-    for e in tool_rollout(rows[:1], short, env_factory=Guess):  # no room for the model: the opening, cut, is all
+    for e in tool_rollout(rows[:1], short, env_factory=Prefilled):  # no room for the model: the opening, cut, is all
         assert (e.finish_reason, e.completion_ids, e.sampled) == ("length", opening[:-2], [False] * len(opening[:-2]))
         assert e.messages == [{"role": "assistant", "content": tokenizer.decode(opening[:-2])}]
     episodes = tool_rollout(rows[:1], ctx, env_factory=OpeningFails)
@@ -419,7 +423,8 @@ def test_the_embedded_environments_and_the_flags_they_bring():
     cfg = parse_config(["--env", "guess", "--dataset", "my.jsonl", "--max_completion_length=64"])
     assert (cfg.dataset, cfg.max_completion_length) == ("my.jsonl", 64)  # the flags given win
     assert parse_config(["--env", "guess", "--max_completion", "50"]).max_completion_length == 50  # abbreviated too
-    assert parse_config(["--env", "calculator"]).reward_funcs == "accuracy,format"
+    calc = parse_config(["--env", "calculator"])
+    assert (calc.model, calc.dataset, calc.reward_funcs) == ("smollm2-135m-tools", "three_digit", "accuracy")
 
 
 def test_tools_of_one_name_are_refused_and_schemas_are_made_once():

@@ -1,0 +1,133 @@
+"""The embedded tool-calling model (embedded.build_tool_model) and the calculator's task: what the model is taught
+before RL (transcripts of the embedded environments, the loss on the assistant's tokens only, no held-out sum among
+them), that it then writes its calls itself but not always (when to call is left to RL), and the count of calls that
+failed (tools/failed_calls)."""
+import re
+
+import pytest
+
+from embedded import (Calculator, Guess, assistant_labels, default_model_path, three_digit_problems, tool_model_path,
+                      tool_transcripts)
+from rollout import RolloutContext
+from tools import parse_tool_calls, tool_rollout, trajectory_metrics
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(default_model_path())
+
+
+def pairs(rows):
+    return {tuple(map(int, re.findall(r"\d+", r["prompt"])[:2])) for r in rows}
+
+
+def test_the_calculators_held_out_sums_are_never_trained_on_and_its_answers_are_right():
+    train, test = three_digit_problems(3000, seed=1), three_digit_problems(0, seed=1, split="test")
+    assert len(test) == 64 and test == three_digit_problems(5, seed=1, split="test")  # seeded; n is ignored
+    assert not pairs(train) & pairs(test) and len(pairs(train)) > 2500
+    for row in train + test:
+        a, b = map(int, re.findall(r"\d+", row["prompt"])[:2])
+        assert 100 <= a <= 999 and 100 <= b <= 999 and row["answer"] == str(a + b)
+
+
+def test_the_transcripts_call_the_calculator_in_two_of_three_sums_and_play_guess_by_its_answers():
+    transcripts = tool_transcripts(80, seed=0)  # as build_tool_model makes them
+    sums = [m for m, schemas in transcripts if schemas[0]["function"]["name"] == "calculate"]
+    games = [m for m, schemas in transcripts if schemas[0]["function"]["name"] == "guess"]
+    assert (len(sums), len(games)) == (40, 40)
+    assert sum("tool_calls" in m[1] for m in sums) == 26  # when to call is left to RL
+    held_out = pairs(three_digit_problems(0, seed=0, split="test"))
+    for messages in sums:
+        a, b = map(int, re.findall(r"\d+", messages[0]["content"])[:2])
+        assert (a, b) not in held_out and (a + 7 * b) % 16 != 0  # the held-out rule: no held-out pair in any draw
+        assert messages[-1]["content"].endswith(f"\\boxed{{{a + b}}}.")
+        if "tool_calls" in messages[1]:
+            assert messages[2]["content"] == str(a + b)  # the tool's answer, as Calculator.calculate gives it
+    for messages in games:
+        assert messages[0]["content"] == Guess().reset(seed=0)  # the game's own prompt
+        low, high = 1, Guess.high
+        answers = [m["content"] for m in messages if m["role"] == "tool"]
+        numbers = [m["tool_calls"][0]["function"]["arguments"]["number"] for m in messages if "tool_calls" in m]
+        for number, answer in zip(numbers, answers):
+            assert low <= number <= high  # each guess among the numbers the answers so far leave
+            low, high = (number + 1, high) if answer == "higher" else (low, number - 1) if answer == "lower" else \
+                (number, number)
+        assert answers[-1] == "found it" and messages[-1]["content"].endswith(f"is {numbers[-1]}.")
+
+
+def test_the_fit_learns_only_the_assistants_tokens(tokenizer):
+    """Labels cover each assistant turn from its first token to its end-of-turn token, and nothing else: not the
+    system turn with the tools, the question, the tools' answers, or the `<|im_start|>assistant` openings."""
+    messages, schemas = next(t for t in tool_transcripts(64, seed=0) if "tool_calls" in t[0][1])
+    ids, labels = assistant_labels(tokenizer, messages, schemas)
+    assert len(ids) == len(labels) and all(label in (-100, i) for i, label in zip(ids, labels))
+    spans, run = [], []
+    for i, label in zip(ids, labels):  # the labelled runs, in order
+        if label != -100:
+            run.append(i)
+        elif run:
+            spans, run = spans + [run], []
+    spans += [run] if run else []
+    a, b = map(int, re.findall(r"\d+", messages[0]["content"])[:2])
+    assert [tokenizer.decode(s) for s in spans] == [
+        f'<tool_call>\n{{"name": "calculate", "arguments": {{"expression": "{a} + {b}"}}}}\n</tool_call><|im_end|>',
+        f"{a} + {b} = {a + b}, so the answer is \\boxed{{{a + b}}}.<|im_end|>"]
+
+
+class ThreeKindsOfCall:
+    """A stand-in for the server's client: the first turn writes a call that is not JSON, a call of a tool that does
+    not exist and a good call; the second turn answers."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def generate_each(self, prompts, max_tokens, seeds, **sampling):
+        first = ('<tool_call>{"name": "calculate", "arguments": {</tool_call>'
+                 '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+                 '<tool_call>{"name": "calculate", "arguments": {"expression": "100 + 200"}}</tool_call>')
+        out = []
+        for p in prompts:
+            text = "\\boxed{300}" if "<tool_response>" in self.tokenizer.decode(p) else first
+            ids = self.tokenizer(text)["input_ids"] + [self.tokenizer.eos_token_id]
+            out.append(dict(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop"))
+        return out
+
+
+def test_calls_that_fail_are_counted_beside_all_calls(tokenizer):
+    rows = [{"prompt": "What is 100 + 200?", "answer": "300"}]
+    ctx = RolloutContext(ThreeKindsOfCall(tokenizer), tokenizer, 2, dict(max_tokens=300, temperature=1.0), seed=1)
+    episodes = tool_rollout(rows, ctx, env_factory=Calculator)
+    assert all((e.info["tool_calls"], e.info["failed_tool_calls"]) == (3, 2) for e in episodes)
+    assert "300" in [m["content"] for m in episodes[0].messages if m["role"] == "tool"]  # the good call was made
+    metrics = trajectory_metrics(episodes)
+    assert (metrics["tools/calls"], metrics["tools/failed_calls"]) == (3, 2)
+
+
+@pytest.mark.slow
+def test_the_tool_model_writes_well_formed_calls_but_not_always():
+    """Built once (about 2 minutes): on held-out sums at temperature 1 it calls the calculator in some answers and
+    not in others (RL learns when to call), and its calls are read as calls of calculate with the sum."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import get_json_schema
+    path = tool_model_path()
+    tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
+    torch.manual_seed(0)
+    called = good = 0
+    rows = three_digit_problems(0, seed=0, split="test")[:24]
+    for row in rows:
+        messages = [{"role": "user", "content": row["prompt"] + Calculator().reset()}]
+        ids = tokenizer.apply_chat_template(messages, tools=[get_json_schema(Calculator.calculate)],
+                                            add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        out = model.generate(**ids, do_sample=True, temperature=1.0, max_new_tokens=40, num_return_sequences=2,
+                             pad_token_id=tokenizer.pad_token_id)
+        for sample in out:
+            text = tokenizer.decode(sample[ids["input_ids"].shape[1]:], skip_special_tokens=True)
+            if "<tool_call>" in text:
+                called += 1
+                _, calls, errors = parse_tool_calls(text)
+                a, b = re.findall(r"\d+", row["prompt"])[:2]
+                good += not errors and calls == [{"name": "calculate", "arguments": {"expression": f"{a} + {b}"}}]
+    assert 2 <= called <= 46, called  # of 48: neither never nor always
+    assert good >= 0.7 * called, (good, called)
