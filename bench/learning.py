@@ -5,7 +5,7 @@ samples (accuracy is pass@1), then their mean and spread over the seeds, and eac
 start not included: the server is started once). With --env, an embedded environment (README: Environments
 and tools) instead, also printing the held-out tool calls per trajectory and the share of them that worked
 (well-formed: read, a known tool, right arguments), before and after; for the guess game also the mean number of
-guesses to find the number (a game not found counts as 6).
+guesses to find the number (a game not found counts as 6) and the share of games won.
 
     .venv/bin/python bench/learning.py                    # seeds 42, 43, 44: the default run 3 times
     .venv/bin/python bench/learning.py --env calculator   # three-digit sums with a calculator (the tool model)
@@ -53,9 +53,10 @@ def run(port: int, out: str, seed: int, flags: list[str]) -> tuple[list[dict], f
         return [json.loads(line) for line in f if line.strip()], time.perf_counter() - t
 
 
-def guesses_to_find(out: str, step: int, most: int = 5) -> float:
-    """The embedded guess game's held-out games at the evaluation of `step`: the mean number of guesses it took to find
-    the number, a game not found counting as `most` + 1 (one more than the rounds of calls it may make)."""
+def guesses_to_find(out: str, step: int, most: int = 5) -> tuple[float, float]:
+    """The embedded guess game's held-out games at the evaluation of `step`: the share in which the number was found,
+    and the mean number of guesses it took to find it, a game not found counting as `most` + 1 (one more than the
+    rounds of calls it may make)."""
     import json
     import re
     counts = []
@@ -64,7 +65,7 @@ def guesses_to_find(out: str, step: int, most: int = 5) -> float:
             if record["split"] == "eval" and record["step"] == step:
                 answers = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", record["completion"], re.S)
                 counts.append(answers.index("found it") + 1 if "found it" in answers else most + 1)
-    return statistics.mean(counts)
+    return sum(c <= most for c in counts) / len(counts), statistics.mean(counts)
 
 
 def spread(values: list[float]) -> str:
@@ -130,9 +131,11 @@ if __name__ == "__main__":
                             f"{calls[1][1]:.2f})")
                 results.setdefault("calls", []).append((calls[0][0], calls[1][0]))
             if args.env == "guess":  # the game: guesses to find the number (not found: 6)
-                found = [guesses_to_find(os.path.join(work, f"run{i + 1}-seed{seed}"), r["step"]) for r in (first, last)]
-                line.append(f"guesses to find it {found[0]:.2f} -> {found[1]:.2f}")
-                results.setdefault("guesses", []).append(tuple(found))
+                (found, guesses), (found_after, guesses_after) = [
+                    guesses_to_find(os.path.join(work, f"run{i + 1}-seed{seed}"), r["step"]) for r in (first, last)]
+                line.append(f"found {found:.2f} -> {found_after:.2f}, guesses to find it {guesses:.2f} -> "
+                            f"{guesses_after:.2f}")
+                results.setdefault("guesses", []).append((guesses, guesses_after))
             print(f"seed {seed}: {', '.join(line)} | steps {first['step']} -> {last['step']}, "
                   f"{int(last['eval/num_prompts'])} prompts | {seconds / 60:.1f} min", flush=True)
     for name, pairs in results.items():
