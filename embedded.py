@@ -273,8 +273,8 @@ def tool_model_path() -> str:
     """The embedded tool-calling model's folder, built once from the embedded SmolLM2 (build_tool_model)."""
     out = os.path.join(cache_dir(), "SmolLM2-135M-tools")
     if not os.path.exists(os.path.join(out, "config.json")):
-        print(f"building the embedded tool-calling model once into {out} (about a minute and a half) ...", file=sys.stderr,
-              flush=True)
+        print(f"building the embedded tool-calling model once into {out} (about a minute and a half) ...",
+              file=sys.stderr, flush=True)
         build_tool_model(out, default_model_path())
     return out
 
@@ -407,8 +407,8 @@ def build_embedded_vlm(out: str, language_model: str, image_size: int = 64, seed
 def tool_transcripts(n: int, seed: int) -> list[tuple[list[dict], list[dict]]]:
     """n synthetic conversations with the embedded environments as their rollouts show them (the reset's text, the
     tools' schemas): (messages, schemas). Half are the calculator's task on training sums (never held-out ones): in
-    two in three of those the model calls calculate and copies its answer, in the others it answers at
-    once, so when to call is left to RL. The others are games of guess, each guess drawn from the numbers the answers so far
+    two in three of those the model calls calculate and copies its answer, in the others it answers at once, so when
+    to call is left to RL. The other half are games of guess, each guess drawn from the numbers the answers so far
     leave: a search, not yet a bisection, so that how to guess is left to RL too."""
     from transformers.utils import get_json_schema
     rng = random.Random(f"transcripts {seed}")
@@ -430,7 +430,10 @@ def tool_transcripts(n: int, seed: int) -> list[tuple[list[dict], list[dict]]]:
             number = rng.randint(low, high)
             answer = env.guess(number)
             messages += [call("guess", number=number), {"role": "tool", "name": "guess", "content": answer}]
-            low, high = (number + 1, high) if answer == "higher" else (low, number - 1) if answer == "lower" else (low, high)
+            if answer == "higher":
+                low = number + 1
+            elif answer == "lower":
+                high = number - 1
         messages.append({"role": "assistant", "content": f"I found it: the number is {number}."})
         out.append((messages, [get_json_schema(Guess.guess)]))
     rng.shuffle(out)
@@ -467,13 +470,15 @@ def fit_transcripts(model, tokenizer, transcripts, batch_size: int = 8, lr: floa
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     model.train()
     for first in range(0, len(examples), batch_size):
-        batch = examples[first:first + batch_size]
-        width = max(len(ids) for ids, _ in batch)
-        padded = lambda k, value: torch.tensor([seq[k] + [value] * (width - len(seq[k])) for seq in batch])  # noqa: E731
-        mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch])
+        batch_ids, batch_labels = zip(*examples[first:first + batch_size])
+        width = max(map(len, batch_ids))
+
+        def padded(rows, value):
+            return torch.tensor([row + [value] * (width - len(row)) for row in rows])
+        ids, labels = padded(batch_ids, tokenizer.pad_token_id or 0), padded(batch_labels, -100)
+        mask = padded([[1] * len(row) for row in batch_ids], 0)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(input_ids=padded(0, tokenizer.pad_token_id or 0), attention_mask=mask,
-                         labels=padded(1, -100)).loss
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

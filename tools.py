@@ -473,9 +473,9 @@ def environment_rewards(episodes: list[Episode], scores: list[list[float]], scor
 def trajectory_metrics(episodes: list[Episode]) -> dict:
     """Over all ranks: tool calls per trajectory (each call the model wrote, read or not) and those that failed (not
     valid JSON, an unknown tool, wrong arguments, the tool raised or timed out), the completion tokens the model
-    wrote and those the tools and the chat template added, trajectories ended because the template rewrote history, environments that failed, groups
-    whose prompts differ (warned once: GRPO's baseline then compares answers to different prompts), agents' calls
-    that started a new sample (an edited history)."""
+    wrote and those the tools and the chat template added, trajectories ended because the template rewrote
+    history, environments that failed, groups whose prompts differ (warned once: GRPO's baseline then compares
+    answers to different prompts), agents' calls that started a new sample (an edited history)."""
     t = sum_over_ranks({"n": len(episodes), "calls": sum(e.info.get("tool_calls", 0) for e in episodes),
                         "failed_calls": sum(e.info.get("failed_tool_calls", 0) for e in episodes),
                         "model": sum(sum(e.sampled) for e in episodes),
@@ -491,8 +491,8 @@ def trajectory_metrics(episodes: list[Episode]) -> dict:
                "Make the start depend on the row alone (with --dataset none, on its seed). Counted in "
                "tools/groups_with_different_prompts", file=sys.stderr)
     n = max(t["n"], 1.0)
-    return {"tools/calls": t["calls"] / n, "tools/failed_calls": t["failed_calls"] / n, "completion_length/model": t["model"] / n,
-            "completion_length/environment": (t["all"] - t["model"]) / n,
+    return {"tools/calls": t["calls"] / n, "tools/failed_calls": t["failed_calls"] / n,
+            "completion_length/model": t["model"] / n, "completion_length/environment": (t["all"] - t["model"]) / n,
             "tools/template_rewrote_history": t["rewritten"], "environment_failures": t["failed"],
             "tools/groups_with_different_prompts": t["differ"], "agents/forks": t["forks"]}
 
