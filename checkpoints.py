@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from config import RunStopped, UsageError
+from config import STOP, RunStopped, SignalStop, UsageError
 from metrics import LOGS, keep_steps_up_to
 from models import full_tensor, hf_model, sharded_parameters
 from utils import OutputLock, print0, sum_over_ranks, text_of_rank0
@@ -375,13 +375,17 @@ def restore_training_state(state: dict, model, optimizer, scheduler, rank: int, 
 # stopping: SIGTERM and Ctrl-C save a checkpoint first
 
 class StopRequest:
-    """SIGTERM or SIGINT (Ctrl-C) asks the run to save a checkpoint and stop at the next safe point;
-    a second SIGINT stops at once. (torchrun's ranks run in sessions of their own: a terminal's Ctrl-C reaches
-    them through torchrun, which passes on the first only.) `requested()` is a collective: every rank gets the
-    same answer."""
+    """SIGTERM or SIGINT (Ctrl-C) asks the run to save a checkpoint and stop; a second SIGINT stops at once.
+    (torchrun's ranks run in sessions of their own: a terminal's Ctrl-C reaches them through torchrun, which passes
+    on the first only.) Made first thing: while the run starts (`at_once`, until the loop's guard can save), a signal
+    ends it there, with nothing to save (the output folder's lock is released on the way out). Then it sets
+    config.STOP, which ends the step's waits (a rollout, the reward functions: config.Interrupted), and the guard or
+    the next `requested()` saves and stops. `requested()` is a collective: every rank gets the same answer."""
 
     def __init__(self):
         self.flag = self.stopping = False  # this rank got a signal / some rank did (known at the last check)
+        self.at_once = True
+        STOP.clear()
         signal.signal(signal.SIGTERM, self._handle)
         signal.signal(signal.SIGINT, self._handle)
 
@@ -389,6 +393,10 @@ class StopRequest:
         if self.flag and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.flag = True
+        STOP.set()
+        if self.at_once:
+            self.at_once = False  # raised once: what runs on the way out is not cut short again
+            raise SignalStop("stopped by a signal while the run was starting; nothing was trained, nothing saved")
 
     def requested(self) -> bool:
         self.stopping = sum_over_ranks({"stop": self.flag})["stop"] > 0

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import sys
+import threading
 import typing
 from dataclasses import dataclass
 
@@ -37,9 +38,24 @@ class RunStopped(RuntimeError):
     and what to do) with exit code 3, without a traceback of our code."""
 
 
+class SignalStop(BaseException):
+    """A stop signal (SIGTERM, the first Ctrl-C) ended the run, after it saved what it had (the message says what):
+    printed by rank 0 as it is, with exit code 0, as a stop seen at the end of a step. Not an Exception, as
+    KeyboardInterrupt is not: no handler of errors (a dry run's check, a reward function's) takes it for one."""
+
+
+class Interrupted(Exception):
+    """A stop signal arrived while the step waited (for a rollout, the reward functions): what it waited for is
+    abandoned, and the run saves its last completed step and stops (guard.ServerGuard)."""
+
+
+STOP = threading.Event()  # set when a stop signal arrives (checkpoints.StopRequest): the step's waits end then
+
+
 def run_main(main, *args):
-    """main(*args), with a UsageError printed as one line, `error: ...`, and exit code 2, and a RunStopped as
-    `stopped: ...` and exit code 3 (no traceback); every other error keeps its traceback."""
+    """main(*args), with a UsageError printed as one line, `error: ...`, and exit code 2, a RunStopped as
+    `stopped: ...` and exit code 3 (no traceback), a SignalStop as its message and exit code 0; every other error
+    keeps its traceback."""
     where = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
     try:
         main(*args)
@@ -49,6 +65,10 @@ def run_main(main, *args):
     except RunStopped as e:
         print(f"stopped{where}: {e}", file=sys.stderr, flush=True)
         sys.exit(3)
+    except SignalStop as e:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(e, flush=True)
+        sys.exit(0)
 
 
 @dataclass

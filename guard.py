@@ -8,7 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from config import Config, RunStopped, UsageError
+from config import Config, Interrupted, RunStopped, SignalStop, UsageError
 from vllm_server import ServerLost, VLLMClient
 
 
@@ -23,7 +23,9 @@ class ServerGuard:
     before), and runs the call again on every rank (it may hold collectives: FSDP2 gathers, a sync push). If it is
     not back within `timeout` seconds, or a call fails `attempts` times in a row, or any other error is raised on
     any rank (a RunStopped too: a foreseen stop), every rank runs `on_gone()` (saves a checkpoint) and the run
-    stops; at once if `stop_requested()` (a preempted job's server dies first, its trainer has seconds to live)."""
+    stops; at once if `stop_requested()` (a preempted job's server dies first, its trainer has seconds to live).
+    A stop signal on any rank (`stop_requested()`, or a wait it ended: config.Interrupted) is seen when the call
+    ends: every rank runs `on_gone(signal=True)` and the run ends with SignalStop (exit code 0)."""
 
     def __init__(self, client, sync, timeout: float, on_gone, attempts: int = 3, stop_requested=lambda: False):
         self.client, self.sync, self.timeout, self.on_gone, self.attempts = client, sync, timeout, on_gone, attempts
@@ -37,11 +39,15 @@ class ServerGuard:
                 return_value, error = fn(*args, **kwargs), None
             except ServerLost as e:
                 return_value, error = None, str(e)  # not the exception: its frames would keep the broken transfer alive
+            except Interrupted:  # a stop signal ended the wait: seen below, on every rank
+                return_value, error = None, None
             except Exception as e:  # what waiting cannot mend (the server refused a request, a rollout raised, ...)
                 return_value, error, failure = None, None, e
-            lost, failed = self._anywhere(error is not None, failure is not None)
+            lost, failed, stopping = self._anywhere(error is not None, failure is not None, self.stop_requested())
             if failed:
                 self._stop_for(failure)
+            if stopping and not lost:  # (lost: the wait for the server sees the stop at once, and says so)
+                raise SignalStop(f"stopped by a signal. {self._saved(signal=True)}")
             if not lost:
                 return return_value
             self._reconnect(error)
@@ -62,8 +68,9 @@ class ServerGuard:
         print(f"[rank {os.environ.get('RANK', 0)}] stopped by an error (below). {saved}.", flush=True)
         raise failure
 
-    def _saved(self) -> str:
-        path = self.on_gone()  # None: no step done since the start (or the resume) that a checkpoint would keep
+    def _saved(self, signal: bool = False) -> str:
+        path = self.on_gone(signal=True) if signal else self.on_gone()  # None: nothing done since the start (or the
+        # resume) that a checkpoint would keep
         return (f"Saved {path}: continue with --resume_from_checkpoint latest" if path else
                 "No step was done since the start, nothing new to save")
 

@@ -41,7 +41,7 @@ import traceback
 from multiprocessing import resource_tracker
 from types import ModuleType, SimpleNamespace
 
-from config import RunStopped, UsageError
+from config import STOP, Interrupted, RunStopped, UsageError
 
 MATH_TIMEOUT = 2  # seconds math-verify may spend parsing or comparing one completion (pathological input)
 BOXED_NUMBER = re.compile(r"\\boxed\{\s*-?[\d,]*\.?\d+\.?\s*\}")  # a full stop after it too, as accuracy reads it
@@ -524,12 +524,27 @@ class RewardScorer:
     def _run(self, jobs: list[tuple[str, dict]]) -> list[dict]:
         self.start()
         try:
-            return self._pool.apply_async(_score, (jobs, self.options)).get(timeout=self.timeout)
+            return self._answer(self._pool.apply_async(_score, (jobs, self.options)))
+        except Interrupted:  # a stop signal: the functions' work is abandoned with their process
+            self.stop(busy=True)
+            raise
         except Exception as e:  # hung, or the process died: these functions' batches are unscored; a fresh process
             self.stop(busy=True)
             why = (f"did not finish within {self.timeout:g} s" if isinstance(e, mp.TimeoutError)
                    else f"crashed the scorer process ({type(e).__name__}: {e})")
             return [_unscored(len(batch["completions"]), f"{why}\n") for _, batch in jobs]
+
+    def _answer(self, result):
+        """The scorer process's answer, waited for up to --reward_timeout (mp.TimeoutError), or until a stop signal
+        (config.Interrupted)."""
+        deadline = time.monotonic() + self.timeout
+        while not result.ready():
+            if STOP.is_set():
+                raise Interrupted("a stop signal arrived while the reward functions ran")
+            result.wait(min(0.2, max(deadline - time.monotonic(), 0)))
+            if time.monotonic() > deadline and not result.ready():
+                raise mp.TimeoutError
+        return result.get(0)
 
     def __call__(self, rows: list[dict], completions: list, completion_ids: list[list[int]], step: int = 0,
                  own=None) -> list[list[float]]:

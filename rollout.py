@@ -38,7 +38,7 @@ from config import UsageError
 from data import encode_prompt
 from logprobs import PerPrompt
 from rewards import EXTRA_ARGUMENTS
-from utils import InThread, print0
+from utils import InThread, print0, unless_stopped
 
 
 @dataclass
@@ -119,8 +119,11 @@ def load_rollout(name: str):
 
 
 def run_rollout(fn, rows: list[dict], ctx: RolloutContext) -> list[Episode]:
-    """fn(rows, ctx), checked against the contract: ValueError saying which part it breaks."""
-    episodes, G, name = fn(rows, ctx), ctx.num_generations, getattr(fn, "__name__", repr(fn))
+    """fn(rows, ctx), checked against the contract: ValueError saying which part it breaks. It runs on a thread of its
+    own, so that a stop signal ends the wait for it at once, whatever it waits for (config.Interrupted: the server's
+    samples, a slow tool or environment, an agent, a user's rollout); it is then abandoned."""
+    name = getattr(fn, "__name__", repr(fn))
+    episodes, G = unless_stopped(InThread(fn, rows, ctx), f"the rollout {name}"), ctx.num_generations
     if not isinstance(episodes, list) or len(episodes) != len(rows) * G:
         raise ValueError(f"rollout {name} returned {len(episodes) if hasattr(episodes, '__len__') else episodes!r} "
                          f"episodes for {len(rows)} rows; it must return a list of {G} (--num_generations) per row")

@@ -244,6 +244,7 @@ def sampler_diff(tokens: dict, keep, logp: torch.Tensor) -> tuple[torch.Tensor, 
 
 def main(cfg: Config):
     # -------------------------------------------------------------------------- setup
+    stop = StopRequest()  # SIGTERM / Ctrl-C: while starting, stop there; from the first push on, save, then stop
     rank, local_rank, world_size, device, is_main = setup_distributed(cfg.collective_timeout())
     cfg.validate(world_size)
     cfg.bf16 = native_bf16(device) if cfg.bf16 == "auto" else cfg.bf16  # fp32 where bf16 is emulated (slow)
@@ -306,7 +307,6 @@ def main(cfg: Config):
     sync_tolerance = cfg.probe_tolerance(exact=server_dtype == torch.float32 and not cfg.bf16)
     logger = MetricsLogger(cfg.output_dir, is_main and not cfg.dry_run, cfg.report_to, run_config, cfg.wandb_project,
                            cfg.run_name)
-    stop = StopRequest()  # SIGTERM / Ctrl-C: save a checkpoint, then stop
 
     def rows_of(step: int, extra_round: int = 0) -> list[int]:
         """This rank's rows (indices) of `step` (or of its extra sampling round, --dynamic_sampling), as on resume."""
@@ -354,11 +354,15 @@ def main(cfg: Config):
     # every rank saves the rounds done (optimizer steps taken / steps per round), then the run stops with a message.
     updates_per_round = cfg.num_iterations * cfg.steps_per_generation  # optimizer steps per step (round) of the loop
     unlogged = {}  # the metrics of a step that has updated the weights, until its log line
-    def save_on_stop() -> str | None:  # the steps done since the start (or the resume), if any
+    in_loop = False  # True once the loop runs (after the starting point's evaluation, which a checkpoint marks done)
+
+    def save_on_stop(signal: bool = False) -> str | None:
+        """The steps done since the start (or the resume), if any; at a stop signal in the loop, also none (its state:
+        after step 0's evaluation, say). The metrics of a step not logged yet are logged first."""
         if unlogged:
             logger.log(unlogged)
         steps_done = scheduler.last_epoch // updates_per_round
-        return checkpoint(steps_done) if steps_done > state["step"] else None
+        return checkpoint(steps_done) if steps_done > state["step"] or signal and in_loop else None
 
     scorer.start()  # its process imports the reward functions while the first push and samples are under way
     # weights leave in the server's names and dtype (LoRA merged, or the adapter alone), FSDP2 shards gathered one
@@ -367,6 +371,7 @@ def main(cfg: Config):
         sync, pushed = server_sync(cfg, client, model, server_dtype, rank, version=lambda: scheduler.last_epoch)
         guard = ServerGuard(client, sync, cfg.vllm_server_timeout, on_gone=save_on_stop,
                             stop_requested=lambda: stop.flag)
+        stop.at_once = False  # from here a signal is seen by the guard's calls (and their waits), which save first
         guard.run(sync.push)  # the server = our step-0 policy (LoRA: its adapter starts at zero, but names must map)
         barrier()  # no rank samples while weights are being pushed
         # the batches sampled ahead (--async_generation, up to --max_staleness K), a checkpoint's too
@@ -439,6 +444,7 @@ def main(cfg: Config):
         print0(eval_line(state["step"], metrics, cfg.pass_k(), [t.name for t in mixture.tasks]))
     bad_steps, t_start = 0, time.perf_counter()  # steps in a row whose loss was not finite; for the progress bar
     scoring = ScoringWatch(names, cfg.max_unscored_steps)  # steps in a row with a reward function down, or alike
+    in_loop = True
     for step in range(state["step"], cfg.max_steps):
         timer = StepTimer()
         # ---------------------------------------------------------------------- sample

@@ -24,7 +24,7 @@ from contextlib import suppress
 import torch
 import torch.distributed as dist
 
-from config import UsageError, run_main
+from config import STOP, Interrupted, UsageError, run_main
 
 
 # -----------------------------------------------------------------------------
@@ -369,3 +369,12 @@ class InThread:
         if error is not None:
             raise error
         return self.value
+
+
+def unless_stopped(call: InThread, what: str, poll_s: float = 0.2):
+    """call.result(), unless a stop signal arrives first (config.STOP): then Interrupted, and the call is abandoned.
+    Its thread runs on until the process ends, and its requests to the server end with the process's connections."""
+    while not call.wait(poll_s):
+        if STOP.is_set():
+            raise Interrupted(f"a stop signal arrived during {what}")
+    return call.result()

@@ -273,17 +273,48 @@ def with_secret(rows, ctx):
 
 
 def gated_at_call_2(rows, ctx):
-    """The default rollout; its second call (step 2 with one process) first writes NANOGRPO_TEST_GATE + ".waiting"
-    and waits until NANOGRPO_TEST_GATE + ".open" exists: a test can change the server while no request runs."""
+    """The default rollout; its second call (step 2 with one process; NANOGRPO_TEST_GATE_CALL: another, on
+    NANOGRPO_TEST_GATE_RANK alone if set) first writes NANOGRPO_TEST_GATE + ".waiting" and waits until
+    NANOGRPO_TEST_GATE + ".open" exists: a test can change the server while no request runs, or stop the run there."""
     global _calls
     _calls += 1
-    gate = os.environ["NANOGRPO_TEST_GATE"]
-    if _calls == 2:
+    gate, rank = os.environ["NANOGRPO_TEST_GATE"], os.environ.get("NANOGRPO_TEST_GATE_RANK")
+    if _calls == int(os.environ.get("NANOGRPO_TEST_GATE_CALL", 2)) and rank in (None, os.environ.get("RANK", "0")):
         open(gate + ".waiting", "w").close()
         while not os.path.exists(gate + ".open"):
             time.sleep(0.1)
     from rollout import generate
     return generate(rows, ctx)
+
+
+class WaitsWhenAsked:
+    """An environment whose tool `wait` answers at once, until the file NANOGRPO_TEST_GATE exists: then it writes
+    NANOGRPO_TEST_GATE + ".waiting" and blocks for an hour (a slow tool). Run with a structured-outputs regex that
+    makes the model write the call."""
+
+    CALL = '<tool_call>\n{"name": "wait", "arguments": {}}\n</tool_call>'
+
+    def reset(self, **row) -> str:
+        return ""
+
+    def wait(self) -> str:
+        """Wait until the world is ready."""
+        gate = os.environ["NANOGRPO_TEST_GATE"]
+        if os.path.exists(gate):
+            open(gate + ".waiting", "w").close()
+            time.sleep(3600)
+        return "ready"
+
+
+def hangs_at_call_2(completions, **kwargs):
+    """A reward function whose second call (step 2, one process, no evaluation) writes NANOGRPO_TEST_GATE + ".waiting"
+    and hangs (a judge that stopped answering)."""
+    global _calls
+    _calls += 1
+    if _calls == 2:
+        open(os.environ["NANOGRPO_TEST_GATE"] + ".waiting", "w").close()
+        time.sleep(3600)
+    return [1.0] * len(completions)
 
 
 def reads_secret(completions, secret, **kwargs):

@@ -4,6 +4,7 @@ a server killed mid-run is waited for (or the run is saved)."""
 import glob
 import json
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from conftest import ROOT, die_with_parent, free_port, launcher, run_train, running_server, stop, train_args
+from tests.helpers import WaitsWhenAsked
 
 pytestmark = pytest.mark.slow
 RUN = ["--reward_funcs", "tests.helpers:brevity", "--num_generations", "4", "--prompts_per_step", "4",
@@ -282,44 +284,103 @@ def test_sigterm_saves_a_checkpoint_and_stops_every_rank(server, tmp_path):
     assert "stopped by a signal" in stdout, stdout[-2000:] + stderr[-3000:]
 
 
-def test_ctrl_c_saves_and_stops_and_a_second_one_stops_at_once(server, tmp_path, monkeypatch):
+def test_ctrl_c_saves_and_stops_during_scoring_and_a_second_one_stops_at_once(server, tmp_path, monkeypatch):
     """Ctrl-C in a terminal signals its foreground process group: torchrun, which passes it to its ranks (each in
-    a session of its own), or train.py run as one process. Every rank is held in step 2's rollout (a gate). Once,
-    under torchrun: the rollout in progress finishes (the gate opens 3 s later), and the run saves and stops
-    before the weights change. Twice, 2 s apart, one process: it stops at once, the gate still closed, and the
-    checkpoints it leaves are whole."""
+    a session of its own), or train.py run as one process. Once, under torchrun, while step 2's reward function hangs
+    (a judge that stopped answering; --reward_timeout 600): the scoring is abandoned, and every rank saves step 1 and
+    stops within 20 s. Twice at once, one process held in step 2's rollout: it stops, and the checkpoints it leaves
+    are whole."""
     for presses in (1, 2):
         out, gate = tmp_path / f"pressed-{presses}", tmp_path / f"gate-{presses}"
         monkeypatch.setenv("NANOGRPO_TEST_GATE", str(gate))
-        proc = start_run(server, out, *RUN, "--max_steps", "500", "--save_steps", "1", "--rollout",
-                         "tests.helpers:gated_at_call_2", nproc=3 - presses)
-        try:
-            deadline = time.monotonic() + 300
-            while not os.path.exists(f"{gate}.waiting") and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.1)
-            os.killpg(proc.pid, signal.SIGINT)
-            time.sleep(2)
-            assert proc.poll() is None, proc.communicate()  # the step in progress is not cut short
-            if presses == 1:
-                time.sleep(1)
-                open(f"{gate}.open", "w").close()
-            else:
-                os.killpg(proc.pid, signal.SIGINT)
-            start = time.monotonic()
-            stdout, stderr = proc.communicate(timeout=120)
-            took = time.monotonic() - start
-            deadline = time.monotonic() + 15
-            while group_members(proc.pid) and time.monotonic() < deadline:  # (one on its way out)
-                time.sleep(0.2)
-            assert not group_members(proc.pid), (presses, group_members(proc.pid))  # nothing of the run is left
-        finally:
-            stop(proc)
+        held = (["--reward_funcs", "tests.helpers:hangs_at_call_2", "--reward_timeout", "600"] if presses == 1 else
+                ["--rollout", "tests.helpers:gated_at_call_2"])
+        proc = start_run(server, out, *RUN, "--max_steps", "500", "--save_steps", "1", *held, nproc=3 - presses)
+        stdout, stderr, took = stopped_when_waiting(proc, gate, signal.SIGINT, presses)
         # the state saved is step 1's: the stop comes before step 2 changes the weights (--save_steps 1 had saved it)
         assert complete_checkpoints_load(out) == ["checkpoint-1"], stderr[-3000:]
-        if presses == 1:  # the step's rollout ended, and then the run saved and stopped
-            assert "stopped by a signal; continue with --resume_from_checkpoint latest" in stdout, stderr[-3000:]
-        else:  # at once, the rollout still waiting
-            assert took < 15 and "stopped by a signal" not in stdout, (took, stderr[-3000:])
+        assert took < 20, (took, stdout[-2000:], stderr[-3000:])
+        if presses == 1:
+            assert f"stopped by a signal. Saved {out}/checkpoint-1: continue with --resume_from_checkpoint latest" \
+                in stdout, stdout[-2000:] + stderr[-3000:]  # (torchrun's own exit code is 1 after a signal)
+
+
+def stopped_when_waiting(proc, gate, signum, times: int = 1) -> tuple[str, str, float]:
+    """Once the run waits at the gate (`gate`.waiting exists), send `signum` to its process group `times` times at
+    once; (stdout, stderr, seconds from the signal to the end of every process of the run)."""
+    try:
+        deadline = time.monotonic() + 300
+        while not os.path.exists(f"{gate}.waiting") and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(1)  # every rank at the gate, or waiting for the one that is
+        start = time.monotonic()
+        for _ in range(times):
+            os.killpg(proc.pid, signum)
+            time.sleep(0.05)
+        stdout, stderr = proc.communicate(timeout=120)
+        while group_members(proc.pid) and time.monotonic() < start + 60:  # (one on its way out)
+            time.sleep(0.2)
+        took = time.monotonic() - start
+        assert not group_members(proc.pid), group_members(proc.pid)  # nothing of the run is left
+    finally:
+        stop(proc)
+    return stdout, stderr, took
+
+
+def test_sigterm_during_a_slow_tool_turn_or_evaluation_saves_within_20_s(server, tmp_path, monkeypatch):
+    """A stop is seen wherever it arrives, not when the phase ends. 1) Every rank's tool call blocks (a slow tool,
+    --tool_timeout 300) from step 2 or 3 on. 2) Rank 0's evaluation after step 1 blocks, while rank 1 has finished
+    its share and waits for rank 0. Each time SIGTERM ends the run within 20 s, exit code 0, with a checkpoint of the
+    last completed step and its metrics logged; before, the run waited for the phase to end (a tool: up to 300 s).
+    (torchrun's own exit code after a signal is 1; the ranks' is 0.)"""
+    tool = tmp_path / "tool-gate"
+    monkeypatch.setenv("NANOGRPO_TEST_GATE", str(tool))
+    proc = start_run(server, tmp_path / "tool", *RUN, "--env", "tests.helpers:WaitsWhenAsked", "--max_steps", "500",
+                     "--max_tool_calling_iterations", "1", "--tool_timeout", "300", "--max_completion_length", "96",
+                     "--vllm_structured_outputs_regex", re.escape(WaitsWhenAsked.CALL))
+    wait_for_steps(proc, tmp_path / "tool", 1)
+    open(tool, "w").close()  # from the next tool call on, every call blocks
+    stdout, stderr, took = stopped_when_waiting(proc, tool, signal.SIGTERM)
+    done = max(metrics_of(tmp_path / "tool"))
+    assert took < 20 and "stopped by a signal. Saved" in stdout, (took, stdout[-2000:], stderr[-3000:])
+    assert complete_checkpoints_load(tmp_path / "tool") == [f"checkpoint-{done}"] and done >= 1
+    assert all(m["tools/calls"] > 0 for m in metrics_of(tmp_path / "tool").values())  # the model called the tool
+
+    evaluation = tmp_path / "eval-gate"
+    monkeypatch.setenv("NANOGRPO_TEST_GATE", str(evaluation))
+    monkeypatch.setenv("NANOGRPO_TEST_GATE_CALL", "3")  # rank 0's calls: evaluation, step 1, evaluation
+    monkeypatch.setenv("NANOGRPO_TEST_GATE_RANK", "0")
+    proc = start_run(server, tmp_path / "eval", *RUN, "--max_steps", "500", "--rollout", "tests.helpers:gated_at_call_2",
+                     "--eval_steps", "1", "--eval_num_prompts", "4", "--num_generations_eval", "2", "--eval_pass_k", "1")
+    stdout, stderr, took = stopped_when_waiting(proc, evaluation, signal.SIGTERM)
+    assert took < 20 and "stopped by a signal. Saved" in stdout, (took, stdout[-2000:], stderr[-3000:])
+    assert complete_checkpoints_load(tmp_path / "eval") == ["checkpoint-1"]
+    records = [json.loads(line) for line in open(tmp_path / "eval" / "metrics.jsonl")]
+    assert [r["step"] for r in records] == [0, 1] and "loss" in records[1] and "eval/reward" not in records[1]
+
+
+def test_a_signal_while_the_run_starts_ends_it_there_and_frees_the_output_folder(tiny_model, tmp_path):
+    """SIGTERM while the run waits for a server that is not there yet (after it took the output folder): the run ends
+    at once, exit code 0, nothing saved, and the folder's lock is released. Before, the signal came before its handler
+    and killed the process, leaving the lock behind."""
+    out = tmp_path / "out"
+    proc = start_run({"port": free_port(), "model": tiny_model}, out, "--vllm_server_timeout", "120", nproc=1)
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(out / ".lock") and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(3)
+        assert proc.poll() is None, proc.communicate()
+        start = time.monotonic()
+        os.kill(proc.pid, signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+        took = time.monotonic() - start
+    finally:
+        stop(proc)
+    assert proc.returncode == 0 and took < 20 and "stopped by a signal while the run was starting" in stdout, \
+        (took, stdout[-2000:], stderr[-3000:])
+    assert os.listdir(out) == []  # no lock left, nothing written
 
 
 def start_run(server, out, *args, nproc: int = 2) -> subprocess.Popen:

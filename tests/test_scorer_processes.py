@@ -57,6 +57,25 @@ def test_a_reward_that_times_out_leaves_nothing_running_and_sees_no_secret(tmp_p
     assert gone(pids), "the scorer process or the reward's child outlived the time-out"
 
 
+def test_a_stop_signal_ends_the_wait_for_a_hung_reward_function_and_kills_what_it_started(tmp_path, monkeypatch):
+    """config.STOP set (a stop signal) while a reward function hangs under --reward_timeout 600: the wait ends within
+    a second (config.Interrupted: the run saves and stops), and the scorer process and its child are gone."""
+    import threading
+    from config import STOP, Interrupted
+    monkeypatch.setenv("NANOGRPO_TEST_PID_FILE", str(tmp_path / "pids"))
+    scorer = RewardScorer([HANGS], ["prompt"], timeout=600)
+    timer = threading.Timer(0, lambda: (pids_from(tmp_path / "pids"), STOP.set()))  # once the function runs
+    try:
+        timer.start()
+        with pytest.raises(Interrupted, match="while the reward functions ran"):
+            scorer([{"prompt": "p"}], ["c"], [[1]])
+    finally:
+        timer.join()
+        STOP.clear()
+        scorer.close()
+    assert gone(pids_from(tmp_path / "pids")[0], within=10), "the scorer process or the reward's child outlived the stop"
+
+
 KILLED = """
 import sys
 sys.path.insert(0, sys.argv[1])

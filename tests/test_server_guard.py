@@ -68,6 +68,27 @@ def test_a_stop_request_while_waiting_for_a_lost_server_saves_and_stops_at_once(
     assert time.monotonic() - started < 5 and server.saved == ["out/checkpoint-1"]
 
 
+def test_a_stop_signal_that_ended_a_wait_saves_on_every_rank_and_ends_the_run():
+    """A wait the signal ended (config.Interrupted: a rollout, the reward functions) is no error and no lost server:
+    the guard saves with signal=True (a checkpoint of the state as it is) and ends the run with SignalStop (exit 0).
+    A call that returned while a signal was pending ends the run the same way, after it."""
+    from config import Interrupted, SignalStop
+    saved = []
+
+    def save(signal: bool = False) -> str:
+        saved.append(signal)
+        return "out/checkpoint-3"
+
+    def interrupted():
+        raise Interrupted("a stop signal arrived during the rollout")
+    g = ServerGuard(Server(), Server(), 300, on_gone=save, stop_requested=lambda: True)
+    for call in (interrupted, lambda: "episodes"):
+        with pytest.raises(SignalStop, match="stopped by a signal. Saved out/checkpoint-3: continue with "
+                                             "--resume_from_checkpoint latest"):
+            g.run(call)
+    assert saved == [True, True] and g.reconnects == 0
+
+
 def test_a_lost_server_that_comes_back_gets_the_weights_and_the_call_runs_again():
     server = Server(connects=[ServerLost("the new server is still starting its engine"), None],
                     pushes=[ServerLost("lost again during the push"), None])
