@@ -15,6 +15,7 @@ up no other; its time limit counts its own time, not the server's generation.
 """
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import inspect
 import math
@@ -26,8 +27,8 @@ from types import SimpleNamespace
 
 from config import UsageError
 from rollout import Episode, RolloutContext, slot_seed
-from tools import appended_ids, load_callables, mark_groups_with_different_prompts, reward_value
-from vllm_server import ServerLost, structured
+from tools import appended_ids, end_of_turn_id, load_callables, mark_groups_with_different_prompts, reward_value
+from vllm_server import HEALTH_EVERY_S, INSTANCE_HEADER, ServerLost, structured
 
 
 def is_agent(env: str) -> bool:
@@ -55,69 +56,117 @@ def as_message(message) -> dict:
     return {k: v for k, v in dict(message).items() if v is not None and v != []}  # vLLM answers "tool_calls": []
 
 
+CHAT_ONLY = ("messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template", "chat_template_kwargs",
+             "add_generation_prompt", "continue_final_message", "documents", "reasoning_effort", "include_reasoning",
+             "mm_processor_kwargs", "media_io_kwargs")  # how the chat route renders a prompt (vLLM's request fields)
+RENDERING = {"chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "documents",
+             "reasoning_effort"}  # a call with these is rendered by the server: a new sample
+REFUSED = {"stream": "streams", "top_logprobs": "asks for top_logprobs", "stream_options": "streams",
+           "prompt_logprobs": "asks for prompt_logprobs", "echo": "echoes its prompt"}
+
+
 class RecordingClient:
     """The client an agent gets: `client.chat.completions.create(messages=..., ...)` as the `openai` package has it
     (an openai.AsyncOpenAI underneath), against the training server, with the run's sampling settings, a seed per
     call and the rest of --max_completion_length as max_tokens. It records the token ids and log-probs of every
-    call, from which the trajectory is built. `client.model` is the served model's name."""
+    call, in the order the calls were made (calls at once, asyncio.gather, each have their place and random stream),
+    from which the trajectory is built. Every answer must come from the server instance and the policy (model name)
+    the rollout started with: another instance (a restart), or a 404 for the policy's adapter, marks the client
+    `lost` (the trainer waits for the server and runs the rollout again), whatever the agent does with the error.
+    `client.model` is the served model's name."""
 
-    def __init__(self, server, tokenizer, sampling: dict, seed: int):
-        self.model, self.calls, self.forks = server.model_name, [], 0
-        self._tokenizer, self._sampling, self._seed = tokenizer, sampling, seed
-        import openai  # ~1 s to import: only runs with an agent pay it
+    def __init__(self, server, tokenizer, sampling: dict, seed: int, max_prompt_length: int = 0):
+        self.model, self.calls, self.forks, self.lost = server.model_name, [], 0, None
+        self._tokenizer, self._sampling, self._seed, self._max_prompt = tokenizer, sampling, seed, max_prompt_length
+        self._instance = server.instance
+        import httpx  # ~1 s with openai: only runs with an agent pay it
+        import openai
         self._openai = openai
-        self._client = openai.AsyncOpenAI(base_url=server.base + "/v1", api_key=server.api_key or "none", max_retries=0)
+        self._client = openai.AsyncOpenAI(  # no time limit of its own: agent_rollout watches the server's health
+            base_url=server.base + "/v1", api_key=server.api_key or "none", max_retries=0, timeout=None,
+            http_client=httpx.AsyncClient(timeout=None, event_hooks={"response": [self._check_answer]}))
         self.chat = SimpleNamespace(completions=SimpleNamespace(create=self._create))
-        self.started, self.server_seconds, self.waiting_since = time.monotonic(), 0.0, None
+        self.started, self.server_seconds, self.waiting_since, self.in_flight = time.monotonic(), 0.0, None, 0
 
     def own_seconds(self) -> float:
-        """The time the agent has run, less the time its calls waited for the server."""
-        now = time.monotonic()
-        return now - self.started - self.server_seconds - (now - self.waiting_since if self.waiting_since else 0.0)
+        """The time the agent has run, less the time its calls waited for the server (one or several at once)."""
+        now, since = time.monotonic(), self.waiting_since
+        return now - self.started - self.server_seconds - (now - since if since is not None else 0.0)
+
+    async def _check_answer(self, response):
+        """An answer from another instance of the server (restarted: it computes with the model on disk), or a 404 for
+        the policy's name (its adapter gone with a restart), is a lost server, not the agent's error."""
+        instance = response.headers.get(INSTANCE_HEADER, self._instance)
+        if self._instance and instance != self._instance:
+            self.lost = f"{response.request.url.path}: the server restarted (another instance answered an agent's call)"
+        elif response.status_code == 404:
+            self.lost = f"{response.request.url.path}: the server does not serve {self.model!r} (404) any more"
+        if self.lost:
+            raise ServerLost(self.lost)
 
     async def _create(self, messages: list, n: int = 1, tools: list | None = None, **kwargs):
         if n != 1:
             raise ValueError("an agent's call samples one answer (n=1); call again for another")
-        messages = [as_message(m) for m in messages]
-        s, room = self._sampling, max(self._sampling["max_tokens"] - trajectory_length(self.calls), 1)
-        asked = kwargs.get("max_completion_tokens") or kwargs.get("max_tokens") or room
-        sampling = dict(temperature=s["temperature"], top_p=s["top_p"], seed=slot_seed(self._seed, len(self.calls)),
-                        max_tokens=min(asked, room),
+        refused = [f"{k}: the call {why}" for k, why in REFUSED.items() if kwargs.get(k)]
+        if refused:
+            raise ValueError(f"nanogrpo's agent client cannot take {refused[0]}, which training cannot use; drop it")
+        messages, k = [as_message(m) for m in messages], len(self.calls)
+        self.calls.append(None)  # its place, in the order the calls are made (filled when answered)
+        prompt_ids = None if RENDERING & set(kwargs) else self._continued(k, messages, tools)
+        s, last = self._sampling, self.calls[k - 1] if k else None
+        used = len(prompt_ids) - last["sample_prompt"] if prompt_ids is not None else 0  # this sample's tokens so far
+        asked = kwargs.pop("max_completion_tokens", None) or kwargs.pop("max_tokens", None) or s["max_tokens"]
+        sampling = dict(temperature=s["temperature"], top_p=s["top_p"], seed=slot_seed(self._seed, k),
+                        max_tokens=min(asked, max(s["max_tokens"] - used, 1)),
                         extra_body={**(kwargs.pop("extra_body", None) or {}), "return_token_ids": True,
                                     "top_k": s["top_k"], "min_p": s["min_p"],
                                     "repetition_penalty": s["repetition_penalty"],
                                     **structured(s.get("structured_outputs_regex", ""))})
-        for k in ("model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "logprobs"):
-            kwargs.pop(k, None)  # the run's settings decide (the agent may ask for fewer tokens than are left)
-        prompt_ids = self._continued(messages, tools)
-        self.waiting_since = time.monotonic()
-        try:
+        for key in ("model", "temperature", "top_p", "seed", "logprobs"):
+            kwargs.pop(key, None)  # the run's settings decide (the agent may ask for fewer tokens than are left)
+        with self._at_server():
             if prompt_ids is None:
-                self.forks += bool(self.calls)  # an edited history: a new sample starts here
+                self.forks += k > 0  # an edited history (or one rendered by the server): a new sample starts here
                 response = await self._client.chat.completions.create(
                     model=self.model, messages=messages, tools=tools or self._openai.NOT_GIVEN, n=1, logprobs=True,
                     **sampling, **kwargs)
                 choice = response.choices[0]
                 call = dict(prompt_ids=list(response.prompt_token_ids), content=choice.message.content,
                             logprobs=[t.logprob for t in choice.logprobs.content])
+                if self._max_prompt and len(call["prompt_ids"]) > self._max_prompt:
+                    raise ValueError(f"an agent's call has a prompt of {len(call['prompt_ids'])} tokens > "
+                                     f"--max_prompt_length {self._max_prompt}: raise it, or shorten the agent's messages")
+                call["sample_prompt"] = len(call["prompt_ids"])
             else:
-                response, call = await self._continue(prompt_ids, sampling, kwargs.get("stop"))
+                response, call = await self._continue(prompt_ids, sampling, kwargs)
+                call["sample_prompt"] = last["sample_prompt"]
                 choice = response.choices[0]
-        finally:
-            self.server_seconds += time.monotonic() - self.waiting_since
-            self.waiting_since = None
-        self.calls.append(dict(call, messages=messages, ids=list(choice.token_ids), finish=choice.finish_reason,
-                               new_sample=prompt_ids is None))
+        self.calls[k] = dict(call, messages=messages, ids=list(choice.token_ids), finish=choice.finish_reason,
+                             new_sample=prompt_ids is None)
         return response
 
-    def _continued(self, messages: list[dict], tools: list | None) -> list[int] | None:
-        """The prompt ids of a call that continues the one before (its messages begin with that call's and the answer
-        it returned, unchanged): the ids the server saw and sampled (and the end-of-turn token, given, after an
-        answer cut at max_tokens), and the chat template's ids of what follows. None for a first call, or one
-        whose history was edited."""
-        if not self.calls:
+    @contextlib.contextmanager
+    def _at_server(self):
+        """While one or more calls wait for the server: that time is not the agent's own."""
+        if self.in_flight == 0:
+            self.waiting_since = time.monotonic()
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self.server_seconds += time.monotonic() - self.waiting_since
+                self.waiting_since = None
+
+    def _continued(self, k: int, messages: list[dict], tools: list | None) -> list[int] | None:
+        """The prompt ids of call k if it continues call k - 1 (its messages begin with that call's and the answer it
+        returned, unchanged): the ids the server saw and sampled (and the end-of-turn token, given, after an answer
+        cut at max_tokens), and the chat template's ids of what follows. None for a first call, one whose history
+        was edited, or one made while call k - 1 still waits for its answer (calls at once: each its own sample)."""
+        last, eos = self.calls[k - 1] if k else None, end_of_turn_id(self._tokenizer)
+        if last is None:
             return None
-        last, eos = self.calls[-1], self._tokenizer.eos_token_id
         before = last["messages"] + [as_message({"role": "assistant", "content": last["content"]})]
         if len(messages) <= len(before) or messages[:len(before)] != before:
             return None
@@ -125,10 +174,13 @@ class RecordingClient:
         ended = last["ids"] if last["ids"][-1:] == [eos] else last["ids"] + [eos]
         return None if suffix is None else last["prompt_ids"] + ended + suffix
 
-    async def _continue(self, prompt_ids: list[int], sampling: dict, stop) -> tuple:
-        """A call as token ids through the completion route, answered as the chat route would answer it."""
-        out = await self._client.completions.create(model=self.model, prompt=prompt_ids, logprobs=0,
-                                                    stop=stop or self._openai.NOT_GIVEN, **sampling)
+    async def _continue(self, prompt_ids: list[int], sampling: dict, kwargs: dict) -> tuple:
+        """A call as token ids through the completion route, answered as the chat route would answer it. Every other
+        argument the agent gave (stop, penalties, logit_bias, response_format, ...) goes as it is: vLLM's completion
+        route takes every sampling field its chat route takes."""
+        extra = {**sampling.pop("extra_body"), **{k: v for k, v in kwargs.items() if k not in CHAT_ONLY}}
+        out = await self._client.completions.create(model=self.model, prompt=prompt_ids, logprobs=0, extra_body=extra,
+                                                    **sampling)
         choice = out.choices[0]
         response = self._openai.types.chat.ChatCompletion.model_validate({
             "id": out.id, "object": "chat.completion", "created": out.created, "model": out.model,
@@ -137,15 +189,6 @@ class RecordingClient:
             "usage": out.usage.model_dump() if out.usage else None})
         response.choices[0].token_ids = list(choice.token_ids)
         return response, dict(prompt_ids=prompt_ids, content=choice.text, logprobs=choice.logprobs.token_logprobs)
-
-
-def trajectory_length(calls: list[dict]) -> int:
-    """Tokens of the sample the calls are making, after its prompt: every answer since its first call (the first, or
-    one whose history was edited) and the messages between them."""
-    if not calls:
-        return 0
-    first = next(call for call in reversed(calls) if call["new_sample"])
-    return len(calls[-1]["prompt_ids"]) + len(calls[-1]["ids"]) - len(first["prompt_ids"])
 
 
 def agent_episode(row: dict, calls: list[dict], budget: int) -> Episode:
@@ -180,24 +223,28 @@ def agent_rollout(rows: list[dict], ctx: RolloutContext, agent=None, timeout: fl
     """G runs of `agent(client, row)` per row, all at once (their requests meet in the server's batches), each in a
     thread and event loop of its own with a RecordingClient seeded by its place, so a repeated call repeats. What
     the agent returns is its reward. An agent that raises, returns something that is not a number or None, or runs
-    longer than `timeout` s of its own time (the server's generation not counted) gets no reward; one whose calls
-    lost the server raises ServerLost (the trainer waits for it and runs this again)."""
+    longer than `timeout` s of its own time (the server's generation not counted) gets no reward. The server is held
+    to the contract of every rollout: if any call was answered by another instance, lost its connection or found the
+    policy's name gone, or the server stops answering /health (asked every HEALTH_EVERY_S) for
+    --vllm_server_timeout, this raises ServerLost (the trainer waits for the server and runs this again)."""
     G = ctx.num_generations
-    clients = [RecordingClient(ctx.client, ctx.tokenizer, ctx.sampling, slot_seed(ctx.seed, i))
+    clients = [RecordingClient(ctx.client, ctx.tokenizer, ctx.sampling, slot_seed(ctx.seed, i), ctx.max_prompt_length)
                for i in range(len(rows) * G)]
     futures = [concurrent.futures.Future() for _ in clients]
     for i, (client, future) in enumerate(zip(clients, futures)):
         threading.Thread(target=_run_agent, args=(agent, client, rows[i // G], future), daemon=True).start()
-    late = set()
+    late, watch = set(), HealthWatch(ctx.client)
     while pending := [i for i, f in enumerate(futures) if not f.done() and i not in late]:
         late |= {i for i in pending if clients[i].own_seconds() > timeout}
         concurrent.futures.wait([futures[i] for i in pending], 0.1, concurrent.futures.FIRST_COMPLETED)
-    lost = [f.exception() for f in futures if f.done() and isinstance(f.exception(), ServerLost)]
+        watch.check()
+    lost = [c.lost for c in clients if c.lost] + [str(f.exception()) for f in futures
+                                                  if f.done() and isinstance(f.exception(), ServerLost)]
     if lost:
-        raise lost[0]
+        raise ServerLost(lost[0])
     episodes = []
     for i, (client, future) in enumerate(zip(clients, futures)):
-        calls = list(client.calls)
+        calls = [call for call in client.calls if call is not None]  # (a call that raised has no answer)
         reward, error = (None, f"the agent ran longer than {timeout:g} s of its own time (--tool_timeout x "
                                "(--max_tool_calling_iterations + 1))\n") if i in late else \
             reward_value(*future.result(), "the agent")
@@ -212,6 +259,29 @@ def agent_rollout(rows: list[dict], ctx: RolloutContext, agent=None, timeout: fl
         episode.info |= {"tool_calls": len(calls) - 1, "environment_reward": reward, "forks": client.forks}
         episodes.append(episode)
     return mark_groups_with_different_prompts(episodes, G)
+
+
+class HealthWatch:
+    """While agents run (their requests have no time limit: a long generation is not a lost server), the server's
+    /health every HEALTH_EVERY_S s, as VLLMClient does during its own requests: check() raises ServerLost if another
+    instance answers (restarted) or none has for --vllm_server_timeout s."""
+
+    def __init__(self, client):
+        self.client, self.asked = client, time.monotonic()
+        self.answered = self.asked
+
+    def check(self):
+        now = time.monotonic()
+        if now - self.asked < HEALTH_EVERY_S:
+            return
+        self.asked, instance = now, self.client.health()
+        if instance and self.client.instance and instance != self.client.instance:
+            raise ServerLost("the server restarted while agents ran (another instance answers /health)")
+        if instance is not None:
+            self.answered = now
+        elif now - self.answered > self.client.server_timeout:
+            raise ServerLost(f"the server stopped answering /health ({now - self.answered:.0f}s > "
+                             "--vllm_server_timeout) while agents ran")
 
 
 def _run_agent(agent, client: RecordingClient, row: dict, future: concurrent.futures.Future):

@@ -1,0 +1,117 @@
+"""OpenAI-client agents held to the same contract as every rollout (agents.py): calls at once each with their place
+and random stream, every sampling argument honoured on the token route, the budget and the prompt limit counting
+what the model reads; a restarted server or a policy name gone is a lost server (the rollout is run again), whatever
+the agent does with the error. A stand-in server where the point is the client's check, the real one elsewhere."""
+import asyncio
+import http.server
+import json
+import threading
+
+import pytest
+
+from agents import agent_rollout
+from embedded import default_model_path
+from rollout import RolloutContext
+from vllm_server import INSTANCE_HEADER, ServerLost, VLLMClient
+
+SAMPLING = dict(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(default_model_path())
+
+
+def ctx_of(client, tokenizer, G: int = 1, max_tokens: int = 40, max_prompt_length: int = 0) -> RolloutContext:
+    return RolloutContext(client, tokenizer, G, dict(max_tokens=max_tokens, **SAMPLING), seed=5,
+                          max_prompt_length=max_prompt_length)
+
+
+async def two_at_once(client, row):
+    """Two calls at once (asyncio.gather) on the same messages: 3 and then 5 tokens asked."""
+    messages = [{"role": "user", "content": "Say something."}]
+    a, b = await asyncio.gather(*(client.chat.completions.create(
+        model=client.model, messages=messages, max_tokens=m, extra_body={"ignore_eos": True}) for m in (3, 5)))
+    return float(a.choices[0].token_ids != b.choices[0].token_ids[:3])
+
+
+async def biased_follow_up(client, row):
+    """A first answer, then a follow-up continued as token ids, with a logit_bias that makes every token id 28 and a
+    long question: its reward is the number of tokens the follow-up was allowed (it ignores the end of turn)."""
+    messages = [{"role": "user", "content": "Hi"}]
+    first = await client.chat.completions.create(model=client.model, messages=messages, max_tokens=4)
+    messages += [first.choices[0].message, {"role": "user", "content": "Tell me more, " * 2}]
+    second = await client.chat.completions.create(model=client.model, messages=messages, logit_bias={"28": 100},
+                                                  extra_body={"ignore_eos": True})
+    return float(len(second.choices[0].token_ids))
+
+
+@pytest.mark.slow
+def test_calls_at_once_each_have_a_stream_and_a_place_and_the_token_route_honours_every_argument(server, tokenizer):
+    """1) Two calls at once: before, both got the same seed (the same answer), and the second to finish raised a
+    TypeError in the client's bookkeeping, so the agent silently got no reward. Now each has its own stream, both are
+    recorded in the order made (each its own sample: neither continues the other). 2) A follow-up sent as token ids
+    keeps its logit_bias (before, dropped on that route), and is allowed what the sample has left after the new
+    messages (before, they were not counted). 3) A prompt above --max_prompt_length is the agent's error."""
+    client = VLLMClient(port=server["port"])
+    client.wait_for_health(60)
+    e, = agent_rollout([{"prompt": "p"}], ctx_of(client, tokenizer), agent=two_at_once, timeout=60)
+    assert "environment_error" not in e.info and e.info["environment_reward"] == 1.0 and e.info["forks"] == 1
+    first, = e.info["earlier_samples"]
+    assert sum(first["sampled"]) == 3 and sum(e.sampled) == 5 and first["prompt_ids"] == e.prompt_ids
+
+    e, = agent_rollout([{"prompt": "p"}], ctx_of(client, tokenizer, max_tokens=60), agent=biased_follow_up, timeout=60)
+    assert "environment_error" not in e.info and e.info["forks"] == 0, e.info
+    answer = [t for t, s in zip(e.completion_ids, e.sampled) if s]
+    second = answer[-int(e.info["environment_reward"]):]
+    assert second == [28] * len(second), tokenizer.decode(e.completion_ids)
+    assert len(e.completion_ids) == 60  # the follow-up had exactly the room left: first answer + new messages + it
+
+    e, = agent_rollout([{"prompt": "p"}], ctx_of(client, tokenizer, max_prompt_length=5), agent=biased_follow_up,
+                       timeout=60)
+    assert "> --max_prompt_length 5" in e.info["environment_error"]
+
+
+class StandIn(http.server.BaseHTTPRequestHandler):
+    """A server that answers every call as another instance (restarted), or 404 (the policy's adapter gone)."""
+    answer = "restarted"
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        body = json.dumps({"error": {"message": "The model `policy-3` does not exist.", "code": 404}}).encode()
+        self.send_response(404 if self.answer == "gone" else 200)
+        self.send_header(INSTANCE_HEADER, "the one we pushed to" if self.answer == "gone" else "another")
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+async def forgiving(client, row):
+    """An agent that takes any error of its call as an answer it can live with."""
+    try:
+        await client.chat.completions.create(model=client.model, messages=[{"role": "user", "content": "Hi"}])
+    except Exception:
+        pass
+    return 1.0
+
+
+def test_a_restarted_server_or_a_policy_gone_is_a_lost_server_whatever_the_agent_does(tokenizer):
+    """Before, an agent's own client never looked at the server instance: a restarted server's answer (from the model
+    on disk) trained; a 404 for the policy's adapter was the agent's error (no reward). Now both are a lost server
+    (ServerLost: the trainer reconnects, pushes and runs the rollout again), also when the agent swallows the error."""
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        client = VLLMClient(port=httpd.server_address[1])
+        client.model_name, client.instance = "policy-3", "the one we pushed to"
+        for StandIn.answer in ("restarted", "gone"):
+            with pytest.raises(ServerLost, match="restarted" if StandIn.answer == "restarted" else "404"):
+                agent_rollout([{"prompt": "p"}], ctx_of(client, tokenizer, G=2), agent=forgiving, timeout=60)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
