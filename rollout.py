@@ -119,10 +119,13 @@ def load_rollout(name: str):
 
 
 def run_rollout(fn, rows: list[dict], ctx: RolloutContext) -> list[Episode]:
-    """fn(rows, ctx), checked against the contract: ValueError saying which part it breaks. It runs on a thread of its
-    own, so that a stop signal ends the wait for it at once, whatever it waits for (config.Interrupted: the server's
-    samples, a slow tool or environment, an agent, a user's rollout); it is then abandoned."""
-    name = getattr(fn, "__name__", repr(fn))
+    """fn(rows, ctx), checked against the contract: ValueError saying which part it breaks. Every request of the call
+    samples the policy of the moment it starts (the client pinned: VLLMClient.pinned), however long it runs. It runs
+    on a thread of its own, so that a stop signal ends the wait for it at once, whatever it waits for
+    (config.Interrupted: the server's samples, a slow tool or environment, an agent, a user's rollout); it is then
+    abandoned."""
+    name, pin = getattr(fn, "__name__", repr(fn)), getattr(ctx.client, "pinned", None)  # (a test's stand-in: as is)
+    ctx = dataclasses.replace(ctx, client=pin()) if pin else ctx  # the policy of now, for every request of this call
     episodes, G = unless_stopped(InThread(fn, rows, ctx), f"the rollout {name}"), ctx.num_generations
     if not isinstance(episodes, list) or len(episodes) != len(rows) * G:
         raise ValueError(f"rollout {name} returned {len(episodes) if hasattr(episodes, '__len__') else episodes!r} "

@@ -35,8 +35,10 @@ The wire protocol of a gloo weight push (trainer rank 0 = gloo rank 0, vLLM work
   3. POST /finish_weight_update, then POST /reset_prefix_cache?reset_running_requests=true and
      /reset_encoder_cache (cached KV and encoded images of old weights are stale; paused requests are recomputed).
 """
+import asyncio
 import atexit
 import contextlib
+import copy
 import functools
 import gc
 import hmac
@@ -224,6 +226,13 @@ class VLLMClient:
                     "`python vllm_server.py --model <model> --port <port>`, or fix --vllm_server_host/"
                     "--vllm_server_port (or raise --vllm_server_timeout if it is still loading).")
             time.sleep(1)
+
+    def pinned(self) -> "VLLMClient":
+        """This client as it is now, for one rollout: the same connections, but the policy's model name (an adapter's,
+        policy-N) and the server instance of now, kept while pushes and reconnects change this client's. Every
+        request of the rollout samples that policy, and an answer from another instance is a lost server (the
+        rollout is sampled again), never a sample of another policy (--max_staleness K: pushes land mid-rollout)."""
+        return copy.copy(self)
 
     def healthy(self) -> bool:
         """Whether the server answers /health now (its engine is alive)."""

@@ -1,8 +1,11 @@
-"""OpenAI-client agents held to the same contract as every rollout (agents.py): calls at once each with their place
-and random stream, every sampling argument honoured on the token route, the budget and the prompt limit counting
-what the model reads; a restarted server or a policy name gone is a lost server (the rollout is run again), whatever
-the agent does with the error. A stand-in server where the point is the client's check, the real one elsewhere."""
+"""Rollouts held to the server contract: every request of a rollout samples the policy it started with (tool turns
+while pushes land, --max_staleness K), and OpenAI-client agents as every rollout (agents.py): calls at once each with
+their place and random stream, every sampling argument honoured on the token route, the budget and the prompt limit
+counting what the model reads; a restarted server or a policy name gone is a lost server (the rollout is run again),
+whatever the agent does with the error. A stand-in server where the point is the client's check, the real one
+elsewhere."""
 import asyncio
+import functools
 import http.server
 import json
 import threading
@@ -11,7 +14,8 @@ import pytest
 
 from agents import agent_rollout
 from embedded import default_model_path
-from rollout import RolloutContext
+from rollout import RolloutContext, run_rollout
+from tools import tool_rollout
 from vllm_server import INSTANCE_HEADER, ServerLost, VLLMClient
 
 SAMPLING = dict(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0)
@@ -115,3 +119,53 @@ def test_a_restarted_server_or_a_policy_gone_is_a_lost_server_whatever_the_agent
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+class Completions(http.server.BaseHTTPRequestHandler):
+    """A server whose every completion is a call of the tool `push` then the end of the turn; it records the model
+    each request named."""
+    answer, models = [], []
+
+    def do_POST(self):
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        Completions.models.append(request["model"])
+        ids = Completions.answer
+        body = json.dumps({"choices": [{"index": 0, "token_ids": ids, "finish_reason": "stop",
+                                        "logprobs": {"token_logprobs": [-0.5] * len(ids)}}]}).encode()
+        self.send_response(200)
+        self.send_header(INSTANCE_HEADER, "the one we pushed to")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_every_turn_of_a_rollout_samples_the_policy_it_started_with_while_pushes_land(tokenizer):
+    """--max_staleness K with adapter sync: a push lands (the client now names policy-2) while a batch's tool turns
+    are under way. Before, each turn named the client's model of its moment: turn 2 was sampled by policy-2 and
+    trained as policy-1's. Now the rollout's client is pinned when it starts: every turn names policy-1."""
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Completions)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    client = VLLMClient(port=httpd.server_address[1])
+    client.model_name, client.instance = "policy-1", "the one we pushed to"
+
+    def push(note: str) -> str:
+        """A tool whose call is when the trainer's next push lands.
+
+        Args:
+            note: anything
+        """
+        client.model_name = "policy-2"  # as AdapterSync.push sets it, on the trainer's main thread
+        return "pushed"
+    Completions.answer = tokenizer('<tool_call>\n{"name": "push", "arguments": {"note": "x"}}\n</tool_call>')[
+        "input_ids"] + [tokenizer.eos_token_id]
+    try:
+        episodes = run_rollout(functools.partial(tool_rollout, tools=[push], max_iterations=2), [{"prompt": "p"}],
+                               ctx_of(client, tokenizer, max_tokens=200))
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert episodes[0].info["tool_calls"] == 2 and len(Completions.models) == 3  # three turns, two pushes between
+    assert Completions.models == ["policy-1"] * 3 and client.model_name == "policy-2"
