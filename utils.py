@@ -251,49 +251,138 @@ def cpu_seconds_of_group(pgid: int) -> float:
 
 
 class OutputLock:
-    """output_dir/.lock while a run uses the folder: a second run into it stops at once, on this node or another.
-    flock(2) frees it the moment its process ends, however it ends. The file names the run (pid and host) and the
-    run renews its time every RENEW_S s: where flock is missing (NFSv3 without lockd: ENOLCK; Lustre mounted
-    noflock: ENOSYS) or holds on one node only (Lustre localflock), a lock of another node (or of a dead process of
-    this one) that was not renewed for STALE_S s is left by a run that is gone, and is taken over. close() (or
-    release_locks(), as the process ends) removes it."""
+    """output_dir/.lock while a run uses the folder: a second run into it stops, on this node or another, and a
+    requeue is not stopped by the lock of its own run that died. The file names the run (pid and host); it is
+    written under a name of our own and put in place by link(2), which fails if a lock is there, so two starts
+    cannot both take it, also where flock is missing. The run holds flock(2) on it, which the kernel frees the
+    moment the process ends, however it ends, and renews its time every RENEW_S s. A start that finds a lock:
+    - flocked by a live process (of this node, or of any node where flock spans nodes): stops at once;
+    - of this node and free (flock says so, or without flock its process is gone): takes it over at once;
+    - else (another node's, whose flock may not reach here, as with Lustre localflock; or any lock on a filesystem
+      without flock, NFSv3 without lockd: ENOLCK, Lustre noflock: ENOSYS): watches it, one line said, until it has
+      not been renewed for STALE_RENEWALS periods (a minute). Renewed or replaced meanwhile: a live run, the start
+      stops (exit 2); not: its run is gone (kill -9, a node lost), and it is taken over. A requeue on another node
+      within a minute of its run's end waits instead of exiting 2, which a scheduler does not requeue.
+    close() (or release_locks(), as the process ends) removes it."""
 
-    RENEW_S, STALE_S = 15, 60
+    RENEW_S, STALE_RENEWALS = 15, 4
     held: list["OutputLock"] = []
 
     def __init__(self, output_dir: str):
-        self.path, self.me = os.path.join(output_dir, ".lock"), f"pid {os.getpid()} on {socket.gethostname()}"
-        self.file = open(self.path, "a+")
+        self.output_dir, self.path = output_dir, os.path.join(output_dir, ".lock")
+        self.me, self.said_no_flock = f"pid {os.getpid()} on {socket.gethostname()}", False
+        self.mine = f"{self.path}.{self.me.replace(' ', '-')}"  # our lock before it is put in place
+        self.file = open(self.mine, "w+")
         try:
-            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            flocked = True
-        except BlockingIOError:  # held by a live process (of this node, or of any where flock spans nodes)
-            self.file.seek(0)
-            owner = self.file.read().strip() or "starting"
+            self._flock(self.file)
+            self.file.write(self.me + "\n")
+            self.file.flush()
+            taken = False
+            while not taken:
+                taken = self._link_in_place() or self._judge_the_lock_there()
+        except BaseException:
             self.file.close()
-            raise UsageError(f"--output_dir {output_dir} is in use by another run ({owner}): wait for it to end, or "
-                             "choose another --output_dir") from None
-        except OSError as e:  # no flock on this filesystem: the renewed time alone tells a live run
-            print(f"warning: {output_dir} is on a filesystem without flock ({e.strerror}): it is locked by the time of "
-                  f"{self.path}, renewed every {self.RENEW_S} s", flush=True)
-            flocked = False
-        self.file.seek(0)
-        owner, age = self.file.read().strip(), time.time() - os.fstat(self.file.fileno()).st_mtime
-        pid, _, host = owner.removeprefix("pid ").partition(" on ")
-        gone = host == socket.gethostname() and (flocked or not os.path.exists(f"/proc/{pid}"))
-        if owner and not gone and age < self.STALE_S:
-            self.file.close()
-            raise UsageError(f"--output_dir {output_dir} is in use by another run ({owner}, which renewed its lock "
-                             f"{age:.0f} s ago): wait for it to end, or choose another --output_dir. If that run has "
-                             f"ended (it is renewed every {self.RENEW_S} s), delete {self.path}")
-        if owner and not gone:
-            print(f"warning: {self.path} was left by {owner}, not renewed for {age:.0f} s: taken over", flush=True)
-        self.file.truncate(0)
-        self.file.write(self.me + "\n")
-        self.file.flush()
+            raise
+        finally:
+            with suppress(FileNotFoundError):
+                os.unlink(self.mine)
         self.stop = threading.Event()
         threading.Thread(target=self._renew, daemon=True).start()
         OutputLock.held.append(self)
+
+    def _link_in_place(self) -> bool:
+        try:
+            os.link(self.mine, self.path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError as e:  # e.g. exFAT, or SMB without its unix extensions
+            raise UsageError(f"--output_dir {self.output_dir} is on a filesystem without hard links ({e.strerror}), "
+                             "which its lock needs: choose another --output_dir") from None
+
+    def _flock(self, f) -> bool:
+        """flock(2) on `f`: False where the filesystem has none (said once); BlockingIOError if a live process
+        holds it."""
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            raise
+        except OSError as e:
+            if not self.said_no_flock:
+                print(f"warning: {self.output_dir} is on a filesystem without flock ({e.strerror}): it is locked by "
+                      f"the time of {self.path}, renewed every {self.RENEW_S} s", flush=True)
+            self.said_no_flock = True
+            return False
+
+    def _judge_the_lock_there(self) -> bool:
+        """One look at the lock in place, not ours: stop, take it over (True), or watch it until one of those is
+        due. False: look again (it was removed, or taken over by another start meanwhile)."""
+        try:
+            f = open(self.path, "r+")  # for writing: NFS emulates flock with a write lock
+        except FileNotFoundError:  # its run has just ended
+            return False
+        with f:
+            try:
+                flocked = self._flock(f)
+            except BlockingIOError:
+                raise UsageError(f"--output_dir {self.output_dir} is in use by another run ({_owner(f)}): wait for it "
+                                 "to end, or choose another --output_dir") from None
+            owner, seen = _owner(f), os.fstat(f.fileno())
+            pid, _, host = owner.removeprefix("pid ").partition(" on ")
+            if host == socket.gethostname() and (flocked or not os.path.exists(f"/proc/{pid}")):
+                return self._take_over(owner, seen)  # this node's, its process gone: at once, without a word
+        if not self._went_stale(owner, seen):
+            return False
+        taken = self._take_over(owner, seen)
+        if taken:
+            print(f"warning: {self.path} was left by {owner}, not renewed for {time.time() - seen.st_mtime:.0f} s: "
+                  "taken over", flush=True)
+        return taken
+
+    def _went_stale(self, owner: str, seen: os.stat_result) -> bool:
+        """Watch the lock `seen` (as first opened) until it has gone unrenewed for STALE_RENEWALS periods: True then,
+        False if it was removed (its run ended), UsageError if it was renewed or replaced (a live run)."""
+        stale_s, age = self.RENEW_S * self.STALE_RENEWALS, time.time() - seen.st_mtime
+        wait = min(stale_s, stale_s - age)  # a clock ahead of ours (age < 0): one whole period, no more
+        if wait > 0:
+            print(f"{self.path} names {owner}, renewed {age:.0f} s ago: waiting up to {wait:.0f} s to see it renewed "
+                  f"(every {self.RENEW_S} s while that run lives: then this start stops) or not (it is taken over)",
+                  flush=True)
+        deadline = time.monotonic() + wait
+        while (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(left, self.RENEW_S / 10))
+            now = _look_at(self.path)
+            if now is None:
+                return False
+            if _same_file(now[1], seen):
+                continue
+            raise UsageError(f"--output_dir {self.output_dir} is in use by another run ({now[0]}, which renewed its "
+                             f"lock {time.time() - now[1].st_mtime:.0f} s ago): wait for it to end, or choose another "
+                             f"--output_dir. If that run has ended (it is renewed every {self.RENEW_S} s), delete "
+                             f"{self.path}")
+        return True
+
+    def _take_over(self, owner: str, seen: os.stat_result) -> bool:
+        """Replace the lock judged a gone run's by ours, if it is still that very file (same inode, not renewed
+        since). One start alone may: it claims that file first, by an exclusive create named after it; a start that
+        finds the claim made stops, as the claimant will run. rename(2) replaces the lock whole: never a moment
+        without one, in which a third start could put its own in place."""
+        claim = f"{self.path}.{seen.st_ino}-{seen.st_mtime_ns}"
+        try:
+            os.close(os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        except FileExistsError:
+            raise UsageError(f"--output_dir {self.output_dir} is being taken over by another start ({self.path} was "
+                             f"left by {owner}): wait for it, or choose another --output_dir. If no run uses the "
+                             f"folder, delete {claim}") from None
+        try:
+            now = _look_at(self.path)
+            if now is None or not _same_file(now[1], seen):  # removed, renewed or replaced meanwhile: look again
+                return False
+            os.rename(self.mine, self.path)
+            return True
+        finally:
+            os.unlink(claim)
 
     def _renew(self):
         while not self.stop.wait(self.RENEW_S):
@@ -301,15 +390,36 @@ class OutputLock:
                 os.utime(self.file.fileno())
 
     def close(self):
-        """The folder is free: the file goes (if it is still ours), then the flock."""
+        """The folder is free: the file goes (if it is still ours, not taken over meanwhile), then the flock."""
         if self in OutputLock.held:
             OutputLock.held.remove(self)
             self.stop.set()
             with suppress(OSError):
-                self.file.seek(0)
-                if self.file.read().strip() == self.me:
+                there = _look_at(self.path)  # the same inode: a renewal may land meanwhile
+                if there and there[0] == self.me and there[1].st_ino == os.fstat(self.file.fileno()).st_ino:
                     os.unlink(self.path)
             self.file.close()
+
+
+def _owner(f) -> str:
+    """Who a lock file names ("pid 4242 on host"); an empty one (written by hand, or by older code) a start."""
+    f.seek(0)
+    return f.read().strip() or "a run starting"
+
+
+def _look_at(path: str) -> tuple[str, os.stat_result] | None:
+    """(owner, stat) of a lock file, None if there is none. Opened, not stat(2)'ed: NFS revalidates a file's
+    attributes on open, while a stat may answer from its cache for up to a minute."""
+    try:
+        with open(path) as f:
+            return _owner(f), os.fstat(f.fileno())
+    except FileNotFoundError:
+        return None
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    """The same lock, not renewed in between: its inode and its time."""
+    return (a.st_ino, a.st_mtime_ns) == (b.st_ino, b.st_mtime_ns)
 
 
 def release_locks():

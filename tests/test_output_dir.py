@@ -2,8 +2,14 @@
 earlier run's output; a run resumed from an older checkpoint moves the later ones (and the logs as they were)
 aside, so that `latest` cannot jump back to an abandoned run; a run resumed from another folder's checkpoint
 starts its own folder with the logs up to that checkpoint and never prunes what was there."""
+import contextlib
+import errno
+import fcntl
 import json
+import multiprocessing
 import os
+import re
+import socket
 import subprocess
 import sys
 import time
@@ -13,6 +19,7 @@ import pytest
 from config import UsageError
 from conftest import ROOT
 from checkpoints import check_checkpoint, find_checkpoint, prepare_output_dir
+from utils import OutputLock
 
 
 def fake_checkpoint(out, step: int):
@@ -58,12 +65,6 @@ def test_a_second_run_into_a_folder_in_use_stops_and_the_folder_is_free_after(tm
 def test_a_filesystem_without_flock_is_locked_by_the_renewed_lock_file(tmp_path, monkeypatch, capsys):
     """NFSv3 without lockd (ENOLCK) or Lustre mounted noflock (ENOSYS): before, the start crashed with a traceback.
     Now it says so in one line and the lock file alone keeps a second run out while the first renews it."""
-    import errno
-    import fcntl
-    from utils import OutputLock
-
-    def no_flock(f, op):
-        raise OSError(errno.ENOLCK, "No locks available")
     monkeypatch.setattr(fcntl, "flock", no_flock)
     monkeypatch.setattr(OutputLock, "RENEW_S", 0.05)
     first = prepare_output_dir(str(tmp_path), None)
@@ -71,27 +72,153 @@ def test_a_filesystem_without_flock_is_locked_by_the_renewed_lock_file(tmp_path,
     mtime = os.stat(tmp_path / ".lock").st_mtime_ns
     time.sleep(0.3)
     assert os.stat(tmp_path / ".lock").st_mtime_ns > mtime  # renewed
-    with pytest.raises(UsageError, match=f"in use by another run \\(pid {os.getpid()} on .*, which renewed its lock 0 s "
-                                         "ago\\).*If that run has ended .*delete .*\\.lock"):
+    with pytest.raises(UsageError, match=f"in use by another run \\(pid {os.getpid()} on .*, which renewed its lock "
+                                         "0 s ago\\).*If that run has ended .*delete .*\\.lock"):
         prepare_output_dir(str(tmp_path), None)
     first.close()
     assert not os.path.exists(tmp_path / ".lock")  # free
     prepare_output_dir(str(tmp_path), None).close()
 
 
-def test_a_lock_of_another_node_is_respected_while_renewed_and_taken_over_once_stale(tmp_path, capsys):
-    """Where flock holds on one node only (Lustre localflock), a run on another node holds the folder as long as it
-    renews its lock file; one not renewed for a minute was left by a run that is gone (kill -9, a node lost)."""
+HOLD_ON_NODE = """
+import fcntl, socket, sys, time
+sys.path.insert(0, sys.argv[1])
+socket.gethostname = lambda: sys.argv[3]  # a run on another node: its lock names that node
+if sys.argv[5] == "localflock":  # Lustre localflock: its flock holds on its own node, and is not seen on this one
+    fcntl.flock = lambda f, op: None
+from utils import OutputLock
+OutputLock.RENEW_S = float(sys.argv[4])
+lock = OutputLock(sys.argv[2])
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+@contextlib.contextmanager
+def run_on_another_node(out, flock: str, renew_s: float):
+    """A process holding `out` as a run on node-b would, renewing its lock every `renew_s` s."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_ON_NODE, ROOT, str(out), "node-b", str(renew_s), flock],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_requeue_on_another_node_waits_for_its_dead_runs_lock_to_go_stale_and_takes_it_over(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """A run killed (kill -9, a node lost) and requeued on another node at once: before, the start stopped with
+    exit 2 (the lock renewed less than a minute ago), which a scheduler does not requeue, and the job was lost.
+    Now it says it waits, one line, sees no renewal for 4 periods, and takes the lock over."""
+    monkeypatch.setattr(OutputLock, "RENEW_S", 1.0)
+    with run_on_another_node(tmp_path, "flock", 1.0) as holder:
+        holder.kill()  # no clean exit: its lock stays, naming it
+        holder.wait()
+    started = time.monotonic()
+    prepare_output_dir(str(tmp_path), None).close()
+    waited, said = time.monotonic() - started, capsys.readouterr().out
+    assert 2.0 < waited < 8.0  # until 4 s after its last renewal: not at once, and not much longer
+    assert len(re.findall(f"names pid {holder.pid} on node-b, renewed [01] s ago: waiting up to [34] s", said)) == 1
+    assert re.search(f"was left by pid {holder.pid} on node-b, not renewed for [4-6] s: taken over", said)
+    assert not os.path.exists(tmp_path / ".lock")  # ours, and released
+
+
+def test_a_lock_another_node_keeps_renewing_still_stops_the_start(tmp_path, monkeypatch, capsys):
+    """Where flock does not reach the other node (Lustre localflock), its renewal is what tells its run is alive:
+    the start that waits for its lock stops at the first renewal. (Without flock at all, the renewal alone counts
+    too: test_a_filesystem_without_flock_is_locked_by_the_renewed_lock_file.)"""
+    monkeypatch.setattr(OutputLock, "RENEW_S", 1.0)
+    with run_on_another_node(tmp_path, "localflock", 1.0) as holder:
+        started = time.monotonic()
+        with pytest.raises(UsageError, match=f"in use by another run \\(pid {holder.pid} on node-b, which renewed its "
+                                             "lock [01] s ago\\): wait for it to end, or choose another --output_dir"):
+            prepare_output_dir(str(tmp_path), None)
+        assert time.monotonic() - started < 3.5  # at its renewal, not when it would have gone stale
+        assert (tmp_path / ".lock").read_text() == f"pid {holder.pid} on node-b\n"  # untouched
+    assert capsys.readouterr().out.count("waiting up to") == 1
+
+
+def no_flock(f, op):
+    raise OSError(errno.ENOLCK, "No locks available")
+
+
+def race(out, go, done, results):
+    """One start of several released at once: says whether it got the folder, and holds it until `done`. Its
+    fstat(2) takes 0.2 s, as on a slow NFS server: every start looks at the lock before any takes it."""
+    fstat = os.fstat
+    os.fstat = lambda fd: (time.sleep(0.2), fstat(fd))[1]
+    go.wait()
+    try:
+        lock = prepare_output_dir(str(out), None)
+    except UsageError as e:
+        results.put(("refused", str(e)))
+        return
+    results.put(("locked", os.getpid()))
+    done.wait()
+    lock.close()
+
+
+@pytest.mark.parametrize("before", ["no lock", "a dead run's stale lock"])
+def test_starts_racing_without_flock_leave_one_run(tmp_path, monkeypatch, before):
+    """Without flock, the lock was read, then truncated and written: starts that read it at the same moment all
+    took it. Now it is put in place by link(2), which one alone can do, and a stale one is replaced by the one start
+    that claimed it (an exclusive create)."""
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    monkeypatch.setattr(OutputLock, "RENEW_S", 1.0)
+    fork = multiprocessing.get_context("fork")
+    if before != "no lock":
+        (tmp_path / ".lock").write_text("pid 4242 on node-b\n")
+        os.utime(tmp_path / ".lock", (time.time() - 600, time.time() - 600))
+    go, done, results = fork.Event(), fork.Event(), fork.Queue()
+    starts = [fork.Process(target=race, args=(tmp_path, go, done, results)) for _ in range(4)]
+    for start in starts:
+        start.start()
+    go.set()
+    outcomes = sorted(results.get(timeout=60) for _ in starts)
+    done.set()
+    for start in starts:
+        start.join(timeout=30)
+    assert [what for what, _ in outcomes] == ["locked", "refused", "refused", "refused"], outcomes
+    winner = outcomes[0][1]  # each other start saw its lock renewed, or its claim on the stale one
+    assert all(f"in use by another run (pid {winner} on" in said or "is being taken over by another start" in said
+               for _, said in outcomes[1:]), outcomes
+    assert not os.path.exists(tmp_path / ".lock")
+
+
+def test_a_stale_lock_is_taken_over_at_once_and_one_of_this_node_silently(tmp_path, capsys):
+    """A lock not renewed for a minute (by the file's time) is taken over without waiting; one of this node whose
+    process is gone (flock is free) at once and without a word."""
     (tmp_path / ".lock").write_text("pid 4242 on another-node\n")
-    with pytest.raises(UsageError, match="in use by another run \\(pid 4242 on another-node, which renewed its lock"):
-        prepare_output_dir(str(tmp_path), None)
     os.utime(tmp_path / ".lock", (time.time() - 120, time.time() - 120))
     prepare_output_dir(str(tmp_path), None).close()
-    assert "was left by pid 4242 on another-node, not renewed for 120 s: taken over" in capsys.readouterr().out
-    import socket
+    said = capsys.readouterr().out
+    assert "was left by pid 4242 on another-node, not renewed for 120 s: taken over" in said and "waiting" not in said
     (tmp_path / ".lock").write_text(f"pid 999999999 on {socket.gethostname()}\n")  # this node's, its process gone
-    prepare_output_dir(str(tmp_path), None).close()  # flock says it is free: at once, without a word
+    prepare_output_dir(str(tmp_path), None).close()
     assert capsys.readouterr().out == ""
+
+
+def test_a_filesystem_without_hard_links_is_refused_in_one_line(tmp_path, monkeypatch):
+    """The lock is put in place by link(2): exFAT, or SMB without its unix extensions, cannot. Said, not a traceback."""
+    def no_link(source, target):
+        raise OSError(errno.EPERM, "Operation not permitted")
+    monkeypatch.setattr(os, "link", no_link)
+    with pytest.raises(UsageError, match="is on a filesystem without hard links \\(Operation not permitted\\), which "
+                                         "its lock needs: choose another --output_dir"):
+        prepare_output_dir(str(tmp_path), None)
+    assert os.listdir(tmp_path) == []  # nothing left behind
+
+
+def test_a_run_whose_lock_was_taken_over_leaves_the_new_one_in_place(tmp_path):
+    """A run frozen for minutes (SIGSTOP, a hung mount) can find its lock taken over: before, its close removed the
+    lock of the run that took it (the file it had open said its own name)."""
+    first = prepare_output_dir(str(tmp_path), None)
+    os.rename(tmp_path / ".lock", tmp_path / "set-aside")  # as a start that found it stale does
+    (tmp_path / ".lock").write_text("pid 4242 on node-b\n")
+    first.close()
+    assert (tmp_path / ".lock").read_text() == "pid 4242 on node-b\n"
 
 
 def test_a_new_run_refuses_an_earlier_runs_output_and_touches_nothing(tmp_path):
@@ -100,7 +227,7 @@ def test_a_new_run_refuses_an_earlier_runs_output_and_touches_nothing(tmp_path):
                                          "continue that run with --resume_from_checkpoint latest"):
         prepare_output_dir(str(tmp_path), None)
     assert steps_in(tmp_path / "metrics.jsonl") == [0, 1]
-    (tmp_path / "metrics.jsonl").write_text(""), (tmp_path / "rollouts.jsonl").write_text("")  # a run that died at start
+    (tmp_path / "metrics.jsonl").write_text(""), (tmp_path / "rollouts.jsonl").write_text("")  # died at its start
     (tmp_path / "server.log").write_text("not ours")
     prepare_output_dir(str(tmp_path), None).close()
     os.makedirs(tmp_path / "model")
@@ -117,7 +244,8 @@ def test_resuming_an_older_checkpoint_moves_the_later_ones_and_their_logs_aside(
     aside = [n for n in visible(tmp_path) if n.startswith("abandoned-after-step-2-")]
     assert len(aside) == 1 and f"are in {tmp_path / aside[0]}" in capsys.readouterr().out
     assert visible(tmp_path) == sorted(["checkpoint-2", "metrics.jsonl", "rollouts.jsonl", aside[0]])
-    assert sorted(os.listdir(tmp_path / aside[0])) == ["checkpoint-4", "checkpoint-6", "metrics.jsonl", "rollouts.jsonl"]
+    assert sorted(os.listdir(tmp_path / aside[0])) == ["checkpoint-4", "checkpoint-6", "metrics.jsonl",
+                                                       "rollouts.jsonl"]
     for name in ("metrics.jsonl", "rollouts.jsonl"):
         assert steps_in(tmp_path / name) == [0, 1, 2] and steps_in(tmp_path / aside[0] / name) == list(range(8))
     assert find_checkpoint("latest", str(tmp_path)) == str(tmp_path / "checkpoint-2")  # not the abandoned 6
