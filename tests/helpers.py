@@ -1,4 +1,5 @@
 """Reward functions for tests, passed as --reward_funcs tests.helpers:NAME (TRL's signature)."""
+import itertools
 import math
 import os
 import signal
@@ -288,9 +289,10 @@ def gated_at_call_2(rows, ctx):
 
 
 class WaitsWhenAsked:
-    """An environment whose tool `wait` answers at once, until the file NANOGRPO_TEST_GATE exists: then it writes
-    NANOGRPO_TEST_GATE + ".waiting" and blocks for an hour (a slow tool). Run with a structured-outputs regex that
-    makes the model write the call."""
+    """An environment whose tool `wait` answers at once, but when the file NANOGRPO_TEST_GATE exists, or at this
+    process's call number NANOGRPO_TEST_GATE_CALL (on NANOGRPO_TEST_GATE_RANK alone if set): then it writes
+    NANOGRPO_TEST_GATE + ".waiting" and waits until NANOGRPO_TEST_GATE + ".open" exists (an hour at most: a slow
+    tool). Run with a structured-outputs regex that makes the model write the call."""
 
     CALL = '<tool_call>\n{"name": "wait", "arguments": {}}\n</tool_call>'
 
@@ -299,11 +301,17 @@ class WaitsWhenAsked:
 
     def wait(self) -> str:
         """Wait until the world is ready."""
-        gate = os.environ["NANOGRPO_TEST_GATE"]
-        if os.path.exists(gate):
+        gate, call = os.environ["NANOGRPO_TEST_GATE"], next(_tool_calls)
+        ours = os.environ.get("NANOGRPO_TEST_GATE_RANK") in (None, os.environ.get("RANK", "0"))
+        if os.path.exists(gate) or ours and call == int(os.environ.get("NANOGRPO_TEST_GATE_CALL", 0)):
             open(gate + ".waiting", "w").close()
-            time.sleep(3600)
+            deadline = time.monotonic() + 3600
+            while not os.path.exists(gate + ".open") and time.monotonic() < deadline:
+                time.sleep(0.1)
         return "ready"
+
+
+_tool_calls = itertools.count(1)  # (next() on it is atomic: the tools of a turn run on threads of their own)
 
 
 def hangs_at_call_2(completions, **kwargs):
