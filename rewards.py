@@ -48,8 +48,21 @@ BOXED_NUMBER = re.compile(r"\\boxed\{\s*-?[\d,]*\.?\d+\.?\s*\}")  # a full stop 
 
 
 def completion_text(completion) -> str:
-    """A completion's text: the completion itself, or its last message's content (chat datasets)."""
-    return completion if isinstance(completion, str) else completion[-1]["content"]
+    """A completion's text: the completion itself, or its last message's content (chat datasets); "" for no message
+    (a trajectory whose environment failed before the model's first turn) or a message without content."""
+    if isinstance(completion, str):
+        return completion
+    return (completion[-1].get("content") or "") if completion else ""
+
+
+def as_completion(prompt, completion):
+    """A completion as the reward functions get it: text for a text prompt, messages for a chat prompt (a text one as
+    one assistant message) or a multi-turn one; no message at all (a trajectory whose environment failed before
+    the model's first turn, which gets no reward anyway: tools.environment_rewards) as one empty assistant message,
+    a valid empty answer, so that no function fails on it (TRL's examples read completion[0]["content"])."""
+    if isinstance(completion, list):
+        return completion or [{"role": "assistant", "content": ""}]
+    return completion if isinstance(prompt, str) else [{"role": "assistant", "content": completion}]
 
 
 NUMBER = re.compile(r"-?(?:\d[\d,]*)?\.?\d+")
@@ -551,8 +564,7 @@ class RewardScorer:
         self.metrics, self.extra = {}, {}
         n = len(rows)
         prompts = [r["prompt"] for r in rows]
-        completions = [c if isinstance(p, str) or isinstance(c, list) else [{"role": "assistant", "content": c}]
-                       for p, c in zip(prompts, completions)]  # a list: the messages of a multi-turn completion
+        completions = [as_completion(p, c) for p, c in zip(prompts, completions)]
         own = own.tolist() if hasattr(own, "tolist") else own
         which = {name: [i for i in range(n) if own is None or own[i][j]] for j, name in enumerate(self.names)}
 

@@ -23,6 +23,7 @@ import math
 import re
 import sys
 import threading
+import time
 import traceback
 
 from config import UsageError
@@ -146,42 +147,87 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict], list[str]]:
 # -----------------------------------------------------------------------------
 # running the user's code (tools, an environment's methods) so that none can hold up a step
 
-def user_loop() -> asyncio.AbstractEventLoop:
-    """The event loop the user's coroutines run on (async tools, reset, get_reward): one for the whole run, in a
-    daemon thread of its own, so an async environment keeps one loop from its reset to its get_reward."""
-    global _loop
-    with _loop_lock:
-        if _loop is None:
-            _loop = asyncio.new_event_loop()
-            threading.Thread(target=_loop.run_forever, daemon=True).start()
-    return _loop
+class PastDeadline(Exception):
+    """A coroutine of the user's did not finish by its deadline and was cancelled (run_together: it is late)."""
 
 
-_loop, _loop_lock = None, threading.Lock()
+class TrajectoryLoop:
+    """The event loop of one trajectory's coroutines (its async tools, reset, turn_prefix and get_reward), started at
+    the first of them in a daemon thread of its own and stopped with close() when the trajectory ends. An async
+    environment keeps one loop from its reset to its get_reward (it may hold loop-bound objects, a client, across
+    its methods). A loop per trajectory, not one for the run: a coroutine that blocks its loop (time.sleep inside
+    `async def`, which asyncio cannot interrupt) holds up its own trajectory alone, whose environment is stuck
+    anyway, while every other trajectory's async calls go on. An async --tools function runs on the loop of the
+    trajectory that calls it."""
+
+    def __init__(self):
+        self.loop, self.closed, self._lock = None, False, threading.Lock()
+
+    def run(self, awaitable, deadline: float):
+        """The awaitable's value, awaited on this loop until `deadline` (time.monotonic()); PastDeadline then, when its
+        task is cancelled: an await that never returns ends there, a blocked loop at its next await. PastDeadline at
+        once after close(): a factory abandoned at its deadline that returns later starts no loop nothing stops."""
+        with self._lock:
+            if self.closed:
+                raise PastDeadline
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+                threading.Thread(target=_serve, args=(self.loop,), daemon=True).start()
+        # a coroutine as it is: cancelled before its first step, it is closed (a wrapper's would never be awaited)
+        future = asyncio.run_coroutine_threadsafe(
+            awaitable if asyncio.iscoroutine(awaitable) else _awaited(awaitable), self.loop)
+        concurrent.futures.wait([future], max(deadline - time.monotonic(), 0))
+        if not future.done():
+            future.cancel()
+            raise PastDeadline
+        return future.result()
+
+    def close(self):
+        """Stop the loop, if it started: its thread then cancels what still runs on it (a call past its deadline,
+        a task the environment started) and ends, as asyncio.run ends (a blocked one once its call returns)."""
+        with self._lock:
+            self.closed = True
+            if self.loop is not None:
+                self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-def call_user(fn, *args, **kwargs):
-    """fn(*args, **kwargs), awaited on user_loop() if it returns an awaitable (an async tool, reset or get_reward)."""
-    out = fn(*args, **kwargs)
-    if inspect.isawaitable(out):
-        out = asyncio.run_coroutine_threadsafe(_awaited(out), user_loop()).result()
-    return out
+def _serve(loop: asyncio.AbstractEventLoop):
+    """A TrajectoryLoop's thread: run the loop until it is stopped, then cancel its tasks and close it."""
+    asyncio.set_event_loop(loop)
+    loop.run_forever()
+    left = asyncio.all_tasks(loop)
+    for task in left:
+        task.cancel()
+    loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+    loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.close()
 
 
 async def _awaited(awaitable):
     return await awaitable
 
 
+def call_user(fn, loop: TrajectoryLoop, deadline: float, /, *args, **kwargs):
+    """fn(*args, **kwargs), awaited on the trajectory's `loop` until `deadline` if it returns an awaitable (an async
+    tool, reset, turn_prefix or get_reward; PastDeadline after it). Positional-only: a tool's arguments take any
+    name."""
+    out = fn(*args, **kwargs)
+    return loop.run(out, deadline) if inspect.isawaitable(out) else out
+
+
 def run_together(jobs: list, timeout: float, what: str) -> list[tuple[object, str | None]]:
-    """Each job (a function of no arguments) on a daemon thread of its own, all at once, under one deadline `timeout`
-    s from now: per job (its value, None), or (None, its traceback) if it raised, or (None, "`what` did not return
-    within ...") if it had not returned by then. A job past the deadline is abandoned: its thread runs on, but
-    nothing waits for it, not even the process's exit (a pool's threads would hold it)."""
+    """Each job on a daemon thread of its own, all at once, under one deadline `timeout` s from now, which each job
+    gets as its one argument (time.monotonic(): call_user cancels a coroutine then): per job (its value, None), or
+    (None, its traceback) if it raised, or (None, "`what` did not return within ...") if it had not returned by then
+    or raised PastDeadline. A job past the deadline is abandoned: its thread runs on, but nothing waits for it, not
+    even the process's exit (a pool's threads would hold it)."""
+    deadline = time.monotonic() + timeout
     futures = [concurrent.futures.Future() for _ in jobs]
     for job, future in zip(jobs, futures):
-        threading.Thread(target=_settle, args=(future, job), daemon=True).start()
+        threading.Thread(target=_settle, args=(future, functools.partial(job, deadline)), daemon=True).start()
     concurrent.futures.wait(futures, timeout)
-    return [(None, f"{what} did not return within {timeout:g} s (--tool_timeout)\n") if not f.done() else
+    return [(None, f"{what} did not return within {timeout:g} s (--tool_timeout)\n")
+            if not f.done() or isinstance(f.exception(), PastDeadline) else
             (None, "".join(traceback.format_exception(f.exception()))) if f.exception() else (f.result(), None)
             for f in futures]
 
@@ -193,35 +239,54 @@ def _settle(future: concurrent.futures.Future, job):
         future.set_exception(e)
 
 
-def call_tools(turns: list[tuple[list[dict], dict]], timeout: float) -> list[list[tuple[str, bool]]]:
-    """The tool calls of one turn of several trajectories, each (its calls, its {name: tool}): a trajectory's calls one
-    after another in the order the model wrote them (a call may use what the one before left in the environment),
-    the trajectories side by side, all under one deadline `timeout` s from now. Each call's answer is (the text of a
-    tool message, whether the call failed): the tool's result, or an error the model reads (a tool that raises, is
-    unknown, gets wrong arguments, or has not answered by the deadline; the calls after that one are not made)."""
+ANSWERED, FAILED, TIMED_OUT = "answered", "failed", "timed out"  # what became of a tool call (call_tools)
+
+
+def call_tools(turns: list[tuple[list[dict], dict, TrajectoryLoop]], timeout: float) -> list[list[tuple[str, str]]]:
+    """The tool calls of one turn of several trajectories, each (its calls, its {name: tool}, its loop): a trajectory's
+    calls one after another in the order the model wrote them (a call may use what the one before left in the
+    environment), the trajectories side by side, all under one deadline `timeout` s from now. Each call's answer is
+    (the text of a tool message, ANSWERED, FAILED or TIMED_OUT): the tool's result, or an error the model reads: a
+    tool that raises, is unknown or gets wrong arguments (FAILED), or one that has not answered by the deadline
+    (TIMED_OUT, an async one cancelled then; the calls after it are not made, and time out with it)."""
     answers, late = [[] for _ in turns], threading.Event()
 
-    def in_order(calls, tools, out):
+    def in_order(calls, tools, loop, out, deadline):
         for call in calls:
             if late.is_set():
                 return
-            out.append(_answer(call, tools))
-    run_together([functools.partial(in_order, calls, tools, out) for (calls, tools), out in zip(turns, answers)],
-                 timeout, "a tool")
+            out.append(_answer(call, tools, loop, deadline))
+    run_together([functools.partial(in_order, calls, tools, loop, out)
+                  for (calls, tools, loop), out in zip(turns, answers)], timeout, "a tool")
     late.set()
     done = [list(out) for out in answers]  # what had answered by the deadline
     return [out + [(f"error: the tool {call['name']} did not answer within {timeout:g} s" if k == 0 else
-                    f"error: the tool {call['name']} was not called: the call before it did not answer in time", True)
-                   for k, call in enumerate(calls[len(out):])] for (calls, _), out in zip(turns, done)]
+                    f"error: the tool {call['name']} was not called: the call before it did not answer in time",
+                    TIMED_OUT) for k, call in enumerate(calls[len(out):])] for (calls, _, _), out in zip(turns, done)]
 
 
-def _answer(call: dict, tools: dict) -> tuple[str, bool]:
+def _answer(call: dict, tools: dict, loop: TrajectoryLoop, deadline: float) -> tuple[str, str]:
     if call["name"] not in tools:
-        return f"error: there is no tool {call['name']!r}; the tools are {', '.join(sorted(tools))}", True
+        return f"error: there is no tool {call['name']!r}; the tools are {', '.join(sorted(tools))}", FAILED
     try:
-        return str(call_user(tools[call["name"]], **call["arguments"])), False
+        return str(call_user(tools[call["name"]], loop, deadline, **call["arguments"])), ANSWERED
+    except PastDeadline:  # late: call_tools answers for it and the calls after it
+        raise
     except Exception as e:
-        return f"error: {type(e).__name__}: {e}", True
+        return f"error: {type(e).__name__}: {e}", FAILED
+
+
+def end_of_turn_id(tokenizer) -> int:
+    """The token that ends an assistant turn in the chat template, which need not be the tokenizer's eos (ChatML's
+    <|im_end|> is SmolLM2's eos; Gemma's <end_of_turn> and Llama-3's <|eot_id|> are not): the first special token
+    the template writes after an assistant message's content, as a rendering of one shows; eos if it writes none."""
+    mark = "nanogrpo's end-of-turn probe"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi."}, {"role": "assistant", "content": mark}],
+                                         tokenize=False)
+    special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special} | set(
+        tokenizer.all_special_ids)
+    after = tokenizer.encode(text[text.rindex(mark) + len(mark):], add_special_tokens=False)
+    return next((i for i in after if i in special), tokenizer.eos_token_id)
 
 
 def appended_ids(tokenizer, messages: list[dict], new: list[dict], tools: list[dict] | None) -> list[int] | None:
@@ -233,7 +298,8 @@ def appended_ids(tokenizer, messages: list[dict], new: list[dict], tools: list[d
     after = render(tokenizer, messages + new, tools, True)
     if after[:len(before)] != before:
         return None
-    ends = [i for i, t in enumerate(before) if t == tokenizer.eos_token_id]
+    end = end_of_turn_id(tokenizer)
+    ends = [i for i, t in enumerate(before) if t == end]
     return after[ends[-1] + 1 if ends else len(before):]
 
 
@@ -244,7 +310,7 @@ def open_turns(runs: list[dict], tokenizer, budget: int, timeout: float):
     last turn ("length"). A turn_prefix that raises, or has not returned within `timeout` s (one deadline for all),
     ends its trajectory with an environment error."""
     opening = [r for r in runs if r["live"] and callable(getattr(r["env"], "turn_prefix", None))]
-    for r, (prefix, error) in zip(opening, run_together([functools.partial(call_user, r["env"].turn_prefix)
+    for r, (prefix, error) in zip(opening, run_together([functools.partial(call_user, r["env"].turn_prefix, r["loop"])
                                                          for r in opening], timeout, "turn_prefix")):
         if error is None and prefix is not None and not isinstance(prefix, str):
             error = f"turn_prefix() returned a {type(prefix).__name__}; return text, or '' for none\n"
@@ -266,16 +332,17 @@ def start_trajectories(rows: list[dict], ctx: RolloutContext, tools: list, env_f
     """Each trajectory's start: a fresh environment (env_factory()) reset with its row's columns but `omit` (a reset
     without **row gets those it names: `def reset(self, question, answer)` runs as it is), whose text, if any,
     ends the prompt's last user message. The factories and resets run side by side under one deadline
-    `timeout` s from now; one that raises or misses it is the trajectory's environment error (it gets no reward)."""
+    `timeout` s from now; one that raises or misses it is the trajectory's environment error (it gets no reward).
+    Each trajectory gets its event loop (TrajectoryLoop), which tool_rollout closes when the trajectories end."""
     G = ctx.num_generations
 
-    def start(row):
+    def start(row, loop, deadline):
         env = env_factory()
         named = named_parameters(env.reset)  # None: it takes **row
-        return env, call_user(env.reset, **{k: v for k, v in row.items()
-                                            if k not in omit and (named is None or k in named)})
-    slots = range(len(rows) * G)
-    started = run_together([functools.partial(start, rows[i // G]) for i in slots], timeout,
+        return env, call_user(env.reset, loop, deadline, **{k: v for k, v in row.items()
+                                                            if k not in omit and (named is None or k in named)})
+    slots, loops = range(len(rows) * G), [TrajectoryLoop() for _ in range(len(rows) * G)]
+    started = run_together([functools.partial(start, rows[i // G], loops[i]) for i in slots], timeout,
                            "the environment's factory and reset") if env_factory else [(None, None) for _ in slots]
     runs = []
     for i, (value, error) in enumerate(started):
@@ -293,10 +360,10 @@ def start_trajectories(rows: list[dict], ctx: RolloutContext, tools: list, env_f
         if error is None and ctx.max_prompt_length and len(prompt_ids) > ctx.max_prompt_length:
             error = (f"with reset's text the prompt has {len(prompt_ids)} tokens > --max_prompt_length "
                      f"{ctx.max_prompt_length}: raise it (and the server's --max-model-len), or shorten that text\n")
-        runs.append(dict(row=row, slot=i, env=env, tools={f.__name__: f for f in fns}, schemas=schemas,
-                         messages=messages, start=len(messages), prompt_ids=prompt_ids, ids=[], sampled=[],
-                         logprobs=[], finish="stop", live=error is None, error=error, calls=0, failed_calls=0,
-                         rewritten=False))
+        runs.append(dict(row=row, slot=i, env=env, loop=loops[i], tools={f.__name__: f for f in fns},
+                         schemas=schemas, messages=messages, start=len(messages), prompt_ids=prompt_ids, ids=[],
+                         sampled=[], logprobs=[], finish="stop", live=error is None, error=error, calls=0,
+                         failed_calls=0, timeouts=0, rewritten=False))
     return runs
 
 
@@ -309,10 +376,29 @@ def tool_rollout(rows: list[dict], ctx: RolloutContext, tools: list = (), env_fa
     own, with a seed of its own (rollout.slot_seed: no two turns of a step share a random stream) and the room its
     trajectory has left; a turn's requests are sent together, so the server batches them. Each trajectory gets a
     fresh environment (env_factory()), so a repeated call repeats. Tools, reset, turn_prefix and get_reward may be
-    async (awaited); each of them runs under a deadline of `timeout` s shared by all trajectories of that moment."""
+    async (awaited on the trajectory's own event loop, TrajectoryLoop); each of them runs under a deadline of
+    `timeout` s shared by all trajectories of that moment."""
+    runs = start_trajectories(rows, ctx, tools, env_factory, omit, timeout)
+    try:
+        take_turns(runs, ctx, max_iterations, timeout)
+        rewards = environment_rewards_of(runs, timeout)
+    finally:  # the loops end with their trajectories, also when the server was lost (the rollout then runs again)
+        for r in runs:
+            r["loop"].close()
+    return mark_groups_with_different_prompts([
+        Episode(r["row"], r["prompt_ids"], r["ids"], r["sampled"], r["logprobs"], r["finish"],
+                messages=r["messages"][r["start"]:],
+                info={"tool_calls": r["calls"], "failed_tool_calls": r["failed_calls"], "tool_timeouts": r["timeouts"],
+                      "template_rewrote_history": r["rewritten"],
+                      "environment_error": error or r["error"], "environment_reward": reward})
+        for r, (reward, error) in zip(runs, rewards)], ctx.num_generations)
+
+
+def take_turns(runs: list[dict], ctx: RolloutContext, max_iterations: int, timeout: float):
+    """The trajectories' turns, in place (tool_rollout): each live trajectory's model turn from the server, then its
+    calls' answers and the template's tokens for them, until no trajectory calls a tool, has room or turns left."""
     tokenizer, budget = ctx.tokenizer, ctx.sampling["max_tokens"]
     sampling = {k: v for k, v in ctx.sampling.items() if k != "max_tokens"}
-    runs = start_trajectories(rows, ctx, tools, env_factory, omit, timeout)
     for turn in range(max_iterations + 1):
         for r in runs:
             r["turn_start"] = len(r["ids"])
@@ -340,10 +426,11 @@ def tool_rollout(rows: list[dict], ctx: RolloutContext, tools: list = (), env_fa
                 r["live"] = False
             else:
                 pending.append((r, calls, errors))
-        answers = call_tools([(calls, r["tools"]) for r, calls, _ in pending], timeout)
+        answers = call_tools([(calls, r["tools"], r["loop"]) for r, calls, _ in pending], timeout)
         for (r, calls, errors), answered in zip(pending, answers):
             r["calls"] += len(calls) + len(errors)
-            r["failed_calls"] += len(errors) + sum(failed for _, failed in answered)
+            r["failed_calls"] += len(errors) + sum(outcome == FAILED for _, outcome in answered)
+            r["timeouts"] += sum(outcome == TIMED_OUT for _, outcome in answered)
             new = ([{"role": "tool", "name": c["name"], "content": a} for c, (a, _) in zip(calls, answered)]
                    + [{"role": "tool", "name": "error", "content": e} for e in errors])
             suffix = appended_ids(tokenizer, r["messages"], new, r["schemas"])
@@ -356,14 +443,6 @@ def tool_rollout(rows: list[dict], ctx: RolloutContext, tools: list = (), env_fa
                 r["ids"] += suffix
                 r["sampled"] += [False] * len(suffix)
                 r["logprobs"] += [math.nan] * len(suffix)
-    rewards = environment_rewards_of(runs, timeout)
-    return mark_groups_with_different_prompts([
-        Episode(r["row"], r["prompt_ids"], r["ids"], r["sampled"], r["logprobs"], r["finish"],
-                messages=r["messages"][r["start"]:],
-                info={"tool_calls": r["calls"], "failed_tool_calls": r["failed_calls"],
-                      "template_rewrote_history": r["rewritten"],
-                      "environment_error": error or r["error"], "environment_reward": reward})
-        for r, (reward, error) in zip(runs, rewards)], ctx.num_generations)
 
 
 def environment_rewards_of(runs: list[dict], timeout: float) -> list[tuple[float | None, str | None]]:
@@ -371,7 +450,7 @@ def environment_rewards_of(runs: list[dict], timeout: float) -> list[tuple[float
     environment has no get_reward, failed before or says None (not applicable: no reward in its column alone),
     (None, the error) where it raises, misses the deadline or returns something that is not a number."""
     scored = [r for r in runs if r["error"] is None and callable(getattr(r["env"], "get_reward", None))]
-    results = dict(zip(map(id, scored), run_together([functools.partial(call_user, r["env"].get_reward)
+    results = dict(zip(map(id, scored), run_together([functools.partial(call_user, r["env"].get_reward, r["loop"])
                                                       for r in scored], timeout, "get_reward")))
     return [reward_value(*results.get(id(r), (None, None)), "get_reward()") for r in runs]
 
@@ -471,13 +550,15 @@ def environment_rewards(episodes: list[Episode], scores: list[list[float]], scor
 
 
 def trajectory_metrics(episodes: list[Episode]) -> dict:
-    """Over all ranks: tool calls per trajectory (each call the model wrote, read or not) and those that failed (not
-    valid JSON, an unknown tool, wrong arguments, the tool raised or timed out), the completion tokens the model
+    """Over all ranks: tool calls per trajectory (each call the model wrote, read or not), those that failed (not
+    valid JSON, an unknown tool, wrong arguments, the tool raised) and those that timed out (no answer by
+    --tool_timeout: the late call and the calls after it in its turn, not made), the completion tokens the model
     wrote and those the tools and the chat template added, trajectories ended because the template rewrote
     history, environments that failed, groups whose prompts differ (warned once: GRPO's baseline then compares
     answers to different prompts), agents' calls that started a new sample (an edited history)."""
     t = sum_over_ranks({"n": len(episodes), "calls": sum(e.info.get("tool_calls", 0) for e in episodes),
                         "failed_calls": sum(e.info.get("failed_tool_calls", 0) for e in episodes),
+                        "timeouts": sum(e.info.get("tool_timeouts", 0) for e in episodes),
                         "model": sum(sum(e.sampled) for e in episodes),
                         "all": sum(len(e.completion_ids) for e in episodes),
                         "rewritten": sum(bool(e.info.get("template_rewrote_history")) for e in episodes),
@@ -492,6 +573,7 @@ def trajectory_metrics(episodes: list[Episode]) -> dict:
                "tools/groups_with_different_prompts", file=sys.stderr)
     n = max(t["n"], 1.0)
     return {"tools/calls": t["calls"] / n, "tools/failed_calls": t["failed_calls"] / n,
+            "tools/timeouts": t["timeouts"] / n,
             "completion_length/model": t["model"] / n, "completion_length/environment": (t["all"] - t["model"]) / n,
             "tools/template_rewrote_history": t["rewritten"], "environment_failures": t["failed"],
             "tools/groups_with_different_prompts": t["differ"], "agents/forks": t["forks"]}

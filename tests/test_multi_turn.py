@@ -4,6 +4,7 @@ stopping; with stand-ins for the server where the point is the rollout, the real
 import asyncio
 import json
 import math
+import threading
 import time
 
 import pytest
@@ -25,16 +26,17 @@ def call_text(name: str, **arguments) -> str:
 
 class Scripted:
     """A stand-in for the server's client: each turn of each trajectory is answer(its context as text), then the
-    end-of-turn token; each request's max_tokens and seed are recorded, a list per turn."""
+    end-of-turn token (`end`, else eos); each request's max_tokens and seed are recorded, a list per turn."""
 
-    def __init__(self, tokenizer, answer):
+    def __init__(self, tokenizer, answer, end: int | None = None):
         self.tokenizer, self.answer, self.turns = tokenizer, answer, []
+        self.end = tokenizer.eos_token_id if end is None else end
 
     def generate_each(self, prompts, max_tokens, seeds, **sampling):
         self.turns.append({"max_tokens": list(max_tokens), "seeds": list(seeds)})
         out = []
         for p in prompts:
-            ids = self.tokenizer(self.answer(self.tokenizer.decode(p)))["input_ids"] + [self.tokenizer.eos_token_id]
+            ids = self.tokenizer(self.answer(self.tokenizer.decode(p)))["input_ids"] + [self.end]
             out.append(dict(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop"))
         return out
 
@@ -107,6 +109,21 @@ def test_the_trajectories_of_a_group_draw_from_streams_of_their_own_on_the_real_
     assert all(len(t) >= 2 for t in first)
     assert len({t[:2] for t in first}) == 6, first  # no two share their first two tokens (of 49,152)
     assert second_turns() == first
+
+
+def test_a_trajectory_is_exact_under_a_template_whose_turns_end_with_a_token_of_their_own(tokenizer):
+    """A Gemma-style template (tests/test_tools.py), whose turns end with <end_of_turn>, not eos: a trajectory of two
+    tool turns reads as the template renders its conversation, the model's turns as sampled (each ending with
+    <end_of_turn>) and between them the template's text, from the newline after <end_of_turn> on."""
+    from tests.test_tools import gemma_style
+    gemma = gemma_style(tokenizer)
+    client = Scripted(gemma, lambda context: "done" if context.count("<start_of_turn>tool") >= 2 else
+                      call_text("echo", text="word"), end=gemma.convert_tokens_to_ids("<end_of_turn>"))
+    ctx = RolloutContext(client, gemma, 2, dict(max_tokens=300, temperature=1.0), seed=1)
+    for e in tool_rollout([{"prompt": "Echo twice."}], ctx, env_factory=Echo, max_iterations=3):
+        assert tool_answers(e) == ["word", "word"]
+        rendered = gemma.apply_chat_template([{"role": "user", "content": "Echo twice."}] + e.messages, tokenize=False)
+        assert gemma.decode(e.prompt_ids + e.completion_ids) == rendered.removesuffix("\n")
 
 
 class Files:
@@ -183,6 +200,76 @@ def test_async_tools_reset_and_get_reward_are_awaited(tokenizer):
         assert "Count with bump." in tokenizer.decode(e.prompt_ids)
         assert tool_answers(e) == ["count 1", "count 2"]
         assert e.info["environment_error"] is None and e.info["environment_reward"] == 0.5
+
+
+class Stuck:
+    """Async tools of three kinds: wait() awaits forever, block() blocks its event loop with time.sleep (as a
+    synchronous client inside `async def` would; asyncio cannot interrupt it), quick() answers at once. Which ones a
+    trajectory calls is its row's prompt. get_reward says whether it runs on the loop reset ran on."""
+    cancelled = []  # the prompts of the trajectories whose wait() was cancelled
+
+    async def reset(self, prompt, **row):
+        self.prompt, self.loop = prompt, asyncio.get_running_loop()
+        return ""
+
+    async def wait(self) -> str:
+        """Wait for ever."""
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            Stuck.cancelled.append(self.prompt)
+            raise
+        return "woke"
+
+    async def block(self) -> str:
+        """Block the event loop."""
+        time.sleep(4)
+        return "unblocked"
+
+    async def quick(self) -> str:
+        """Answer at once."""
+        await asyncio.sleep(0)
+        return "quick"
+
+    async def get_reward(self) -> float:
+        return 1.0 if asyncio.get_running_loop() is self.loop else -1.0
+
+
+def test_an_async_call_past_its_deadline_is_cancelled_and_one_that_blocks_holds_up_its_own_trajectory_alone(
+        tokenizer):
+    """One turn of three rows under a deadline of 1 s: a tool that awaits for ever is cancelled then (the task ends:
+    nothing keeps running or waiting for it); one that blocks its event loop for 4 s holds up the calls of its own
+    trajectory alone (its get_reward misses its deadline too), not the quick calls of the others, which answer on
+    time on the loop their reset ran on. The calls that got no answer are counted as time-outs, apart from the
+    malformed calls, and every thread the rollout started ends (the blocked one when its tool returns)."""
+    from tools import trajectory_metrics
+    calls = {"wait": call_text("wait") + call_text("quick"), "block": call_text("block"),
+             "fine": call_text("quick") + "<tool_call>{not json</tool_call>"}
+    client = Scripted(tokenizer, lambda context: "done" if "<tool_response>" in context else
+                      next(c for row, c in calls.items() if f"Row {row}." in context))
+    ctx = RolloutContext(client, tokenizer, 2, dict(max_tokens=300, temperature=1.0), seed=1)
+    threads, Stuck.cancelled = set(threading.enumerate()), []
+    started = time.monotonic()
+    episodes = tool_rollout([{"prompt": f"Row {row}."} for row in calls], ctx, env_factory=Stuck, max_iterations=1,
+                            timeout=1.0)
+    assert time.monotonic() - started < 3.5  # the tools' deadline, then get_reward's; not the 4 s block
+    assert [tool_answers(e) for e in episodes[::2]] == [
+        ["error: the tool wait did not answer within 1 s",
+         "error: the tool quick was not called: the call before it did not answer in time"],
+        ["error: the tool block did not answer within 1 s"],
+        ["quick", "error: the tool call '{not json' could not be read (Expecting property name enclosed in double "
+                  "quotes: line 1 column 2 (char 1))"]]
+    assert sorted(Stuck.cancelled) == ["Row wait."] * 2  # at the deadline, not when the rollout ends
+    rewards = [(e.info["environment_reward"], e.info["environment_error"]) for e in episodes]
+    assert rewards[:2] == rewards[4:] == [(1.0, None)] * 2
+    assert all(r is None and "get_reward did not return within 1 s" in error for r, error in rewards[2:4])
+    assert [(e.info["tool_timeouts"], e.info["failed_tool_calls"]) for e in episodes[::2]] == [(2, 0), (1, 0), (0, 1)]
+    metrics = trajectory_metrics(episodes)
+    assert [metrics[f"tools/{k}"] for k in ("calls", "failed_calls", "timeouts")] == pytest.approx([10 / 6, 2 / 6, 1])
+    deadline = time.monotonic() + 10
+    while set(threading.enumerate()) - threads and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not set(threading.enumerate()) - threads  # the rollout's threads, its loops' too, have all ended
 
 
 class Slow:
@@ -360,19 +447,24 @@ def test_an_agent_that_returns_no_number_or_blocks_gets_no_reward_and_holds_up_n
 @pytest.mark.slow
 def test_failed_environments_get_no_reward_and_a_rollouts_extra_fields_reach_the_reward_functions(server, tmp_path):
     """A mixture on 2 ranks: an environment without get_reward whose reset or turn_prefix raises on some rows (their
-    trajectories get no reward, though a reward function scores every completion), and a custom rollout whose
-    episodes carry an extra field that a reward function names (its reward is that field)."""
+    trajectories get no reward, though a reward function scores every completion; they reach the functions as an
+    empty answer, which TRL's reward_len, weighted 0 here, reads as completion[0]: each failure is counted once, as
+    the environment's), and a custom rollout whose episodes carry an extra field that a reward function names (its
+    reward is that field)."""
     from conftest import run_train
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("fine", "break it", "crash it", "fine too")))
     mixture = tmp_path / "mixture.json"
     mixture.write_text(json.dumps({"tasks": [
         {"name": "fragile", "dataset": str(rows), "env": "tests.helpers:Fragile",
-         "reward_funcs": "tests.helpers:always_one"},
+         "reward_funcs": "tests.helpers:always_one,tests.trl_rewards:reward_len", "reward_weights": "1,0"},
         {"name": "secret", "dataset": str(rows), "rollout": "tests.helpers:with_secret",
          "reward_funcs": "tests.helpers:reads_secret"}]}))
-    run_train(server, tmp_path / "out", "--dataset", str(mixture), "--num_generations", "2", "--prompts_per_step", "4",
-              "--max_completion_length", "8", "--max_steps", "3", "--bf16", "false", "--no_save_model")
+    _, metrics = run_train(server, tmp_path / "out", "--dataset", str(mixture), "--num_generations", "2",
+                           "--prompts_per_step", "4", "--max_completion_length", "8", "--max_steps", "3", "--bf16",
+                           "false", "--no_save_model")
+    failed = sum(m.get("environment_failures", 0) + m.get("eval/environment_failures", 0) for m in metrics)
+    assert failed > 0 and [m["scorer_failures"] for m in metrics if "scorer_failures" in m][-1] == failed
     records = [json.loads(line) for line in open(tmp_path / "out" / "rollouts.jsonl")]
     fragile = [r for r in records if r["columns"]["task"] == "fragile"]
     secret = [r for r in records if r["columns"]["task"] == "secret"]

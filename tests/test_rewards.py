@@ -93,3 +93,12 @@ def test_the_parity_task_holds_out_the_multiples_of_11_and_its_answers_are_right
     assert not any(number(r) % 11 == 0 for r in train) and len({number(r) for r in train}) > 800
     assert all(r["answer"] == ("even" if number(r) % 2 == 0 else "odd") and r["choices"] == ["even", "odd"]
                for r in test + train)
+
+
+def test_an_empty_completion_is_an_empty_answer_in_either_form():
+    """A trajectory whose environment failed before the model's first turn has no message; an assistant turn that
+    only calls a tool may have no content (None, as the OpenAI SDK writes it): both read as "", never raise."""
+    from rewards import completion_text
+    assert completion_text([]) == "" and completion_text([{"role": "assistant", "content": None}]) == ""
+    assert completion_text("") == "" and completion_text([{"role": "assistant", "content": "x"}]) == "x"
+    assert accuracy([[]], ["27"]) == [0.0] and format([[]]) == [0.0] and boxed_accuracy([[]], ["27"]) == [0.0]

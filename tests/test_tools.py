@@ -8,7 +8,8 @@ import torch
 
 from config import UsageError
 from embedded import default_model_path
-from tools import appended_ids, call_tools, check_tool_template, parse_tool_calls, tool_schemas
+from tools import (TrajectoryLoop, appended_ids, call_tools, check_tool_template, end_of_turn_id, parse_tool_calls,
+                   tool_schemas)
 
 SMOLLM2_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ "
                     "'<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>"
@@ -78,11 +79,11 @@ def test_tools_answer_with_their_result_or_an_error_and_a_hung_one_is_abandoned(
     tools = {"add": add, "hangs": hangs}
     calls = [{"name": "add", "arguments": {"a": 2, "b": 3}}, {"name": "sub", "arguments": {}},
              {"name": "add", "arguments": {"a": 1, "c": 2}}, {"name": "hangs", "arguments": {"seconds": 30}}]
-    answers = [answers[0] for answers in call_tools([([c], tools) for c in calls], 1.0)]  # each its own trajectory
-    out, failed = [text for text, _ in answers], [failed for _, failed in answers]
+    answers = [answers[0] for answers in call_tools([([c], tools, TrajectoryLoop()) for c in calls], 1.0)]  # each
+    out, outcomes = [text for text, _ in answers], [outcome for _, outcome in answers]  # its own trajectory
     assert out[0] == "5" and "there is no tool 'sub'" in out[1] and "unexpected keyword argument 'c'" in out[2]
     assert out[3] == "error: the tool hangs did not answer within 1 s"  # its thread is a daemon: it holds nothing up
-    assert failed == [False, True, True, True]  # counted in tools/failed_calls
+    assert outcomes == ["answered", "failed", "failed", "timed out"]  # tools/failed_calls, tools/timeouts
     with pytest.raises(UsageError, match="Google-style docstring"):
         tool_schemas([lambda x: x])
 
@@ -99,6 +100,37 @@ def test_a_tool_turn_appends_exactly_the_templates_tokens_after_the_models_end_o
     assert full[-len(suffix):] == suffix and full[-len(suffix) - 1] == tokenizer.eos_token_id
     assert tokenizer.decode(suffix) == "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n" \
                                        "<|im_start|>assistant\n"
+
+
+# Gemma's turns, whose end is <end_of_turn>, not the tokenizer's eos: the assistant is "model", a call is written in
+# the Hermes format and a tool's answer is a turn of its own.
+GEMMA_STYLE_TEMPLATE = (
+    "{% for message in messages %}{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "<start_of_turn>{{ role }}\n{{ message['content'] or '' }}{% for call in message.get('tool_calls') or [] %}"
+    "<tool_call>\n{{ call['function'] | tojson }}\n</tool_call>{% endfor %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def gemma_style(tokenizer):
+    """The tests' tokenizer with Gemma's turn tokens (special, not eos) and a template that ends turns with them."""
+    gemma = type(tokenizer).from_pretrained(default_model_path())
+    gemma.add_tokens(["<start_of_turn>", "<end_of_turn>"], special_tokens=True)
+    gemma.chat_template = GEMMA_STYLE_TEMPLATE
+    return gemma
+
+
+def test_the_end_of_a_turn_is_the_templates_end_of_turn_token_not_eos(tokenizer):
+    """A Gemma-style template: the model's turn ends with <end_of_turn>, and what a tool turn appends starts right
+    after it (the newline the template writes there included), not after the eos that this template never writes."""
+    gemma = gemma_style(tokenizer)
+    end = gemma.convert_tokens_to_ids("<end_of_turn>")
+    assert end_of_turn_id(gemma) == end != gemma.eos_token_id and end_of_turn_id(tokenizer) == tokenizer.eos_token_id
+    schemas = tool_schemas([add])
+    messages = [{"role": "user", "content": "What is 2 + 3?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]}]
+    suffix = appended_ids(gemma, messages, [{"role": "tool", "name": "add", "content": "5"}], schemas)
+    assert gemma.decode(suffix) == "\n<start_of_turn>tool\n5<end_of_turn>\n<start_of_turn>model\n"
 
 
 @pytest.mark.slow
@@ -228,10 +260,20 @@ def test_an_environment_that_raises_or_hangs_gives_its_trajectory_no_reward_and_
     assert "did not return within 1 s" in episodes[2].info["environment_error"]
     assert episodes[4].info["environment_error"] is None and episodes[4].info["environment_reward"] == 1.0
     assert episodes[4].completion_ids == [2] and episodes[0].completion_ids == []
-    scorer = RewardScorer([], ["prompt"])
-    scores = environment_rewards(episodes, [], scorer, ["Flaky"], ["Flaky"] * len(episodes))
-    assert [math.isnan(v) for v in scores[0]] == [True] * 4 + [False] * 2 and scorer.failures == 4
-    assert scorer.failed["Flaky"] == 4 and "no game today" in capfd.readouterr().err
+    # the reward functions get a failed trajectory as an empty answer (accuracy's text; TRL's completion[0]), which
+    # they score; the failure is the environment's, counted once and reported as its own, not the functions'
+    scorer = RewardScorer(["accuracy", "tests.trl_rewards:reward_len"], ["prompt", "answer"])
+    try:
+        functions = scorer([{**e.row, "answer": "1"} for e in episodes], [e.messages for e in episodes],
+                           [e.completion_ids for e in episodes])
+    finally:
+        scorer.close()
+    assert not any(math.isnan(v) for column in functions for v in column) and scorer.failures == 0
+    scores = environment_rewards(episodes, functions, scorer, ["Flaky"], ["Flaky"] * len(episodes))
+    assert all([math.isnan(v) for v in column] == [True] * 4 + [False] * 2 for column in scores)
+    assert scorer.failures == 4 and scorer.failed == {"accuracy": 0, "tests.trl_rewards:reward_len": 0, "Flaky": 4}
+    err = capfd.readouterr().err
+    assert "no game today" in err and "reward function" not in err
 
 
 def test_environment_tokens_get_no_gradient():
