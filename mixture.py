@@ -37,7 +37,7 @@ from config import (EMBEDDED_ENVIRONMENTS, EMBEDDED_TASKS, NO_DATASET, NO_DATASE
 from data import encode_prompt, epoch_order, load_rows, step_prompt_indices
 from metrics import pass_at_k
 from rewards import is_reward_model, load_reward_func
-from rollout import generate, load_rollout, run_rollout
+from rollout import generate, load_rollout, run_rollout, slot_seed
 from tools import probe_trajectory, tool_rollout_for, trajectory_metrics
 from utils import sum_over_ranks
 from vision import prompt_lengths, vision_probe, vision_rollout
@@ -335,10 +335,10 @@ class Mixture:
         for i, t in enumerate(self.task_index(rows).tolist()):
             parts.setdefault(t, []).append(i)
 
-        def run(t: int, positions: list[int]) -> list:
+        def run(t: int, positions: list[int]) -> list:  # each task its seed: no two tasks' slots share a stream
             task = self.tasks[t]
             return run_rollout(task.rollout_fn, [rows[i] for i in positions],
-                               dataclasses.replace(ctx, system_prompt=task.system_prompt))
+                               dataclasses.replace(ctx, system_prompt=task.system_prompt, seed=slot_seed(ctx.seed, t)))
         if len(parts) <= 1:  # one task (or none: a rank without evaluation prompts), as one call
             t, positions = next(iter(parts.items()), (0, []))
             return run(t, positions)

@@ -97,10 +97,14 @@ def sampled_episode(row: dict, prompt_ids: list[int], completion_ids: list[int],
 
 
 def generate(rows: list[dict], ctx: RolloutContext) -> list[Episode]:
-    """The default rollout: G completions of each row's prompt, sampled in one request."""
-    prompts = [ctx.encode(row["prompt"]) for row in rows]
-    samples = ctx.client.generate(prompts, n=ctx.num_generations, seed=ctx.seed, **ctx.sampling)
-    G = ctx.num_generations
+    """The default rollout: G completions of each row's prompt, a request per prompt, all sent at once (the server
+    batches them). vLLM gives the j-th sample of a request its seed + j: one request for all prompts would give the
+    j-th samples of every group one random stream; a request per prompt, seeded by its place (slot_seed), gives
+    every sample of the call its own (bench/sample_streams.py: as fast as one request)."""
+    prompts, G = [ctx.encode(row["prompt"]) for row in rows], ctx.num_generations
+    calls = [InThread(ctx.client.generate, [prompt], n=G, seed=slot_seed(ctx.seed, i), **ctx.sampling)
+             for i, prompt in enumerate(prompts)]
+    samples = [s for call in calls for s in call.result()]
     return [sampled_episode(rows[i // G], prompts[i // G], s["token_ids"], s["logprobs"], s["finish_reason"])
             for i, s in enumerate(samples)]
 

@@ -143,6 +143,25 @@ def test_each_step_draws_tasks_by_their_weights_and_a_resumed_run_draws_the_same
     assert [mixture.step_rows(step, 6, cfg.seed + 1) for step in range(3)] != steps[:3]  # the seed matters
 
 
+def test_no_two_samples_of_a_mixtures_step_share_a_random_stream(tokenizer):
+    """Two tasks in one call, the default rollout: before, each task's request had the call's seed, so the j-th samples
+    of the two tasks' first prompts shared a stream (and within a task, the j-th samples of every prompt). Now each
+    task has its seed, and each prompt its request and seed: every request's seed differs."""
+    from mixture import load_mixture
+    from rollout import RolloutContext
+    mixture = load_mixture(parse_config(["--dataset", "arithmetic:1,parity:1", "--num_arithmetic_problems", "10"]),
+                           tokenizer)
+    seeds = []
+
+    class Recording:  # a stand-in for the server's client: each request's seed
+        def generate(self, prompts, n, seed=None, **sampling):
+            seeds.extend([seed] * len(prompts))
+            return [dict(token_ids=[5], logprobs=[-1.0], finish_reason="stop")] * (len(prompts) * n)
+    rows = [mixture.rows[i] for i in (0, 1, 10, 11)]  # two of each task
+    ctx = RolloutContext(Recording(), tokenizer, 2, dict(max_tokens=4, temperature=1.0), seed=7)
+    assert len(mixture.rollout(rows, ctx)) == 8 and len(seeds) == 4 and len(set(seeds)) == 4, seeds
+
+
 def test_a_rows_reward_comes_from_its_own_columns_whatever_the_others_hold():
     from rewards import weighted_rewards
     matrix = torch.tensor([[1.0, 0.5, 7.0], [math.nan, math.nan, 0.25], [math.nan, 1.0, math.nan]])

@@ -1,5 +1,5 @@
-"""Rollouts held to the server contract: every request of a rollout samples the policy it started with (tool turns
-while pushes land, --max_staleness K), and OpenAI-client agents as every rollout (agents.py): calls at once each with
+"""Rollouts held to the server contract: every sample of a step has a random stream of its own, every request of a
+rollout samples the policy it started with (tool turns while pushes land, --max_staleness K), and OpenAI-client agents as every rollout (agents.py): calls at once each with
 their place and random stream, every sampling argument honoured on the token route, the budget and the prompt limit
 counting what the model reads; a restarted server or a policy name gone is a lost server (the rollout is run again),
 whatever the agent does with the error. A stand-in server where the point is the client's check, the real one
@@ -14,7 +14,7 @@ import pytest
 
 from agents import agent_rollout
 from embedded import default_model_path
-from rollout import RolloutContext, run_rollout
+from rollout import RolloutContext, generate, run_rollout
 from tools import tool_rollout
 from vllm_server import INSTANCE_HEADER, ServerLost, VLLMClient
 
@@ -169,3 +169,15 @@ def test_every_turn_of_a_rollout_samples_the_policy_it_started_with_while_pushes
         httpd.server_close()
     assert episodes[0].info["tool_calls"] == 2 and len(Completions.models) == 3  # three turns, two pushes between
     assert Completions.models == ["policy-1"] * 3 and client.model_name == "policy-2"
+
+
+@pytest.mark.slow
+def test_every_sample_of_the_default_rollout_has_its_own_random_stream(server, tokenizer):
+    """The same prompt twice in one call, G=3: before, the call was one request, whose j-th sample of every prompt
+    had the seed + j: the two groups were the same samples. Now each prompt's request has a seed of its own."""
+    client = VLLMClient(port=server["port"])
+    client.wait_for_health(60)
+    episodes = generate([{"prompt": "Say something."}] * 2, ctx_of(client, tokenizer, G=3, max_tokens=8))
+    groups = [[e.completion_ids for e in episodes[g * 3:(g + 1) * 3]] for g in range(2)]
+    assert groups[0] != groups[1], groups  # (before, equal: the j-th samples shared a stream)
+    assert generate([{"prompt": "Say something."}] * 2, ctx_of(client, tokenizer, G=3, max_tokens=8)) == episodes
