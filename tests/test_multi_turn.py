@@ -206,7 +206,7 @@ class Stuck:
     """Async tools of three kinds: wait() awaits forever, block() blocks its event loop with time.sleep (as a
     synchronous client inside `async def` would; asyncio cannot interrupt it), quick() answers at once. Which ones a
     trajectory calls is its row's prompt. get_reward says whether it runs on the loop reset ran on."""
-    cancelled = []  # the prompts of the trajectories whose wait() was cancelled
+    cancelled = []  # (prompt, time.monotonic()) of each trajectory whose wait() was cancelled
 
     async def reset(self, prompt, **row):
         self.prompt, self.loop = prompt, asyncio.get_running_loop()
@@ -217,7 +217,7 @@ class Stuck:
         try:
             await asyncio.sleep(3600)
         except asyncio.CancelledError:
-            Stuck.cancelled.append(self.prompt)
+            Stuck.cancelled.append((self.prompt, time.monotonic()))
             raise
         return "woke"
 
@@ -259,7 +259,8 @@ def test_an_async_call_past_its_deadline_is_cancelled_and_one_that_blocks_holds_
         ["error: the tool block did not answer within 1 s"],
         ["quick", "error: the tool call '{not json' could not be read (Expecting property name enclosed in double "
                   "quotes: line 1 column 2 (char 1))"]]
-    assert sorted(Stuck.cancelled) == ["Row wait."] * 2  # at the deadline, not when the rollout ends
+    assert [prompt for prompt, _ in Stuck.cancelled] == ["Row wait."] * 2
+    assert all(t - started < 1.6 for _, t in Stuck.cancelled)  # at the deadline, not when the rollout ends (2 s)
     rewards = [(e.info["environment_reward"], e.info["environment_error"]) for e in episodes]
     assert rewards[:2] == rewards[4:] == [(1.0, None)] * 2
     assert all(r is None and "get_reward did not return within 1 s" in error for r, error in rewards[2:4])
