@@ -126,6 +126,15 @@ def test_request_latency(shared):
     assert float(re.search(r"idle server, CPU +(\S+) cores", out)[1]) < 0.5  # an idle server does not spin
 
 
+def test_sample_streams(model, shared):
+    out = bench("sample_streams.py", "--model", model, "--prompts", "3", "--G", "4", "--length", "8", "--repeats", "1",
+                env=shared)
+    one, per_prompt = (re.search(rf"{way} +median +(\S+) s +the same prompt's two groups sample alike: (\w+)", out)
+                       for way in ("one request", "a request per prompt"))
+    assert one[2] == "True" and per_prompt[2] == "False", out  # one request: the j-th samples share a stream
+    assert quotient(re.search(r"a request per prompt / one request: (\S+)", out)[1], per_prompt[1], one[1]), out
+
+
 def test_server_repeat(model, shared):
     out = bench("server_repeat.py", "--model", model, "--repeats", "1", "--prompts", "2", "--G", "2", "--length", "8",
                 env=shared)
