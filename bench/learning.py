@@ -125,8 +125,8 @@ if __name__ == "__main__":
                 results.setdefault(name, []).append((first[key], last[key]))
                 line.append(f"{name} {first[key]:.3f} -> {last[key]:.3f} ({last[key] - first[key]:+.3f})")
             if "eval/tools/calls" in first:  # held out: tool calls per trajectory, and the share that worked
-                calls = [(r["eval/tools/calls"], 1 - r["eval/tools/failed_calls"] / max(r["eval/tools/calls"], 1e-9))
-                         for r in (first, last)]
+                calls = [(r["eval/tools/calls"], 1 - (r["eval/tools/failed_calls"] + r.get("eval/tools/timeouts", 0))
+                          / max(r["eval/tools/calls"], 1e-9)) for r in (first, last)]  # (a time-out did not work)
                 line.append(f"tool calls {calls[0][0]:.2f} -> {calls[1][0]:.2f} (well-formed {calls[0][1]:.2f} -> "
                             f"{calls[1][1]:.2f})")
                 results.setdefault("calls", []).append((calls[0][0], calls[1][0]))
