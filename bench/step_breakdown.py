@@ -6,7 +6,7 @@ waiting for other ranks) make train.py's time/step. With --compare FLAGS, a seco
 server, and the ratio of their step times. With --split_cores the server runs on one half of the cores
 and the trainer on the other, as when each has devices of its own (async generation can overlap them).
 
-    .venv/bin/python bench/step_breakdown.py                              # SmolLM2, 8 prompts x G=8, 128 tokens, bf16
+    .venv/bin/python bench/step_breakdown.py                              # SmolLM2, 8 prompts x G=8, 128 tokens
     .venv/bin/python bench/step_breakdown.py --nproc 2 -- --beta 0.04     # after --: any train.py flags
     .venv/bin/python bench/step_breakdown.py --compare=--async_generation    # "=": the value starts with --
     .venv/bin/python bench/step_breakdown.py --split_cores --compare=--async_generation

@@ -1,6 +1,7 @@
 """TRL's GRPOTrainer on nanogrpo's embedded task and rewards, for bench/vs_trl.py, which runs it in
 its own virtual environment (bench/.venv-trl). Prints one JSON line: the wall time of each optimizer
-step, and the reward and completion length TRL logged for it.
+step, and the reward and completion length TRL logged for it. TRL computes in bf16 where the CPU has it natively,
+else in fp32, as nanogrpo's --bf16 auto does (config.native_bf16: emulated bf16 is ~100x slower).
 
     bench/.venv-trl/bin/python bench/trl_grpo.py --model FOLDER [--steps 4 --prompts 8 --G 8 --length 128]
 """
@@ -12,6 +13,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from config import native_bf16  # noqa: E402
 from embedded import arithmetic_problems  # noqa: E402
 from rewards import accuracy, format  # noqa: E402 - TRL's signature: they run in TRL as they are
 
@@ -26,6 +28,7 @@ if __name__ == "__main__":
     p.add_argument("--micro_batch_size", type=int, default=16)
     p.add_argument("--gradient_checkpointing", choices=["true", "false"], default="true")  # TRL's default: true
     a = p.parse_args()
+    import torch
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -49,7 +52,8 @@ if __name__ == "__main__":
     completions = a.prompts * a.G
     with tempfile.TemporaryDirectory() as tmp:
         config = GRPOConfig(
-            output_dir=tmp, use_cpu=True, bf16=True, max_steps=a.steps, learning_rate=3e-5, lr_scheduler_type="constant",
+            output_dir=tmp, use_cpu=True, bf16=native_bf16(torch.device("cpu")), max_steps=a.steps, learning_rate=3e-5,
+            lr_scheduler_type="constant",
             adam_beta2=0.99, weight_decay=0.0, max_grad_norm=1.0, beta=0.0, loss_type="dapo", scale_rewards="group",
             num_generations=a.G, max_completion_length=a.length, temperature=1.0, seed=42,
             per_device_train_batch_size=a.micro_batch_size, gradient_accumulation_steps=completions // a.micro_batch_size,

@@ -1,11 +1,11 @@
 """nanogrpo against TRL's GRPOTrainer on the same configuration, one after the other in one invocation:
 SmolLM2-135M, the embedded arithmetic task and its two rewards, 8 prompts x G=8, up to 128 completion
 tokens, micro-batches of 16, learning rate 3e-5 (constant), AdamW betas (0.9, 0.99), beta 0, loss dapo,
-bf16, the same number of steps. TRL runs in its own virtual environment (bench/.venv-trl, made on first
-use from PyPI: trl 1.16.0 with the torch and transformers of requirements.txt) and generates with
-transformers (its vLLM modes need CUDA); by default with gradient checkpointing (TRL's default) and
-without. nanogrpo runs against its own vLLM server, as is and with --async_generation; the server's KV cache
-holds one step, as run.sh sizes it.
+bf16 where the CPU has it natively and fp32 elsewhere (both), the same number of steps. TRL runs in its own
+virtual environment (bench/.venv-trl, made on first use from PyPI: trl 1.16.0 with the torch and transformers of
+requirements.txt) and generates with transformers (its vLLM modes need CUDA); by default with gradient checkpointing
+(TRL's default) and without. nanogrpo runs against its own vLLM server, as is and with --async_generation; the
+server's KV cache holds one step, as run.sh sizes it.
 
 Prints the mean step time over the steps after the first, the peak resident memory of each run (all its
 processes; nanogrpo's trainer and server apart), and each nanogrpo run's step time and peak memory (the
@@ -22,6 +22,7 @@ import sys
 import tempfile
 
 from common import ROOT, PeakRSS, mean, serving, steady, step_kv_cache_bytes, train, workload_arguments
+from limits import compute_dtype
 
 VENV = os.path.join(ROOT, "bench", ".venv-trl")
 PROMPT_BOUND = 128  # tokens: train.py's --max_prompt_length (the arithmetic prompts are shorter), for the KV cache
@@ -84,7 +85,7 @@ if __name__ == "__main__":
         server_peak, kv_note = server["memory"].peak, ("the shared server's own" if server.get("shared")
                                                       else f"{kv / 2 ** 30:.2f} GiB, one step's")
     print(f"\n{a.model} | {a.prompts} prompts x G={a.G}, up to {a.length} tokens | {a.steps} steps, mean over steps 2-{a.steps}"
-          f" | bf16 | {os.cpu_count()} CPUs")
+          f" | {str(compute_dtype()).removeprefix('torch.')} | {os.cpu_count()} CPUs")
     print(f"  {'run':52s} {'s/step':>7s} {'peak GiB':>8s}")
     for name, step, peak, note in results:
         print(f"  {name:52s} {step:7.1f} {peak:8.1f}   {note}")

@@ -2,10 +2,15 @@
 before RL (transcripts of the embedded environments, the loss on the assistant's tokens only, no held-out sum among
 them), that it then writes its calls itself but not always (when to call is left to RL), and the count of calls that
 failed (tools/failed_calls)."""
+import importlib.util
+import os
 import re
+import sys
 
 import pytest
 
+import embedded
+from conftest import ROOT, make_tiny_model
 from embedded import (Calculator, Guess, assistant_labels, default_model_path, three_digit_problems, tool_model_path,
                       tool_transcripts)
 from rollout import RolloutContext
@@ -75,6 +80,84 @@ def test_the_fit_learns_only_the_assistants_tokens(tokenizer):
         f"{a} + {b} = {a + b}, so the answer is \\boxed{{{a + b}}}.<|im_end|>"]
 
 
+def test_the_tool_model_is_fitted_in_the_dtype_the_trainer_computes_in(tmp_path, monkeypatch, capsys):
+    """bf16 only where the CPU has it natively (config.native_bf16, train.py's --bf16 auto): on an AVX2-only CPU an
+    emulated bf16 fit ran 30 minutes without finishing. Built from a tiny random Llama in a fresh cache, the fit's
+    first layer computes in that dtype, and the folder's name says it."""
+    import torch
+    from config import native_bf16
+    make_tiny_model(tmp_path / "SmolLM2-135M-Instruct")  # the base model the build starts from, in the fresh cache
+    monkeypatch.setenv("NANOGRPO_CACHE", str(tmp_path))
+
+    class Seen(Exception):
+        """Raised by the first linear layer the build runs: its output's dtype is the fit's, and the rest of the
+        build (two minutes on 2 cores, even for a tiny model: its logits span the whole vocabulary) is not needed."""
+
+    def first_linear(module, args, out):
+        if isinstance(module, torch.nn.Linear):
+            raise Seen(out.dtype)
+
+    hook = torch.nn.modules.module.register_module_forward_hook(first_linear)
+    try:
+        with pytest.raises(Seen) as seen:
+            tool_model_path()
+    finally:
+        hook.remove()
+    bf16 = native_bf16(torch.device("cpu"))
+    assert seen.value.args[0] == (torch.bfloat16 if bf16 else torch.float32)
+    folder = embedded.tool_model_folder(bf16)
+    assert os.path.basename(folder).startswith(f"SmolLM2-135M-tools-{'bf16' if bf16 else 'fp32'}-")
+    assert f"once into {folder} " in capsys.readouterr().err and not os.path.exists(folder)  # stopped: nothing saved
+
+
+def embedded_copy(folder, name: str, edit=lambda text: text, template_edit=lambda text: text):
+    """embedded.py, edited by `edit`, and its tool template, edited by `template_edit`, copied into `folder` and
+    imported from there as module `name`: what the cache would see after such an edit of the recipe."""
+    os.makedirs(os.path.join(folder, "templates"))
+    with open(os.path.join(ROOT, "embedded.py")) as f, open(os.path.join(folder, "embedded.py"), "w") as out:
+        out.write(edit(f.read()))
+    with open(embedded.TOOLS_TEMPLATE) as f, open(os.path.join(folder, "templates", "chatml_tools.jinja"), "w") as out:
+        out.write(template_edit(f.read()))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(folder, "embedded.py"))
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_changed_recipe_names_another_folder_and_a_comment_does_not(tmp_path):
+    """The embedded models' cache folders are named for their recipes, so a changed recipe never reuses a stale
+    model: the fit's dtype, a learning rate, a tool's docstring (its schema) or the tool template name another tool
+    model folder, the alignment's contrast another VLM folder; comments and blank lines name the same ones."""
+    def folders(module):
+        return [os.path.basename(module.tool_model_folder(False)), os.path.basename(module.tool_model_folder(True)),
+                os.path.basename(module.embedded_vlm_folder())]
+
+    def replaced(old, new):
+        def edit(text):
+            assert text.count(old) == 1, old
+            return text.replace(old, new)
+        return edit
+    edits = {"same": {},
+             "comments": {"edit": replaced("    model.train()\n", "    model.train()  # a comment\n\n    # another\n")},
+             "lr": {"edit": replaced("lr: float = 3e-4", "lr: float = 1e-4")},
+             "schema": {"edit": replaced("such as 13 + 14.", "such as 2 + 2.")},
+             "template": {"template_edit": lambda text: text.replace("<tool_call>", "<call>")},
+             "contrast": {"edit": replaced("contrast: float = 5.0", "contrast: float = 4.0")}}
+    try:  # each copy's folders are read while it is imported (inspect finds a class's source through sys.modules)
+        cases = {name: folders(embedded_copy(tmp_path / name, f"embedded_{name}", **edit))
+                 for name, edit in edits.items()}
+    finally:
+        for name in edits:
+            sys.modules.pop(f"embedded_{name}", None)
+    tools_fp32, tools_bf16, vlm = folders(embedded)
+    assert tools_fp32.startswith("SmolLM2-135M-tools-fp32-") and tools_bf16.startswith("SmolLM2-135M-tools-bf16-")
+    assert tools_fp32.split("-")[-1] == tools_bf16.split("-")[-1]  # the same recipe but the dtype
+    assert cases["same"] == cases["comments"] == [tools_fp32, tools_bf16, vlm]
+    for name in ("lr", "schema", "template"):
+        assert cases[name][0] != tools_fp32 and cases[name][1] != tools_bf16 and cases[name][2] == vlm, name
+    assert cases["contrast"][:2] == [tools_fp32, tools_bf16] and cases["contrast"][2] != vlm
+
+
 class ThreeKindsOfCall:
     """A stand-in for the server's client: the first turn writes a call that is not JSON, a call of a tool that does
     not exist and a good call; the second turn answers."""
@@ -106,8 +189,9 @@ def test_calls_that_fail_are_counted_beside_all_calls(tokenizer):
 
 @pytest.mark.slow
 def test_the_tool_model_writes_well_formed_calls_but_not_always():
-    """Built once (about 2 minutes): on held-out sums at temperature 1 it calls the calculator in some answers and
-    not in others (RL learns when to call), and its calls are read as calls of calculate with the sum."""
+    """Built once (about 1.5 minutes where the CPU has native bf16, 8 in fp32 without it): on held-out sums at
+    temperature 1 it calls the calculator in some answers and not in others (RL learns when to call), and its calls
+    are read as calls of calculate with the sum."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import get_json_schema
