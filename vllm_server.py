@@ -12,6 +12,8 @@ What this file adds to plain `vllm serve`, and nothing else:
   - a `gloo` weight-transfer backend, so weights can be pushed without CUDA (vLLM's own backends
     need it): the default without GPUs. With GPUs the default is vLLM's `nccl`; gloo works there
     too (host memory over TCP). The trainer uses whichever the server runs;
+  - POST /load_adapter (adapter_route.py): a LoRA adapter sent as bytes, served under its name; this file's flag
+    `--max-adapter-mb` (default 1024) bounds it;
   - defaults for training: bound to 127.0.0.1, the sampler's log-probs after temperature
     (`--logprobs-mode processed_logprobs`), the embedded model name `smollm2-135m`;
   - on CPUs, vLLM's processes tuned to leave the cores to the work: their message queues spin 2 ms
@@ -35,8 +37,6 @@ The wire protocol of a gloo weight push (trainer rank 0 = gloo rank 0, vLLM work
   3. POST /finish_weight_update, then POST /reset_prefix_cache?reset_running_requests=true and
      /reset_encoder_cache (cached KV and encoded images of old weights are stale; paused requests are recomputed).
 """
-import asyncio
-import atexit
 import contextlib
 import copy
 import functools
@@ -45,11 +45,8 @@ import hmac
 import json
 import math
 import os
-import re
-import shutil
 import socket
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -59,9 +56,10 @@ import torch
 import torch.distributed as dist
 from urllib3.connection import HTTPConnection
 
+from adapter_route import load_adapter, take_max_adapter_mb
 from config import DEFAULT_MODEL, RunStopped, UsageError, native_bf16, run_main
 from embedded import resolve_model
-from utils import InThread, set_malloc_thresholds
+from utils import InThread, all_reduce, set_malloc_thresholds
 
 DEFAULT_PORT = 8000
 DEFAULT_GROUP_PORT = 51216  # the TCP port of the trainer<->server weight-transfer rendezvous
@@ -110,6 +108,40 @@ def gloo_group(address: str, port: int, rank: int, world_size: int, timeout_s: f
 class ServerLost(ConnectionError):
     """The server stopped answering (killed, restarting, its engine died) or the weight transfer broke:
     the trainer can wait for it, push its weights again and carry on (guard.ServerGuard)."""
+
+
+class ServerRefused(RuntimeError):
+    """The server answered a request with a 4xx: it is up, and refuses what it was sent (waiting will not mend it).
+    `reason`: its message, on one line."""
+
+    def __init__(self, path: str, status: int, text: str):
+        super().__init__(f"vLLM server {path} answered {status}: {text[:2000]}")
+        self.status, self.reason = status, reason_of(text)
+
+
+def reason_of(text: str) -> str:
+    """The message of a server's error answer ({"error": "..."} from this file's routes, {"error": {"message": ...}}
+    from vLLM's), on one line of at most 500 characters."""
+    with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
+        error = json.loads(text)["error"]
+        text = error if isinstance(error, str) else error["message"]
+    return " ".join(str(text).split())[:500]
+
+
+def raise_on_every_rank(error: Exception | None, what: str):
+    """A collective at the end of a push (or of joining the weight transfer), which every rank calls: it raises on
+    every rank if it failed on any, else on none. The rank that had `error` raises it; the others raise ServerLost if
+    only the server was lost (the guard waits for it), else RunStopped. Each rank's next collective is then the same
+    one: a rank that raised alone met the other ranks' next collective (FSDP2's gathers of the adapter) with its own
+    (the guard's), and every rank hung until the collective time-out."""
+    kind = 0 if error is None else 1 if isinstance(error, ServerLost) else 2
+    worst = int(all_reduce(torch.tensor([kind]), dist.ReduceOp.MAX))
+    if error is not None:
+        raise error
+    if worst == 1:
+        raise ServerLost(f"{what}: the server was lost on another rank")
+    if worst == 2:
+        raise RunStopped(f"{what} failed on another rank (its message says why)")
 
 
 REPEATABLE = ("/v1/completions", "/v1/chat/completions")  # routes a call may repeat: nothing changes on the server
@@ -198,7 +230,7 @@ class VLLMClient:
         if r.status_code >= 500:  # the engine died or the server is going down
             raise ServerLost(f"vLLM server {path} answered {r.status_code}: {r.text[:500]}")
         if r.status_code != 200:
-            raise RuntimeError(f"vLLM server {path} answered {r.status_code}: {r.text[:2000]}")
+            raise ServerRefused(path, r.status_code, r.text)
         return r.json() if r.content else {}  # the cache routes answer with no body
 
     def wait_for_health(self, timeout: float = 300):
@@ -315,10 +347,15 @@ class VLLMClient:
 
     def load_adapter(self, name: str, adapter: bytes, keep: int = 1):
         """Make the server sample with a LoRA adapter (a peft adapter as safetensors bytes, its adapter_config.json in
-        the metadata) under `name`, and drop all but the newest `keep` (POST /load_adapter: the server writes it to a
-        folder of its own, so the trainer needs no filesystem shared with it). Requests then name it as their model."""
-        self._request("POST", "/load_adapter", params={"name": name, "keep": keep}, data=adapter,
-                      headers={"Content-Type": "application/octet-stream"})
+        the metadata) under `name` (e.g. policy-3), keeping the newest `keep` of those it was sent of the same series
+        (policy-...; POST /load_adapter: the server writes it to a folder of its own, so the trainer needs no
+        filesystem shared with it). Requests then name it as their model. An adapter the server refuses (a corrupt
+        one, a rank above its --max-lora-rank, a name one of its user's adapters has) stops the run, saying why."""
+        try:
+            self._request("POST", "/load_adapter", params={"name": name, "keep": keep}, data=adapter,
+                          headers={"Content-Type": "application/octet-stream"})
+        except ServerRefused as e:
+            raise RunStopped(f"the vLLM server refused the LoRA adapter {name} ({e.status}): {e.reason}") from None
         self.model_name = name
 
     def num_workers(self) -> int:
@@ -430,10 +467,19 @@ class WeightSync:
 
     def connect(self):
         """Join the server's weight transfer (rank 0); again after the server restarted. The next push sends every
-        weight, also those that do not change (on every rank: FSDP2 gathers each one)."""
+        weight, also those that do not change (on every rank: FSDP2 gathers each one). Every rank calls it, and it
+        fails on every rank or on none (raise_on_every_rank): a rank that went on would push alone."""
         getattr(self.source.source, "send_all_next", lambda: None)()
-        if self.rank != 0:
-            return
+        error = None
+        if self.rank == 0:
+            try:
+                self._join()
+            except Exception as e:  # e.g. the port of --vllm_group_port taken, the server lost
+                error = e
+        raise_on_every_rank(error, "joining the weight transfer")
+
+    def _join(self):
+        """Rank 0's part of connect(): the transfer the server's config names (our gloo, or vLLM's nccl)."""
         self.engine = None  # a previous group, with its rendezvous store, goes first: the port is reused
         gc.collect()
         check_port_free("", self.group_port, "--vllm_group_port")  # rank 0 hosts the rendezvous there
@@ -457,51 +503,27 @@ class WeightSync:
                              "(GPUs)")
 
     def push(self):
-        """Make the server compute with the current weights. Every rank calls it. If the push fails on
-        rank 0 (ServerLost, or any error), before reading the weights or halfway, rank 0 still reads the
-        rest of them, so that every rank has taken part in the same gathers."""
-        if self.engine is None:
-            for _ in self.source:  # take part in each gather, in the same order as rank 0
-                pass
-            return
+        """Make the server compute with the current weights. Every rank calls it, and it fails on every rank or on
+        none (raise_on_every_rank). Rank 0 sends; the other ranks read the weights (FSDP2: gathers) in the same
+        order. If the push fails on rank 0 (ServerLost, or any error), before reading the weights or halfway,
+        rank 0 still reads the rest of them, so that every rank has taken part in the same gathers."""
         self.source.begin()
-        try:
-            self.client.pause()  # requests under way (--max_staleness above 1) wait: no step sees half the weights
-            self.engine.send_weights()
-            self.client.reset_prefix_cache()  # cached KV of the old weights is stale
-            self.client.reset_encoder_cache()  # and so are images encoded by the old vision tower (VLMs)
-            self.client.resume()
-        except Exception:
-            self.source.finish()
-            with contextlib.suppress(Exception):  # a server still there goes on; the error says what went wrong
+        error = None
+        if self.engine is not None:
+            try:
+                self.client.pause()  # requests under way (--max_staleness above 1) wait: no step sees half the weights
+                self.engine.send_weights()
+                self.client.reset_prefix_cache()  # cached KV of the old weights is stale
+                self.client.reset_encoder_cache()  # and so are images encoded by the old vision tower (VLMs)
                 self.client.resume()
-            raise
-
-
-class AdapterSync:
-    """Pushes the LoRA adapter alone (--lora_sync adapter) to a server with vLLM's LoRA on, named after the policy
-    version (`version()`: optimizer steps). Every rank calls push() (FSDP2 gathers the adapter, never the base); rank 0
-    sends it (source: weight_sync.AdapterWeights) and every rank's client names it in its requests. The first push
-    after connecting also sends the base weights through `base` (a WeightSync): another run may have changed them."""
-
-    def __init__(self, client: VLLMClient, source, rank: int, version, base: WeightSync, keep: int = 1):
-        self.client, self.source, self.rank, self.version, self.base, self.base_sent = (client, source, rank, version,
-                                                                                        base, False)
-        self.keep = keep  # adapters the server keeps: batches sampled ahead (--max_staleness) may still use them
-
-    def connect(self):
-        self.base.connect()
-        self.base_sent = False
-
-    def push(self):
-        if not self.base_sent:
-            self.base.push()
-            self.base_sent = True
-        adapter, name = self.source.payload(self.rank == 0), f"policy-{self.version()}"
-        if self.rank == 0:
-            self.client.load_adapter(name, adapter, self.keep)
-            self.client.reset_prefix_cache()
-        self.client.model_name = name
+            except Exception as e:
+                error = e
+                with contextlib.suppress(Exception):  # a server still there goes on; the error says what went wrong
+                    self.client.resume()
+        elif self.rank == 0:
+            error = ServerLost("the weight transfer is not joined")
+        self.source.finish()  # what this push has not read: all of it on the other ranks
+        raise_on_every_rank(error, "the weight push")
 
 
 class _Resumable:
@@ -618,45 +640,6 @@ TRAINING_ROUTES = {"/health", "/v1/models", "/v1/completions", "/v1/chat/complet
                    "/version", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
                    "/finish_weight_update", "/shutdown_weight_transfer_engine", "/reset_prefix_cache",
                    "/reset_encoder_cache", "/load_adapter", "/pause", "/resume"}
-
-
-@functools.cache
-def adapter_folder() -> str:
-    """The server's own folder for the adapters it is sent, removed when it exits."""
-    folder = tempfile.mkdtemp(prefix="nanogrpo-adapters-")
-    atexit.register(shutil.rmtree, folder, True)
-    return folder
-
-
-async def load_adapter(request):
-    """POST /load_adapter?name=NAME&keep=K: a peft adapter (safetensors, its adapter_config.json in the metadata) goes
-    to a folder of this server's and is loaded under NAME (--enable-lora); all but the newest K adapters are removed."""
-    from starlette.responses import JSONResponse
-    from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
-    models, name, header = request.app.state.openai_serving_models, request.query_params.get("name", ""), None
-    body = await request.body()
-    with contextlib.suppress(ValueError):  # safetensors: an 8-byte length, then a JSON header
-        header = json.loads(body[8:8 + int.from_bytes(body[:8], "little")])
-    keep = request.query_params.get("keep", "1")
-    if not re.fullmatch(r"[\w.-]+", name) or name.startswith(".") or not isinstance(header, dict) or not keep.isdigit():
-        return JSONResponse({"error": "give ?name= (letters, digits, . _ -), ?keep= a count and a safetensors body"},
-                            status_code=400)
-    folder = tempfile.mkdtemp(prefix=f"{name}-", dir=adapter_folder())
-    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
-        f.write(header.get("__metadata__", {}).get("adapter_config", "{}"))
-    with open(os.path.join(folder, "adapter_model.safetensors"), "wb") as f:
-        f.write(body)
-    answer = await models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=name, lora_path=folder,
-                                                                   load_inplace=name in models.lora_requests))
-    if not isinstance(answer, str):  # vLLM's ErrorResponse: no LoRA support, a rank above --max-lora-rank, ...
-        shutil.rmtree(folder, ignore_errors=True)
-        return JSONResponse({"error": answer.error.message}, status_code=answer.error.code)
-    for old, loaded in list(models.lora_requests.items())[:-max(1, int(keep))]:  # requests under way may use them
-        if loaded.lora_path != folder:
-            await models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=old))
-            await models.engine_client.remove_lora(loaded.lora_int_id)
-            shutil.rmtree(loaded.lora_path, ignore_errors=True)
-    return JSONResponse({"loaded": name})
 
 
 async def route_guard(request, call_next):
@@ -816,6 +799,7 @@ def step_kv_cache_bytes(cfg, argv: list[str]) -> int | None:
 
 def main(argv: list[str] | None = None):
     argv = list(sys.argv[1:] if argv is None else argv)
+    argv = take_max_adapter_mb(argv)  # this file's flag: vLLM's parser does not know it
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # enables the weight-transfer and cache routes
     if flag_value(argv, "--kv-cache-memory-bytes") is None:  # (the variable, if set, wins over the flag)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; unset, vLLM on CPU sizes it from all RAM

@@ -1,22 +1,25 @@
 """The policy's weights on their way to the server: every weight in the server's names and dtype, LoRA merged, FSDP2
-shards gathered one tensor at a time (ServerWeights), or a LoRA adapter alone (AdapterWeights); which of them a run
-pushes (server_sync); and the probe that checks the server computes with them (check_sync).
-Not here: the transports (vllm_server.WeightSync: gloo or NCCL broadcasts; AdapterSync), saving to disk (checkpoints.py).
+shards gathered one tensor at a time (ServerWeights), or a LoRA adapter alone (AdapterWeights) and its push over the
+server's /load_adapter (AdapterSync); which of them a run pushes (server_sync); and the probe that checks the server
+computes with them (check_sync).
+Not here: the weights' transport (vllm_server.WeightSync: gloo or NCCL broadcasts), saving to disk (checkpoints.py).
 """
 import collections
 import dataclasses
 import json
 import math
 import os
+import secrets
 
 import safetensors.torch
 import torch
 
+from adapter_route import MAX_KEEP
 from config import RunStopped, UsageError
 from logprobs import no_grad_logprobs
 from models import full_tensor, hf_model, sharded_parameters
-from utils import print0, sum_over_ranks
-from vllm_server import AdapterSync, WeightSync
+from utils import print0, sum_over_ranks, text_of_rank0
+from vllm_server import VLLMClient, WeightSync, raise_on_every_rank
 
 
 WeightMeta = collections.namedtuple("WeightMeta", "name dtype shape")
@@ -93,17 +96,56 @@ class AdapterWeights:
         return safetensors.torch.save(tensors, metadata={"adapter_config": json.dumps(config, default=sorted)})
 
 
+class AdapterSync:
+    """Pushes the LoRA adapter alone (--lora_sync adapter) to a server with vLLM's LoRA on, named after its series and
+    the policy version (`version()`: optimizer steps): policy-3. Every rank calls push() (FSDP2 gathers the adapter,
+    never the base), and it fails on every rank or on none; rank 0 sends it (source: AdapterWeights) and
+    every rank's client names it in its requests. The server keeps the newest `keep` of the series and never touches
+    another series (a dry run's has a name of its own). The first push after connecting also sends the base weights
+    through `base` (a WeightSync): another run may have changed them."""
+
+    def __init__(self, client: VLLMClient, source, rank: int, version, base: WeightSync, keep: int = 1,
+                 series: str = "policy"):
+        self.client, self.source, self.rank, self.version, self.base, self.base_sent = (client, source, rank, version,
+                                                                                        base, False)
+        self.keep = keep  # adapters the server keeps: batches sampled ahead (--max_staleness) may still use them
+        self.series = series
+
+    def connect(self):
+        self.base.connect()
+        self.base_sent = False
+
+    def push(self):
+        if not self.base_sent:
+            self.base.push()  # raises on every rank or on none
+            self.base_sent = True
+        name, error = f"{self.series}-{self.version()}", None
+        try:
+            adapter = self.source.payload(self.rank == 0)  # every rank: FSDP2 gathers the adapter
+            if self.rank == 0:
+                self.client.load_adapter(name, adapter, self.keep)
+                self.client.reset_prefix_cache()
+        except Exception as e:
+            error = e
+        raise_on_every_rank(error, "the adapter push")
+        self.client.model_name = name
+
+
 def server_sync(cfg, client, model, server_dtype: torch.dtype, rank: int, version):
     """How the weights reach the server, and a phrase that says it: with --use_peft the adapter alone
-    (vllm_server.AdapterSync) where --lora_sync and the server allow it, else every weight, LoRA merged in
-    (vllm_server.WeightSync: gloo or NCCL broadcasts). --lora_sync adapter that cannot be stops the run at start."""
+    (AdapterSync) where --lora_sync and the server allow it, else every weight, LoRA merged in
+    (vllm_server.WeightSync: gloo or NCCL broadcasts). --lora_sync adapter that cannot be stops the run at start.
+    A dry run's adapters get a series of their own (dry-run-<8 hex digits>-N, drawn by rank 0): the server may be
+    another run's, whose adapters (policy-N) stay as they are (a push unloads only older ones of its own series)."""
     if cfg.use_peft and cfg.lora_sync != "merged":
         why = adapter_refused(cfg, client.server_config().get("lora_config"), model)
         if not why:
             base = WeightSync(client, ServerWeights(model, server_dtype, merge_lora=False), rank, cfg.vllm_group_host,
                               cfg.vllm_group_port, cfg.weight_sync_bucket_mb)
+            series = text_of_rank0(f"dry-run-{secrets.token_hex(4)}") if cfg.dry_run else "policy"  # every rank's
             return (AdapterSync(client, AdapterWeights(model, server_dtype), rank, version, base,
-                                keep=cfg.max_staleness + 1), "the LoRA adapter alone")
+                                keep=cfg.max_staleness + 1, series=series),
+                    "the LoRA adapter alone" + (f", as {series}-N" if cfg.dry_run else ""))
         if cfg.lora_sync == "adapter":
             raise UsageError(f"--lora_sync adapter: {why}; or push merged weights with --lora_sync merged")
         print0(f"LoRA: the weights are pushed merged, since {why}")
@@ -127,6 +169,9 @@ def adapter_refused(cfg, lora: dict | None, model) -> str:
     if cfg.lora_r > lora["max_lora_rank"]:
         return (f"--lora_r {cfg.lora_r} is above the server's --max-lora-rank {lora['max_lora_rank']}: restart it "
                 f"with --max-lora-rank {cfg.lora_r} or more")
+    if cfg.max_staleness + 1 > MAX_KEEP:  # the batches sampled ahead each keep their adapter on the server
+        return (f"--max_staleness {cfg.max_staleness} needs {cfg.max_staleness + 1} adapters on the server, which "
+                f"keeps {MAX_KEEP} of a run at most")
     return f"{others[0]} trains outside the adapter" if others else ""
 
 

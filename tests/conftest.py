@@ -218,13 +218,30 @@ def running_server(model: str, log_path, *extra: str, port: int | None = None):
         log.close()
 
 
+def make_tiny_adapter(model: str, path, r: int = 4) -> str:
+    """A peft LoRA adapter of `model` in `path`, its B random (it changes the outputs), as a user brings one."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from models import add_lora
+    torch.manual_seed(r)
+    lora = add_lora(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), r, 16.0, 0.0, "q_proj,v_proj")
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    lora.save_pretrained(path)
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def server(tiny_model, tmp_path_factory):
     """The server on the tiny model, shared by the tests of a session; with LoRA on, as run.sh starts it for
-    --use_peft (a LoRA run pushes its adapter alone, unless --lora_sync merged)."""
+    --use_peft (a LoRA run pushes its adapter alone, unless --lora_sync merged), serving a user's adapter `user`
+    (--lora-modules: the pushes must leave it and its folder as they are) and taking adapters up to 16 MB."""
+    user = make_tiny_adapter(tiny_model, tmp_path_factory.mktemp("user-adapter"))
     with running_server(tiny_model, tmp_path_factory.mktemp("server") / "server.log", "--enable-lora",
-                        "--max-lora-rank", "16") as s:
-        yield s
+                        "--max-lora-rank", "16", "--lora-modules", f"user={user}", "--max-adapter-mb", "16") as s:
+        yield {**s, "user_adapter": user}
 
 
 def train_args(server, out, *args) -> list[str]:

@@ -5,10 +5,13 @@ import re
 import sys
 
 import pytest
+import requests
+import torch
 
-from conftest import run, run_train, train_args
+from conftest import free_port, run, run_train, train_args
 from test_bad_input import starts_fail
 from test_tools import SMOLLM2_TEMPLATE
+from vllm_server import VLLMClient
 
 pytestmark = pytest.mark.slow
 CHECKS = ["output folder", "tokenizer", "tasks", "server", "reward functions", "models", "weight push", "sync probe",
@@ -17,20 +20,67 @@ SMALL = ["--reward_funcs", "tests.helpers:brevity", "--num_generations", "4", "-
          "--max_completion_length", "16", "--bf16", "false", "--micro_batch_size", "4"]
 
 
+def served_adapters(server) -> list[str]:
+    cards = requests.get(f"http://127.0.0.1:{server['port']}/v1/models", timeout=30).json()["data"]
+    return [card["id"] for card in cards if card.get("parent")]
+
+
 def check_lines(stdout: str) -> dict[str, str]:
     """{check: its line} of the lines a dry run printed."""
     return {m[2].strip(): m[0] for m in re.finditer(r"^  (ok|FAIL) +(\D+?) +\d+\.\d s.*$", stdout, re.M)}
 
 
+def another_lora_run(server) -> tuple[VLLMClient, dict]:
+    """The server as another LoRA run with --max_staleness 1 leaves it after two steps: its base weights (the tiny
+    model's), its adapters policy-1 and policy-2 (the newer samples, the older may still sample a batch ahead), and
+    the user's adapter. Returns a client and, by adapter, the server's log-probs of a probe."""
+    from transformers import AutoModelForCausalLM
+    from models import add_lora
+    from vllm_server import WeightSync
+    from weight_sync import AdapterSync, AdapterWeights, ServerWeights
+    client = VLLMClient(port=server["port"])
+    client.wait_for_health(30)
+    lora = add_lora(AutoModelForCausalLM.from_pretrained(server["model"], dtype=torch.float32), 4, 16.0, 0.0,
+                    "all-linear")
+    version = [1]
+    sync = AdapterSync(client, AdapterWeights(lora), 0, lambda: version[0], keep=2, base=WeightSync(
+        client, ServerWeights(lora, torch.float32, merge_lora=False), 0, "127.0.0.1", free_port()))
+    for step in (1, 2):
+        version[0] = step
+        with torch.no_grad():  # a step: the adapter changes
+            for name, p in lora.named_parameters():
+                if "lora_B" in name:
+                    p.normal_()
+        sync.push()
+    return client, samples_of(client, ["policy-1", "policy-2", "user"])
+
+
+def samples_of(client: VLLMClient, adapters: list[str]) -> dict[str, list[float]]:
+    """{adapter: the server's log-probs of a probe with it}."""
+    probe = {}
+    for name in adapters:
+        client.model_name = name
+        probe[name] = client.prompt_logprobs(list(range(100, 140)))
+    return probe
+
+
 def test_a_dry_run_checks_every_part_and_changes_nothing(server, tmp_path):
     """Two processes, FSDP2, LoRA pushed as an adapter, a reference model: every check passes, in the order of a
-    run's start and first step; the output folder holds the report alone; the server serves no adapter after."""
+    run's start and first step; the output folder holds the report alone. The server is another LoRA run's: the
+    dry run's adapter has a name of its own, and the other run's adapters and the user's compute as before. Before, the
+    dry run pushed policy-0 and unloaded all but the newest two adapters the server had (a batch ahead of the other
+    run lost its adapter), the user's too."""
     out = tmp_path / "out"
+    client, before = another_lora_run(server)
     proc = run_train(server, out, *SMALL, "--dry_run", "--fsdp", "--use_peft", "--beta", "0.04", check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = check_lines(proc.stdout)
     assert list(lines) == CHECKS and all(line.startswith("  ok") for line in lines.values()), proc.stdout
-    assert "the LoRA adapter alone" in lines["weight push"] and "once per connection" in lines["weight push"]
+    assert "the LoRA adapter alone, as dry-run-" in lines["weight push"], lines["weight push"]
+    assert "once per connection" in lines["weight push"]
+    assert samples_of(client, list(before)) == before
+    dry = re.search(r"as (dry-run-[0-9a-f]{8})-N", lines["weight push"])[1]
+    assert f"{dry}-0" in served_adapters(server)
     probe = float(re.search(r"trainer's to (\S+) on average", lines["sync probe"])[1])
     assert probe < 1e-4  # the session's server is fp32
     assert "4 completions of" in lines["rollout"] and "brevity" in lines["rewards"]
@@ -74,3 +124,18 @@ def test_each_failure_names_its_check_and_exits_2(server, tiny_model, tmp_path):
     assert "a broken reward function" in proc.stderr
     lines = check_lines(proc.stdout)
     assert list(lines) == CHECKS[:CHECKS.index("rewards") + 1] and lines["rewards"].startswith("  FAIL")
+
+
+def test_a_two_process_dry_run_whose_transfer_port_is_taken_stops_every_rank_at_once(server, tmp_path):
+    """--vllm_group_port taken: rank 0 cannot join the server's weight transfer. Every rank fails the weight push check,
+    rank 0 saying why, and the run ends (exit 2 on each rank). Before, rank 0 went to the check's verdict (a collective)
+    while rank 1 went on to push (FSDP2 gathers): both hung until the collective time-out (30 minutes)."""
+    import socket
+    port = free_port()
+    with socket.create_server(("127.0.0.1", port)):  # listening: another program's
+        proc = run_train(server, tmp_path / "out", *SMALL, "--dry_run", "--fsdp", "--vllm_group_port", str(port),
+                         check=False)
+    assert proc.returncode != 0 and "FAIL  weight push" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"error (rank 0): dry run: `weight push` failed: --vllm_group_port {port}: the port is in use" in proc.stderr
+    assert "error (rank 1): dry run: `weight push` failed: joining the weight transfer failed on another rank" in \
+        proc.stderr, proc.stderr[-3000:]

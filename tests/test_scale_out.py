@@ -1,6 +1,6 @@
 """DDP, FSDP2, LoRA and two nodes, each under torchrun (gloo) against the real server on the tiny model:
 training changes the weights, the server computes with exactly the trainer's weights after every push,
-and what is saved is what the server runs."""
+and what is saved is what the server runs; a push that fails on rank 0 fails on every rank (FSDP2, LoRA)."""
 import json
 import os
 import subprocess
@@ -10,7 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import die_with_parent, free_port, make_tiny_model, run_train, running_server, stop, train_args
+from conftest import (ROOT, die_with_parent, free_port, launcher, make_tiny_model, run, run_train, running_server,
+                      stop, train_args)
+from utils import free_ports
 from vllm_server import VLLMClient
 
 pytestmark = pytest.mark.slow
@@ -65,6 +67,36 @@ def test_parallel_modes_train_keep_the_server_in_sync_and_save_what_it_runs(serv
     assert pushed.get(mode, "| pushes all weights\n") in proc.stdout, proc.stdout[-2000:]
     assert metrics[-1]["kl"] > 0  # the reference (a copy, or the base with the adapter off) is in the loss
     check_saved_run(server, tmp_path / "out", metrics, lora="lora" in mode, adapter="policy-3" * (mode == "fsdp_lora"))
+
+
+def test_a_push_that_fails_on_rank_0_fails_on_every_rank_and_never_hangs_them(server, tmp_path):
+    """FSDP2 with the LoRA adapter pushed alone, 2 processes (tests/adapter_push_ranks.py): the server lost before the
+    first push and back 3 s later (every rank reconnects once, the push goes through, the probe matches), refusing the
+    adapter (every rank saves and stops, rank 0 with vLLM's reason), lost for good (every rank saves and stops after
+    --vllm_server_timeout 3 s). Before, rank 0 left the push while the other ranks went on to gather the adapter:
+    every rank hung until the collective time-out."""
+    out, (group_port, dead_port) = tmp_path / "ranks.json", free_ports(2)
+    script = os.path.join(ROOT, "tests", "adapter_push_ranks.py")
+    proc = run([*launcher(2), script, server["model"], str(server["port"]), str(group_port), str(dead_port), str(out)],
+               timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    ranks = json.loads(out.read_text())
+    assert [r["pushed"] for r in ranks] == ["the LoRA adapter alone"] * 2
+    back = [r["lost, then back"] for r in ranks]
+    assert [(b["result"], b["reconnects"], b["model_name"]) for b in back] == [("ok", 1, "policy-0")] * 2, back
+    assert max(b["seconds"] for b in back) < 40, back  # a wait of about 3 s, not the collective time-out (60 s)
+    probe = ranks[0]["probe"]["result"]
+    assert probe == ranks[1]["probe"]["result"] and probe["sync_probe_diff_max"] < 1e-4, probe
+    assert ranks[0]["adapter_effect"] > 1e-2  # the adapter pushed is not a zero one: the probe sees it
+    refused = [r["refused"] for r in ranks]
+    assert refused[0]["result"].startswith("RunStopped: the vLLM server refused the LoRA adapter policy-1 (422): LoRA "
+                                           "rank 32 is greater than max_lora_rank 16"), refused
+    assert refused[1]["result"].startswith("RunStopped: the adapter push failed on another rank"), refused
+    assert all("Saved out/checkpoint-1" in r["result"] and r["saved"] == 1 and r["seconds"] < 40 for r in refused)
+    gone = [r["lost for good"] for r in ranks]
+    assert all(g["result"].startswith(f"ServerGone: the vLLM server at http://127.0.0.1:{dead_port} did not answer "
+                                      "within 3s. Saved out/checkpoint-1") for g in gone), gone
+    assert all(g["saved"] == 2 and g["seconds"] < 40 for g in gone), gone
 
 
 def test_two_nodes_on_loopback(server, tmp_path):

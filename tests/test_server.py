@@ -1,5 +1,6 @@
 """The real vllm_server.py on a tiny random model: generation, weight pushes, restoring weights, what an
-idle server costs, its processes' reuse of freed memory, and multi-turn trajectories sampled from it token-exact."""
+idle server costs, its processes' reuse of freed memory, multi-turn trajectories sampled from it token-exact, and
+the LoRA adapters it is pushed (POST /load_adapter): only its own replaced or removed, the ones it refuses said why."""
 import math
 import os
 import subprocess
@@ -259,3 +260,94 @@ def test_multi_turn_trajectories_are_token_exact(setup):
         theirs = torch.tensor(client.prompt_logprobs(e.prompt_ids + e.completion_ids)[len(e.prompt_ids) - 1:])
         model_tokens = torch.tensor(e.sampled)
         assert (ours[i, :len(theirs)] - theirs).abs()[model_tokens].max() < 1e-4
+
+
+# ----------------------------------------------------------------------------- LoRA adapters (POST /load_adapter)
+
+@pytest.fixture(scope="module")
+def adapters(server) -> dict[int, bytes]:
+    """Adapters of the tiny model as the trainer pushes them (weight_sync.AdapterWeights), by rank: 4, and 32 (above
+    the session server's --max-lora-rank 16)."""
+    from models import add_lora
+    from weight_sync import AdapterWeights
+    made = {}
+    for r in (4, 32):
+        lora = add_lora(AutoModelForCausalLM.from_pretrained(server["model"], dtype=torch.float32), r, 16.0, 0.0,
+                        "all-linear")
+        with torch.no_grad():
+            for name, p in lora.named_parameters():
+                if "lora_B" in name:
+                    p.normal_()
+        made[r] = AdapterWeights(lora).payload(is_main=True)
+    return made
+
+
+def served(port: int) -> dict[str, str]:
+    """{name: folder} of the adapters the server serves (/v1/models lists each one's folder as its root)."""
+    import requests
+    cards = requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()["data"]
+    return {card["id"]: card["root"] for card in cards if card.get("parent")}
+
+
+def test_pushes_replace_unload_and_delete_only_the_servers_own_adapters(server, adapters):
+    """A user's adapter (--lora-modules user=FOLDER) survives any number of pushes, computing as before from its
+    folder as it was, and a push under its name is refused (409: the run stops saying so). Of its own adapters, a push
+    keeps the newest K of its series (policy-N: one run's) and leaves other series alone; the folder of an adapter it
+    unloads or replaces is removed. Before, a push unloaded every adapter but the newest K, the user's too, and
+    deleted its folder; a replaced adapter's folder stayed behind."""
+    from config import RunStopped
+    client = VLLMClient(port=server["port"])
+    client.wait_for_health(30)
+    base, probe, user = client.model_name, list(range(100, 140)), server["user_adapter"]
+
+    def logprobs_of(name: str) -> list[float]:
+        client.model_name = name
+        return client.prompt_logprobs(probe)
+    user_files = {name: open(os.path.join(user, name), "rb").read() for name in os.listdir(user)}
+    before = logprobs_of("user")
+    assert max(abs(a - b) for a, b in zip(before, logprobs_of(base))) > 1e-3  # the user's adapter is in them
+    client.load_adapter("other-0", adapters[4], keep=1)  # another run's series
+    folders = []
+    for k in range(6):
+        client.load_adapter(f"test-{k}", adapters[4], keep=2)
+        folders.append(served(server["port"])[f"test-{k}"])
+    now = served(server["port"])
+    assert {"user", "other-0", "test-4", "test-5"} <= set(now) and not {f"test-{k}" for k in range(4)} & set(now), now
+    assert now["user"] == user and [os.path.isdir(f) for f in folders] == [False] * 4 + [True] * 2
+    client.load_adapter("test-5", adapters[4], keep=2)  # the same name again: in place, from a new folder
+    replaced = served(server["port"])["test-5"]
+    assert replaced != folders[5] and os.path.isdir(replaced) and not os.path.exists(folders[5])
+    with pytest.raises(RunStopped, match=r"^the vLLM server refused the LoRA adapter user \(409\): the server serves "
+                                         "an adapter named user that it did not write"):
+        client.load_adapter("user", adapters[4])
+    assert logprobs_of("user") == before and served(server["port"])["user"] == user
+    assert {name: open(os.path.join(user, name), "rb").read() for name in os.listdir(user)} == user_files
+
+
+def test_an_adapter_the_server_refuses_stops_the_run_in_one_line_with_the_reason(server, adapters):
+    """A rank above --max-lora-rank, a body that is no adapter, a cut one, one above --max-adapter-mb (sent whole or
+    streamed): 4xx with the reason, which stops the run in one line (RunStopped: exit 3); a ?keep= or ?name= that is
+    not one: 400. The server keeps none of them, and still samples. Before, vLLM's refusal answered 500 (read as a
+    lost server: the trainer pushed again for --vllm_server_timeout), and so did ?keep=² ("²".isdigit())."""
+    import requests
+    from config import RunStopped
+    client = VLLMClient(port=server["port"])
+    client.wait_for_health(30)
+    url = f"{client.base}/load_adapter"
+    cases = [("big-0", adapters[32], 422, "LoRA rank 32 is greater than max_lora_rank 16."),
+             ("bad-0", b"not an adapter", 400, "the body is not a peft adapter as the trainer sends it"),
+             ("cut-0", adapters[4][:len(adapters[4]) // 2], 422, ""),
+             ("huge-0", bytes(17 * 2**20), 413, "the adapter is 17.0 MB, above the server's --max-adapter-mb 16")]
+    for name, body, status, reason in cases:
+        with pytest.raises(RunStopped) as refused:
+            client.load_adapter(name, body)
+        assert str(refused.value).startswith(f"the vLLM server refused the LoRA adapter {name} ({status}): {reason}")
+        assert "\n" not in str(refused.value) and len(str(refused.value)) < 600, str(refused.value)
+    streamed = requests.post(url, params={"name": "huge-1"}, data=(bytes(2**20) for _ in range(17)), timeout=60)
+    assert streamed.status_code == 413 and "above the server's --max-adapter-mb 16" in streamed.text
+    for params in ({"name": "x-0", "keep": "²"}, {"name": "x-0", "keep": "0"}, {"name": "x-0", "keep": "65"},
+                   {"name": "x-0", "keep": "9" * 5000}, {"name": "../x"}, {"name": ""}):
+        answer = requests.post(url, params=params, data=adapters[4], timeout=60)
+        assert answer.status_code == 400 and "?keep= (a count from 1 to 64)" in answer.text, (params, answer.text)
+    assert not {"big-0", "bad-0", "cut-0", "huge-0", "huge-1", "x-0"} & set(served(server["port"]))
+    assert client.healthy() and len(client.generate([[100, 200]], n=2, max_tokens=4)) == 2

@@ -1,5 +1,6 @@
 """What a push sends, without a server: the LoRA adapter alone is the adapter peft saves (names, values, config), and
 a run that cannot push it says why at start. The pushes themselves, through the real server: test_scale_out.py."""
+import dataclasses
 import json
 
 import pytest
@@ -51,6 +52,10 @@ def test_why_the_adapter_alone_cannot_be_pushed(lora_model):
                                                                                                       lora_model)
     assert "--lora_r 4 is above the server's --max-lora-rank 1" in adapter_refused(cfg, {"max_lora_rank": 1},
                                                                                   lora_model)
+    ahead = Config(use_peft=True, lora_r=4, async_generation=True, max_staleness=64)  # 65 adapters in use at once
+    assert "--max_staleness 64 needs 65 adapters on the server, which keeps 64 of a run at most" in adapter_refused(
+        ahead, {"max_lora_rank": 16}, lora_model)
+    assert adapter_refused(dataclasses.replace(ahead, max_staleness=63), {"max_lora_rank": 16}, lora_model) == ""
     norm = lora_model.get_base_model().model.norm.weight
     norm.requires_grad_(True)  # a weight that trains outside the adapter cannot travel with it
     try:
