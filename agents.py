@@ -25,7 +25,7 @@ import traceback
 from types import SimpleNamespace
 
 
-from config import UsageError
+from config import RunStopped, UsageError
 from rollout import Episode, RolloutContext, slot_seed
 from tools import appended_ids, end_of_turn_id, load_callables, mark_groups_with_different_prompts, reward_value
 from vllm_server import HEALTH_EVERY_S, INSTANCE_HEADER, ServerLost, structured
@@ -60,7 +60,8 @@ CHAT_ONLY = ("messages", "tools", "tool_choice", "parallel_tool_calls", "chat_te
              "add_generation_prompt", "continue_final_message", "documents", "reasoning_effort", "include_reasoning",
              "mm_processor_kwargs", "media_io_kwargs")  # how the chat route renders a prompt (vLLM's request fields)
 RENDERING = {"chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "documents",
-             "reasoning_effort"}  # a call with these is rendered by the server: a new sample
+             "reasoning_effort"}  # a call with these is rendered by the server: a new sample (so is one whose
+# tool_choice is "required" or names a tool: vLLM's chat route makes that a constraint on what is sampled)
 REFUSED = {"stream": "streams", "top_logprobs": "asks for top_logprobs", "stream_options": "streams",
            "prompt_logprobs": "asks for prompt_logprobs", "echo": "echoes its prompt"}
 
@@ -76,15 +77,16 @@ class RecordingClient:
     `client.model` is the served model's name."""
 
     def __init__(self, server, tokenizer, sampling: dict, seed: int, max_prompt_length: int = 0):
-        self.model, self.calls, self.forks, self.lost = server.model_name, [], 0, None
+        self.model, self.calls, self.forks, self.lost, self.too_long = server.model_name, [], 0, None, None
         self._tokenizer, self._sampling, self._seed, self._max_prompt = tokenizer, sampling, seed, max_prompt_length
         self._instance = server.instance
         import httpx  # ~1 s with openai: only runs with an agent pay it
         import openai
         self._openai = openai
-        self._client = openai.AsyncOpenAI(  # no time limit of its own: agent_rollout watches the server's health
-            base_url=server.base + "/v1", api_key=server.api_key or "none", max_retries=0, timeout=None,
-            http_client=httpx.AsyncClient(timeout=None, event_hooks={"response": [self._check_answer]}))
+        self._limit = server.request_timeout or None  # --vllm_request_timeout (0: none); agent_rollout watches /health
+        self._client = openai.AsyncOpenAI(
+            base_url=server.base + "/v1", api_key=server.api_key or "none", max_retries=0, timeout=self._limit,
+            http_client=httpx.AsyncClient(timeout=self._limit, event_hooks={"response": [self._check_answer]}))
         self.chat = SimpleNamespace(completions=SimpleNamespace(create=self._create))
         self.started, self.server_seconds, self.waiting_since, self.in_flight = time.monotonic(), 0.0, None, 0
 
@@ -112,7 +114,8 @@ class RecordingClient:
             raise ValueError(f"nanogrpo's agent client cannot take {refused[0]}, which training cannot use; drop it")
         messages, k = [as_message(m) for m in messages], len(self.calls)
         self.calls.append(None)  # its place, in the order the calls are made (filled when answered)
-        prompt_ids = None if RENDERING & set(kwargs) else self._continued(k, messages, tools)
+        by_server = RENDERING & set(kwargs) or kwargs.get("tool_choice") not in (None, "auto", "none")
+        prompt_ids = None if by_server else self._continued(k, messages, tools)
         s, last = self._sampling, self.calls[k - 1] if k else None
         used = len(prompt_ids) - last["sample_prompt"] if prompt_ids is not None else 0  # this sample's tokens so far
         asked = kwargs.pop("max_completion_tokens", None) or kwargs.pop("max_tokens", None) or s["max_tokens"]
@@ -147,12 +150,21 @@ class RecordingClient:
 
     @contextlib.contextmanager
     def _at_server(self):
-        """While one or more calls wait for the server: that time is not the agent's own."""
+        """While one or more calls wait for the server: that time is not the agent's own. A call whose connection
+        failed or that the server answered with a 5xx marks the server lost, a call past --vllm_request_timeout the run
+        stopped, whatever the agent does with the error it then sees."""
         if self.in_flight == 0:
             self.waiting_since = time.monotonic()
         self.in_flight += 1
         try:
             yield
+        except self._openai.APITimeoutError:
+            self.too_long = (f"an agent's call to the vLLM server took longer than --vllm_request_timeout {self._limit:g}s,"
+                             " while it still answers /health: raise it, or 0 for no limit")
+            raise
+        except (self._openai.APIConnectionError, self._openai.InternalServerError) as e:
+            self.lost = self.lost or f"an agent's request to the server failed: {type(e).__name__}: {e}"
+            raise
         finally:
             self.in_flight -= 1
             if self.in_flight == 0:
@@ -242,6 +254,8 @@ def agent_rollout(rows: list[dict], ctx: RolloutContext, agent=None, timeout: fl
                                                   if f.done() and isinstance(f.exception(), ServerLost)]
     if lost:
         raise ServerLost(lost[0])
+    if too_long := [c.too_long for c in clients if c.too_long]:
+        raise RunStopped(too_long[0])
     episodes = []
     for i, (client, future) in enumerate(zip(clients, futures)):
         calls = [call for call in client.calls if call is not None]  # (a call that raised has no answer)

@@ -9,10 +9,12 @@ import functools
 import http.server
 import json
 import threading
+import time
 
 import pytest
 
 from agents import agent_rollout
+from conftest import free_port
 from embedded import default_model_path
 from rollout import RolloutContext, generate, run_rollout
 from tools import tool_rollout
@@ -78,14 +80,25 @@ def test_calls_at_once_each_have_a_stream_and_a_place_and_the_token_route_honour
 
 
 class StandIn(http.server.BaseHTTPRequestHandler):
-    """A server that answers every call as another instance (restarted), or 404 (the policy's adapter gone)."""
+    """A server that answers every call as another instance (restarted), 404 (the policy's adapter gone), 500 (its
+    engine died), or not for 30 s (hangs) while its /health names another instance."""
     answer = "restarted"
 
     def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
-        body = json.dumps({"error": {"message": "The model `policy-3` does not exist.", "code": 404}}).encode()
-        self.send_response(404 if self.answer == "gone" else 200)
-        self.send_header(INSTANCE_HEADER, "the one we pushed to" if self.answer == "gone" else "another")
+        if self.answer == "hangs":
+            time.sleep(30)
+        status = {"gone": 404, "died": 500}.get(self.answer, 200)
+        self.reply(status, "the one we pushed to" if status != 200 else "another",
+                   {"error": {"message": "The model `policy-3` does not exist.", "code": status}})
+
+    def do_GET(self):  # /health
+        self.reply(200, "another", {})
+
+    def reply(self, status: int, instance: str, answer: dict):
+        body = json.dumps(answer).encode()
+        self.send_response(status)
+        self.send_header(INSTANCE_HEADER, instance)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -104,18 +117,33 @@ async def forgiving(client, row):
     return 1.0
 
 
-def test_a_restarted_server_or_a_policy_gone_is_a_lost_server_whatever_the_agent_does(tokenizer):
+def test_a_restarted_server_or_a_policy_gone_is_a_lost_server_whatever_the_agent_does(tokenizer, monkeypatch):
     """Before, an agent's own client never looked at the server instance: a restarted server's answer (from the model
-    on disk) trained; a 404 for the policy's adapter was the agent's error (no reward). Now both are a lost server
-    (ServerLost: the trainer reconnects, pushes and runs the rollout again), also when the agent swallows the error."""
+    on disk) trained; a 404 for the policy's adapter, a 500 (the engine died) or no server at all was the agent's
+    error, or nothing if the agent caught it (a trajectory cut short, trained with the agent's reward); a call that
+    hung waited 600 s, and then forever. Now each is a lost server (ServerLost: the trainer reconnects, pushes and
+    runs the rollout again), also when the agent swallows the error; /health is watched while agents run (another
+    instance there: lost at once), and a call past --vllm_request_timeout stops the run, as generate's would."""
+    import agents
+    from config import RunStopped
+    monkeypatch.setattr(agents, "HEALTH_EVERY_S", 0.5)
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
-        client = VLLMClient(port=httpd.server_address[1])
-        client.model_name, client.instance = "policy-3", "the one we pushed to"
-        for StandIn.answer in ("restarted", "gone"):
-            with pytest.raises(ServerLost, match="restarted" if StandIn.answer == "restarted" else "404"):
+        for StandIn.answer, port, expected in [("restarted", None, "restarted"), ("gone", None, "404"),
+                                               ("died", None, "500"), ("nobody", free_port(), "failed"),
+                                               ("hangs", None, "another instance answers /health")]:
+            client = VLLMClient(port=port or httpd.server_address[1])
+            client.model_name, client.instance = "policy-3", "the one we pushed to"
+            started = time.monotonic()
+            with pytest.raises(ServerLost, match=expected):
                 agent_rollout([{"prompt": "p"}], ctx_of(client, tokenizer, G=2), agent=forgiving, timeout=60)
+            assert time.monotonic() - started < 10, StandIn.answer
+        StandIn.answer = "hangs"
+        client = VLLMClient(port=httpd.server_address[1], request_timeout=1)
+        client.model_name, client.instance = "policy-3", "another"  # /health is the one we pushed to
+        with pytest.raises(RunStopped, match="took longer than --vllm_request_timeout 1s"):
+            agent_rollout([{"prompt": "p"}], ctx_of(client, tokenizer, G=1), agent=forgiving, timeout=60)
     finally:
         httpd.shutdown()
         httpd.server_close()
