@@ -15,7 +15,7 @@ import torch
 from config import RunStopped
 from data import columns_of
 from plot import read_jsonl
-from utils import extremes_over_ranks, gather_lines, print0, sum_over_ranks
+from utils import CLOSE_AT_EXIT, extremes_over_ranks, gather_lines, print0, sum_over_ranks
 
 LOGS = ("metrics.jsonl", "rollouts.jsonl")  # the logs a run writes in its output folder, a JSON record per line
 
@@ -118,6 +118,7 @@ class MetricsLogger:
         if report_to == "wandb":
             import wandb
             self.wandb = wandb.init(project=project, name=run_name or None, config=config)
+        CLOSE_AT_EXIT.append(self.close)  # a run that stops mid-step (a signal, the server gone) finishes wandb's run
 
     def log(self, metrics: dict):
         if self.file is not None:
@@ -146,6 +147,7 @@ class MetricsLogger:
                 f.close()
         if self.wandb is not None:
             self.wandb.finish()
+            self.wandb = None  # (once: the run's end and run_and_exit both close it)
 
 
 def eval_summary(output_dir: str, groups: dict[str, list[str]], samples: int) -> str | None:

@@ -39,6 +39,7 @@ from data import encode_prompt
 from logprobs import PerPrompt
 from rewards import EXTRA_ARGUMENTS
 from utils import InThread, print0, unless_stopped
+from vllm_server import ServerLost
 
 
 @dataclass
@@ -293,6 +294,7 @@ class SampledAhead:
         self.K, self.sample, self.guard, self.version, self.per_round = K, sample, guard, version, per_round
         self.probe_alone = probe_alone
         self.batches = dict(restored or {})  # step -> (version, episodes, or the InThread sampling them)
+        self.launched_at = {}  # step -> the guard's reconnects when its batch was launched
         self.dropped, self.staleness = 0, 0.0
 
     def take(self, step: int) -> tuple[int, list]:
@@ -315,6 +317,7 @@ class SampledAhead:
         for ahead in range(step + 1, step + self.K + 1):
             if ahead not in self.batches:
                 self.batches[ahead] = self.version(), InThread(self.sample(ahead))
+                self.launched_at[ahead] = self.guard.reconnects
 
     def settle(self, step: int):
         if self.K == 1 and step + 1 in self.batches:
@@ -346,10 +349,14 @@ class SampledAhead:
         return {"staleness": self.staleness, "stale_batches_dropped": self.dropped} if self.K else {}
 
     def _done(self, step: int) -> tuple[int, list]:
-        """The step's batch with its requests ended; sampled again with the weights of now if the server was lost."""
+        """The step's batch with its requests ended; sampled again with the weights of now if the server was lost. A
+        batch that lost the server which the guard has found again since it was launched is sampled again at once,
+        without another reconnect (one restart: one reconnect and push, whatever number of batches it cut short)."""
         version, batch = self.batches[step]
         if isinstance(batch, InThread):
             reconnects = self.guard.reconnects
-            batch = self.guard.run(batch.result)
-            version = version if self.guard.reconnects == reconnects else self.version()
+            batch.wait(None)  # (its rollout ends at a stop signal too: config.Interrupted)
+            found_again = reconnects > self.launched_at.get(step, reconnects) and isinstance(batch.error, ServerLost)
+            batch = self.guard.run(self.sample(step) if found_again else batch.result)
+            version = version if self.guard.reconnects == reconnects and not found_again else self.version()
         return version, batch

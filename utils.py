@@ -52,6 +52,9 @@ def teardown_distributed():
         dist.destroy_process_group()
 
 
+CLOSE_AT_EXIT: list = []  # what a run must close however it ends (its metrics logger: wandb's run), by run_and_exit
+
+
 def run_and_exit(main, *args):
     """config.run_main(main, *args) (a start-up mistake: one line, exit code 2), then the process groups are
     destroyed and the process ends without Python's interpreter shutdown. gloo's worker threads outlive
@@ -65,6 +68,9 @@ def run_and_exit(main, *args):
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     finally:
+        for close in reversed(CLOSE_AT_EXIT):  # however main ended: a stop by a signal or a foreseen one included
+            with suppress(Exception):
+                close()
         release_locks()  # the output folder is free for the next run (after kill -9, its lock goes stale)
         gc.collect()  # main()'s objects that an exception's frames hold in a cycle end now, with their finalizers
         teardown_distributed()  # (the reward scorer's process pool); os._exit below runs none
