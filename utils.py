@@ -262,24 +262,32 @@ class OutputLock:
     written under a name of our own and put in place by link(2), which fails if a lock is there, so two starts
     cannot both take it, also where flock is missing. The run holds flock(2) on it, which the kernel frees the
     moment the process ends, however it ends, and renews its time every RENEW_S s. A start that finds a lock:
-    - flocked by a live process (of this node, or of any node where flock spans nodes): stops at once;
+    - of this node, flocked: a live process, the start stops at once;
     - of this node and free (flock says so, or without flock its process is gone): takes it over at once;
-    - else (another node's, whose flock may not reach here, as with Lustre localflock; or any lock on a filesystem
-      without flock, NFSv3 without lockd: ENOLCK, Lustre noflock: ENOSYS): watches it, one line said, until it has
-      not been renewed for STALE_RENEWALS periods (a minute). Renewed or replaced meanwhile: a live run, the start
-      stops (exit 2); not: its run is gone (kill -9, a node lost), and it is taken over. A requeue on another node
-      within a minute of its run's end waits instead of exiting 2, which a scheduler does not requeue.
-    close() (or release_locks(), as the process ends) removes it."""
+    - else (another node's: its flock may not reach here, as with Lustre localflock, or may outlive its run, as NFS
+      keeps a lost node's lock on the server until its lease ends; or any lock on a filesystem without flock, NFSv3
+      without lockd: ENOLCK, Lustre noflock: ENOSYS): watches it, one line said, for WATCH_RENEWALS periods at least
+      (clocks of two nodes may differ: a renewal seen needs none) and until STALE_RENEWALS have passed since its last
+      renewal (a minute), and while its flock is held, until it is freed, for up to that minute and NFS_LEASE_S more.
+      Renewed or replaced meanwhile: a live run, the start stops (exit 2); not: its run is gone (kill -9, a node
+      lost), and it is taken over; its flock still held at the bound: the start stops and says how to free it.
+      A requeue on another node right after its run's end waits instead of exiting 2, which a scheduler does not
+      requeue.
+    The lock is registered (held) before it is put in place, so that a stop signal while it starts
+    (config.SignalStop) leaves none behind. close() (or release_locks(), as the process ends) removes it."""
 
-    RENEW_S, STALE_RENEWALS = 15, 4
+    RENEW_S, STALE_RENEWALS, WATCH_RENEWALS = 15, 4, 2
+    NFS_LEASE_S = 90  # NFSv4's default lease: how long its server keeps the locks of a client that is gone
     held: list["OutputLock"] = []
 
     def __init__(self, output_dir: str):
         self.output_dir, self.path = output_dir, os.path.join(output_dir, ".lock")
         self.me, self.said_no_flock = f"pid {os.getpid()} on {socket.gethostname()}", False
         self.mine = f"{self.path}.{self.me.replace(' ', '-')}"  # our lock before it is put in place
-        self.file = open(self.mine, "w+")
+        self.stop, self.file = threading.Event(), None
+        OutputLock.held.append(self)  # before our lock is in place: however this start ends, close() removes it
         try:
+            self.file = open(self.mine, "w+")
             self._flock(self.file)
             self.file.write(self.me + "\n")
             self.file.flush()
@@ -287,58 +295,73 @@ class OutputLock:
             while not taken:
                 taken = self._link_in_place() or self._judge_the_lock_there()
         except BaseException:
-            self.file.close()
+            self.close()
             raise
         finally:
             with suppress(FileNotFoundError):
                 os.unlink(self.mine)
-        self.stop = threading.Event()
         threading.Thread(target=self._renew, daemon=True).start()
-        OutputLock.held.append(self)
 
     def _link_in_place(self) -> bool:
         try:
             os.link(self.mine, self.path)
             return True
-        except FileExistsError:
-            return False
+        except FileExistsError:  # a lock is there: another's, or ours if NFS lost the reply of a link it did
+            return self._ours_in_place()
         except OSError as e:  # e.g. exFAT, or SMB without its unix extensions
             raise UsageError(f"--output_dir {self.output_dir} is on a filesystem without hard links ({e.strerror}), "
                              "which its lock needs: choose another --output_dir") from None
 
-    def _flock(self, f) -> bool:
-        """flock(2) on `f`: False where the filesystem has none (said once); BlockingIOError if a live process
-        holds it."""
+    def _ours_in_place(self) -> bool:
+        """Whether the lock in place is our file. Over NFS, a call the server did can still fail: its reply is lost
+        and the client's retransmission finds it done (link: EEXIST; rename: ENOENT). The open(2) man page's
+        recipe for link checks that our file gained the link; the same file in place says it for both calls."""
+        there = self._look()
+        return there is not None and os.path.samestat(there[1], os.fstat(self.file.fileno()))
+
+    def _flock(self, f) -> str:
+        """flock(2) on `f`, not waiting: "ours", "held" (by another open file: a live run's, or a lost node's that
+        its NFS server still keeps) or "missing" (the filesystem has none: said once)."""
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
+            return "ours"
         except BlockingIOError:
-            raise
+            return "held"
         except OSError as e:
             if not self.said_no_flock:
                 print(f"warning: {self.output_dir} is on a filesystem without flock ({e.strerror}): it is locked by "
                       f"the time of {self.path}, renewed every {self.RENEW_S} s", flush=True)
             self.said_no_flock = True
-            return False
+            return "missing"
+
+    def _look(self, probe_flock: bool = False) -> tuple[str, os.stat_result, str | None] | None:
+        """(owner, stat, flock) of the lock in place, None if there is none; `flock` as _flock says (probe_flock:
+        ours only for the look, the file is closed at once), else None. Opened, not stat(2)'ed: NFS revalidates a
+        file's attributes on open, while a stat may answer from its cache for up to a minute. Opened for writing
+        to probe: NFS emulates flock with a write lock."""
+        try:
+            f = open(self.path, "r+" if probe_flock else "r")
+        except FileNotFoundError:
+            return None
+        with f:
+            flock = self._flock(f) if probe_flock else None
+            return _owner(f), os.fstat(f.fileno()), flock
 
     def _judge_the_lock_there(self) -> bool:
         """One look at the lock in place, not ours: stop, take it over (True), or watch it until one of those is
         due. False: look again (it was removed, or taken over by another start meanwhile)."""
-        try:
-            f = open(self.path, "r+")  # for writing: NFS emulates flock with a write lock
-        except FileNotFoundError:  # its run has just ended
+        there = self._look(probe_flock=True)
+        if there is None:  # its run has just ended
             return False
-        with f:
-            try:
-                flocked = self._flock(f)
-            except BlockingIOError:
-                raise UsageError(f"--output_dir {self.output_dir} is in use by another run ({_owner(f)}): wait for it "
-                                 "to end, or choose another --output_dir") from None
-            owner, seen = _owner(f), os.fstat(f.fileno())
-            pid, _, host = owner.removeprefix("pid ").partition(" on ")
-            if host == socket.gethostname() and (flocked or not os.path.exists(f"/proc/{pid}")):
-                return self._take_over(owner, seen)  # this node's, its process gone: at once, without a word
-        if not self._went_stale(owner, seen):
+        owner, seen, flock = there
+        pid, _, host = owner.removeprefix("pid ").partition(" on ")
+        if host == socket.gethostname():  # the kernel of this node knows whether its process lives
+            if flock == "held":
+                raise UsageError(f"--output_dir {self.output_dir} is in use by another run ({owner}): wait for it to "
+                                 "end, or choose another --output_dir")
+            if flock == "ours" or not os.path.exists(f"/proc/{pid}"):
+                return self._take_over(owner, seen)  # its process gone: at once, without a word
+        if not self._went_stale(owner, seen, flock == "held"):
             return False
         taken = self._take_over(owner, seen)
         if taken:
@@ -346,28 +369,47 @@ class OutputLock:
                   "taken over", flush=True)
         return taken
 
-    def _went_stale(self, owner: str, seen: os.stat_result) -> bool:
-        """Watch the lock `seen` (as first opened) until it has gone unrenewed for STALE_RENEWALS periods: True then,
-        False if it was removed (its run ended), UsageError if it was renewed or replaced (a live run)."""
+    def _went_stale(self, owner: str, seen: os.stat_result, flocked: bool) -> bool:
+        """Watch the lock `seen` (as first opened) for WATCH_RENEWALS periods at least and until it has gone
+        unrenewed for STALE_RENEWALS by its time (a time ahead of our clock: a whole stale window, no more), and while
+        its flock is held (`flocked`), until that is freed: True then. False if it was removed (its run ended).
+        UsageError if it was renewed or replaced (a live run), or its flock outlived the bound (a lost node's)."""
         stale_s, age = self.RENEW_S * self.STALE_RENEWALS, time.time() - seen.st_mtime
-        wait = min(stale_s, stale_s - age)  # a clock ahead of ours (age < 0): one whole period, no more
-        if wait > 0:
-            print(f"{self.path} names {owner}, renewed {age:.0f} s ago: waiting up to {wait:.0f} s to see it renewed "
-                  f"(every {self.RENEW_S} s while that run lives: then this start stops) or not (it is taken over)",
-                  flush=True)
-        deadline = time.monotonic() + wait
-        while (left := deadline - time.monotonic()) > 0:
-            time.sleep(min(left, self.RENEW_S / 10))
-            now = _look_at(self.path)
+        # The clocks of two nodes can differ (ours 2 minutes ahead made a lock renewed just now look stale, and it was
+        # taken over from its live run); a renewal seen needs no clock, so some are watched for whatever the age.
+        wait = min(stale_s, max(self.RENEW_S * self.WATCH_RENEWALS, stale_s - age))
+        bound = stale_s + self.NFS_LEASE_S
+        print(self._watching(owner, age, bound if flocked else wait, flocked), flush=True)
+        started = time.monotonic()
+        while flocked or time.monotonic() - started < wait:
+            if flocked and time.monotonic() - started >= bound:
+                raise UsageError(self._lost_node(owner, bound))
+            looked = time.monotonic()
+            time.sleep(self.RENEW_S / 10)
+            now = self._look(probe_flock=flocked)
             if now is None:
                 return False
-            if _same_file(now[1], seen):
-                continue
-            raise UsageError(f"--output_dir {self.output_dir} is in use by another run ({now[0]}, which renewed its "
-                             f"lock {time.time() - now[1].st_mtime:.0f} s ago): wait for it to end, or choose another "
-                             f"--output_dir. If that run has ended (it is renewed every {self.RENEW_S} s), delete "
-                             f"{self.path}")
+            if not _same_file(now[1], seen):  # renewed since the previous look: no clock needed to say when
+                raise UsageError(self._in_use(now[0], time.monotonic() - looked))
+            flocked = now[2] == "held"
         return True
+
+    def _watching(self, owner: str, age: float, wait: float, flocked: bool) -> str:
+        held = ", and its flock is held (by its run, or by the file server for a lost node until its lease ends)"
+        return (f"{self.path} names {owner}, renewed {age:.0f} s ago{held if flocked else ''}: waiting up to "
+                f"{wait:.0f} s to see it renewed (every {self.RENEW_S} s while that run lives: then this start stops) "
+                "or not (it is taken over" + (" once its flock is freed)" if flocked else ")"))
+
+    def _in_use(self, owner: str, age: float) -> str:
+        return (f"--output_dir {self.output_dir} is in use by another run ({owner}, which renewed its lock {age:.0f} s "
+                f"ago): wait for it to end, or choose another --output_dir. If that run has ended (it is renewed every "
+                f"{self.RENEW_S} s), delete {self.path}")
+
+    def _lost_node(self, owner: str, watched: float) -> str:
+        return (f"--output_dir {self.output_dir} is locked by {owner}, which has not renewed its lock in the "
+                f"{watched:.0f} s this start watched it while its flock stayed held: its node may be lost, with the "
+                "file server keeping its lock (NFSv4: until its lease ends; NFSv3: until that node reboots), or its "
+                f"run is frozen. If no run uses the folder, delete {self.path}")
 
     def _take_over(self, owner: str, seen: os.stat_result) -> bool:
         """Replace the lock judged a gone run's by ours, if it is still that very file (same inode, not renewed
@@ -382,10 +424,14 @@ class OutputLock:
                              f"left by {owner}): wait for it, or choose another --output_dir. If no run uses the "
                              f"folder, delete {claim}") from None
         try:
-            now = _look_at(self.path)
+            now = self._look()
             if now is None or not _same_file(now[1], seen):  # removed, renewed or replaced meanwhile: look again
                 return False
-            os.rename(self.mine, self.path)
+            try:
+                os.rename(self.mine, self.path)
+            except FileNotFoundError:  # ours already, if NFS lost the reply of a rename it did
+                if not self._ours_in_place():
+                    raise
             return True
         finally:
             os.unlink(claim)
@@ -396,13 +442,15 @@ class OutputLock:
                 os.utime(self.file.fileno())
 
     def close(self):
-        """The folder is free: the file goes (if it is still ours, not taken over meanwhile), then the flock."""
+        """The folder is free: the file goes if it is ours (not taken over meanwhile, and put in place: a start
+        stopped before that leaves the lock there as it was), then the flock."""
         if self in OutputLock.held:
             OutputLock.held.remove(self)
             self.stop.set()
+            if self.file is None:  # stopped before its file was made
+                return
             with suppress(OSError):
-                there = _look_at(self.path)  # the same inode: a renewal may land meanwhile
-                if there and there[0] == self.me and there[1].st_ino == os.fstat(self.file.fileno()).st_ino:
+                if self._ours_in_place():
                     os.unlink(self.path)
             self.file.close()
 
@@ -411,16 +459,6 @@ def _owner(f) -> str:
     """Who a lock file names ("pid 4242 on host"); an empty one (written by hand, or by older code) a start."""
     f.seek(0)
     return f.read().strip() or "a run starting"
-
-
-def _look_at(path: str) -> tuple[str, os.stat_result] | None:
-    """(owner, stat) of a lock file, None if there is none. Opened, not stat(2)'ed: NFS revalidates a file's
-    attributes on open, while a stat may answer from its cache for up to a minute."""
-    try:
-        with open(path) as f:
-            return _owner(f), os.fstat(f.fileno())
-    except FileNotFoundError:
-        return None
 
 
 def _same_file(a: os.stat_result, b: os.stat_result) -> bool:

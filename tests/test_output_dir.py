@@ -9,6 +9,7 @@ import json
 import multiprocessing
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -16,9 +17,9 @@ import time
 
 import pytest
 
-from config import UsageError
+from config import STOP, SignalStop, UsageError
 from conftest import ROOT
-from checkpoints import check_checkpoint, find_checkpoint, prepare_output_dir
+from checkpoints import StopRequest, check_checkpoint, find_checkpoint, prepare_output_dir
 from utils import OutputLock
 
 
@@ -125,12 +126,18 @@ def test_a_requeue_on_another_node_waits_for_its_dead_runs_lock_to_go_stale_and_
     assert not os.path.exists(tmp_path / ".lock")  # ours, and released
 
 
-def test_a_lock_another_node_keeps_renewing_still_stops_the_start(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("flock, clock_ahead_s", [("localflock", 0), ("flock", 0), ("localflock", 120)])
+def test_a_lock_another_node_keeps_renewing_still_stops_the_start(tmp_path, monkeypatch, capsys, flock, clock_ahead_s):
     """Where flock does not reach the other node (Lustre localflock), its renewal is what tells its run is alive:
-    the start that waits for its lock stops at the first renewal. (Without flock at all, the renewal alone counts
-    too: test_a_filesystem_without_flock_is_locked_by_the_renewed_lock_file.)"""
+    the start that waits for its lock stops at the first renewal. Where it does (NFS), a flock held by another node
+    is watched the same way (a lost node's lock outlives it on the file server), and its renewal stops the start.
+    With this node's clock 120 s ahead of the other's, the lock looked stale at once and was taken over from its live
+    run: now renewals are watched for 2 periods whatever the clocks say. (Without flock at all, the renewal alone
+    counts too: test_a_filesystem_without_flock_is_locked_by_the_renewed_lock_file.)"""
     monkeypatch.setattr(OutputLock, "RENEW_S", 1.0)
-    with run_on_another_node(tmp_path, "localflock", 1.0) as holder:
+    clock = time.time
+    monkeypatch.setattr(time, "time", lambda: clock() + clock_ahead_s)
+    with run_on_another_node(tmp_path, flock, 1.0) as holder:
         started = time.monotonic()
         with pytest.raises(UsageError, match=f"in use by another run \\(pid {holder.pid} on node-b, which renewed its "
                                              "lock [01] s ago\\): wait for it to end, or choose another --output_dir"):
@@ -138,6 +145,103 @@ def test_a_lock_another_node_keeps_renewing_still_stops_the_start(tmp_path, monk
         assert time.monotonic() - started < 3.5  # at its renewal, not when it would have gone stale
         assert (tmp_path / ".lock").read_text() == f"pid {holder.pid} on node-b\n"  # untouched
     assert capsys.readouterr().out.count("waiting up to") == 1
+
+
+FLOCK_OF_A_LOST_NODE = """
+import fcntl, os, sys, time
+with open(sys.argv[1], "w") as f:
+    f.write("pid 4242 on node-b\\n")
+    f.flush()
+    os.utime(sys.argv[1], (time.time() - 600, time.time() - 600))
+    fcntl.flock(f, fcntl.LOCK_EX)
+    print("locked", flush=True)
+    time.sleep(float(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("freed_after_s", [1.5, None])
+def test_a_requeue_after_a_lost_node_waits_for_the_file_server_to_free_its_flock(tmp_path, monkeypatch, capsys,
+                                                                                 freed_after_s):
+    """On NFS, flock is a lock held on the server: a lost node's stays there until its lease ends (~90 s, NFSv4).
+    Before, any flock held meant a live run: the requeue on another node stopped at once (exit 2). Now a flock held
+    for another node's lock that is not renewed is tried again until it is freed (then the lock is taken over), up
+    to the stale window plus a lease (said in one line); held past that, the start stops and says how to free it.
+    The file server is played by a process that holds the flock of node-b's lock, last renewed 10 minutes ago."""
+    monkeypatch.setattr(OutputLock, "RENEW_S", 0.5)
+    monkeypatch.setattr(OutputLock, "NFS_LEASE_S", 2.0)  # bound: 4 renewals (2 s) + the lease = 4 s
+    server = subprocess.Popen([sys.executable, "-c", FLOCK_OF_A_LOST_NODE, str(tmp_path / ".lock"),
+                               str(freed_after_s or 600)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline() == "locked\n"
+        started = time.monotonic()
+        if freed_after_s:
+            prepare_output_dir(str(tmp_path), None).close()
+        else:
+            with pytest.raises(UsageError, match="--output_dir .* is locked by pid 4242 on node-b, which has not "
+                                                 "renewed its lock in the 4 s this start watched it while its flock "
+                                                 "stayed held: .*its node may be lost.* If no run uses the folder, "
+                                                 f"delete {tmp_path / '.lock'}$"):
+                prepare_output_dir(str(tmp_path), None)
+        waited = time.monotonic() - started
+    finally:
+        server.kill()
+        server.wait()
+    said = capsys.readouterr().out
+    assert said.count("names pid 4242 on node-b, renewed 600 s ago, and its flock is held (by its run, or by the "
+                      "file server for a lost node until its lease ends): waiting up to 4 s") == 1
+    if freed_after_s:
+        assert 1.0 < waited < 3.5  # when the flock was freed, not at once and not at the bound
+        assert re.search("was left by pid 4242 on node-b, not renewed for 60[0-3] s: taken over", said)
+        assert os.listdir(tmp_path) == []  # ours, and released
+    else:
+        assert 4.0 <= waited < 6.0
+        assert (tmp_path / ".lock").read_text() == "pid 4242 on node-b\n"  # untouched
+
+
+@pytest.mark.parametrize("call", ["link", "rename"])
+def test_a_lock_put_in_place_by_a_call_whose_nfs_reply_was_lost_is_ours(tmp_path, monkeypatch, call):
+    """NFS over a lossy network: the server did link(2) (or rename(2)), its reply was lost, and the retransmitted
+    call failed (EEXIST; ENOENT). Before, the start judged its own lock as another run's and stopped, naming its own
+    pid, with the lock left behind (link), or crashed with a traceback (rename). Now it sees the lock in place is
+    its own file and runs. rename: the lock it replaces is this node's, of a process gone."""
+    done, lost = getattr(os, call), {"link": errno.EEXIST, "rename": errno.ENOENT}[call]
+
+    def reply_lost(source, target):
+        done(source, target)
+        raise OSError(lost, os.strerror(lost))
+    if call == "rename":
+        (tmp_path / ".lock").write_text(f"pid 999999999 on {socket.gethostname()}\n")
+    monkeypatch.setattr(os, call, reply_lost)
+    lock = prepare_output_dir(str(tmp_path), None)
+    assert (tmp_path / ".lock").read_text() == f"pid {os.getpid()} on {socket.gethostname()}\n"
+    lock.close()
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("call", ["link", "rename"])
+def test_a_signal_as_the_lock_is_put_in_place_leaves_no_lock(tmp_path, monkeypatch, call):
+    """A stop signal while the run starts raises config.SignalStop from checkpoints.StopRequest's handler. Arriving
+    just after the lock was put in place (link; rename, over a lock of this node whose process is gone), before the
+    run had registered it, it left the lock behind: the next start on another node waited for it. Now the lock is
+    registered before it is put in place, and the way out removes it."""
+    done = getattr(os, call)
+
+    def then_a_signal(source, target):
+        done(source, target)
+        os.kill(os.getpid(), signal.SIGTERM)
+    if call == "rename":
+        (tmp_path / ".lock").write_text(f"pid 999999999 on {socket.gethostname()}\n")
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    try:
+        StopRequest()  # as train.py's first line
+        monkeypatch.setattr(os, call, then_a_signal)
+        with pytest.raises(SignalStop, match="stopped by a signal while the run was starting"):
+            prepare_output_dir(str(tmp_path), None)
+    finally:
+        signal.signal(signal.SIGTERM, handlers[0])
+        signal.signal(signal.SIGINT, handlers[1])
+        STOP.clear()
+    assert os.listdir(tmp_path) == [] and OutputLock.held == []
 
 
 def no_flock(f, op):
@@ -187,14 +291,20 @@ def test_starts_racing_without_flock_leave_one_run(tmp_path, monkeypatch, before
     assert not os.path.exists(tmp_path / ".lock")
 
 
-def test_a_stale_lock_is_taken_over_at_once_and_one_of_this_node_silently(tmp_path, capsys):
-    """A lock not renewed for a minute (by the file's time) is taken over without waiting; one of this node whose
-    process is gone (flock is free) at once and without a word."""
+def test_a_stale_lock_is_taken_over_after_two_renewal_periods_and_one_of_this_node_at_once(tmp_path, monkeypatch,
+                                                                                              capsys):
+    """A lock of another node not renewed for a minute (by the file's time) is watched for 2 renewal periods, no
+    more: the file's time alone cannot tell a dead run from a clock that differs from ours. One of this node whose
+    process is gone (flock is free) is taken over at once and without a word."""
+    monkeypatch.setattr(OutputLock, "RENEW_S", 0.5)
     (tmp_path / ".lock").write_text("pid 4242 on another-node\n")
     os.utime(tmp_path / ".lock", (time.time() - 120, time.time() - 120))
+    started = time.monotonic()
     prepare_output_dir(str(tmp_path), None).close()
-    said = capsys.readouterr().out
-    assert "was left by pid 4242 on another-node, not renewed for 120 s: taken over" in said and "waiting" not in said
+    waited, said = time.monotonic() - started, capsys.readouterr().out
+    assert 1.0 <= waited < 3.0
+    assert said.count("names pid 4242 on another-node, renewed 120 s ago: waiting up to 1 s") == 1
+    assert re.search("was left by pid 4242 on another-node, not renewed for 12[01] s: taken over", said)
     (tmp_path / ".lock").write_text(f"pid 999999999 on {socket.gethostname()}\n")  # this node's, its process gone
     prepare_output_dir(str(tmp_path), None).close()
     assert capsys.readouterr().out == ""
