@@ -9,26 +9,52 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from torch.distributed.fsdp import FSDPModule
 
-from config import Config, UsageError
-from utils import print0
+from config import Config, RunStopped, UsageError
+from utils import all_reduce, print0
 
 
 def load_model(path: str, device, fsdp: bool = False, dtype=torch.float32):
     """A causal LM from a Hugging Face folder, on `device`. With FSDP2 (`fsdp`) only rank 0 reads the weights, on
     the CPU; the other ranks build the same model on the meta device (no memory), and `distribute` gives every
-    rank its shard from rank 0's copy: no rank but the first ever holds the whole model."""
+    rank its shard from rank 0's copy: no rank but the first ever holds the whole model. A read that failed on any
+    rank stops every rank here, together (stop_unless_every_rank_read)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # one line per step on the console, no loading bars
     config = AutoConfig.from_pretrained(path)
     auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM  # a VLM or not
-    if fsdp and dist.is_initialized() and dist.get_rank() > 0:
+    model, error = None, None
+    if not (fsdp and dist.is_initialized() and dist.get_rank() > 0):  # the ranks that read (FSDP2: rank 0 alone)
+        try:
+            model = auto.from_pretrained(path, dtype=dtype)
+        except Exception as e:  # e.g. a file cut short: every rank must hear of it, not wait for its weights
+            error = e
+    stop_unless_every_rank_read(error, path)
+    if model is None:  # FSDP2, a rank but the first
         with torch.device("meta"):
             return auto.from_config(config, dtype=dtype)
-    model = auto.from_pretrained(path, dtype=dtype)
     return model if fsdp else model.to(device)
+
+
+WEIGHT_FILE_ERRORS = (OSError, SafetensorError)  # a weight file missing, cut short or damaged: the user's to replace
+
+
+def stop_unless_every_rank_read(error: Exception | None, path: str):
+    """A collective every rank runs after reading the weights (under FSDP2 rank 0 alone reads), before any other:
+    if the read failed on any rank, every rank raises here, the one that failed saying why. Before, under FSDP2
+    rank 0 alone stopped, and a dry run's check took it to its verdict (a collective) while the other ranks waited
+    in shard_from_rank0's broadcast of its weights: every rank hung until the collective time-out (30 minutes)."""
+    failed_anywhere = bool(all_reduce(torch.tensor([float(error is not None)]), dist.ReduceOp.MAX) > 0)
+    if isinstance(error, WEIGHT_FILE_ERRORS):
+        raise UsageError(f"the weights in {path} cannot be read ({type(error).__name__}: {error}): copy or download "
+                         "the model's files again (one cut short or damaged, e.g. by an interrupted copy?)") from error
+    if error is not None:  # not foreseen: its traceback says more
+        raise error
+    if failed_anywhere:
+        raise RunStopped(f"reading the weights in {path} failed on another rank (its message says why)")
 
 
 def disable_dropout(model):

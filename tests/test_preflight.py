@@ -2,13 +2,14 @@
 exists to catch stops it with exit code 2 naming its check."""
 import os
 import re
+import shutil
 import sys
 
 import pytest
 import requests
 import torch
 
-from conftest import free_port, run, run_train, train_args
+from conftest import free_port, launcher, run, run_all, run_train, train_args
 from test_bad_input import starts_fail
 from test_tools import SMOLLM2_TEMPLATE
 from vllm_server import VLLMClient
@@ -139,3 +140,32 @@ def test_a_two_process_dry_run_whose_transfer_port_is_taken_stops_every_rank_at_
     assert f"error (rank 0): dry run: `weight push` failed: --vllm_group_port {port}: the port is in use" in proc.stderr
     assert "error (rank 1): dry run: `weight push` failed: joining the weight transfer failed on another rank" in \
         proc.stderr, proc.stderr[-3000:]
+
+
+def test_weights_that_rank_0_alone_cannot_read_stop_every_rank_at_once(server, tiny_model, tmp_path):
+    """FSDP2, two processes: rank 0 alone reads the weights, and the folder's model.safetensors is cut short. With
+    --dry_run every rank fails the models check (exit 2), rank 0 saying which folder it cannot read; without, rank 0
+    says so and the other rank stops; each run ends within seconds of the read. Before, the dry run's rank 0 went to
+    the check's verdict (a collective) while rank 1 waited in the broadcast of rank 0's weights: both hung until the
+    collective time-out (30 minutes); a run without --dry_run ended with rank 0's SafetensorError traceback and
+    rank 1's from gloo ("Connection closed by peer")."""
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tiny_model, damaged)
+    with open(damaged / "model.safetensors", "r+b") as f:
+        f.truncate(2000)  # a copy cut short: its header says more than the file holds
+    runs = {"dry": ["--dry_run"], "plain": []}
+    cmds = [[*launcher(2), *train_args(server, tmp_path / name, *SMALL, "--fsdp", "--model", str(damaged), *args)]
+            for name, args in runs.items()]
+    dry, plain = run_all(cmds, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"))  # (a hang: TimeoutExpired)
+    unreadable = f"the weights in {damaged} cannot be read (SafetensorError: "
+    lines = check_lines(dry.stdout)
+    assert list(lines) == CHECKS[:CHECKS.index("models") + 1] and lines["models"].startswith("  FAIL"), dry.stdout
+    assert float(re.search(r"(\d+\.\d) s", lines["models"])[1]) < 60  # the check, the verdict's wait included
+    assert f"error (rank 0): dry run: `models` failed: {unreadable}" in dry.stderr, dry.stderr[-3000:]
+    assert f"error (rank 1): dry run: `models` failed: reading the weights in {damaged} failed on another rank" \
+        in dry.stderr, dry.stderr[-3000:]
+    assert "FAIL  models" in (tmp_path / "dry" / "dry_run.txt").read_text()
+    assert f"error (rank 0): {unreadable}" in plain.stderr, plain.stderr[-3000:]
+    assert f"stopped (rank 1): reading the weights in {damaged} failed on another rank" in plain.stderr
+    assert plain.stderr.count("Traceback") == 1, plain.stderr[-5000:]  # torchrun's own (ChildFailedError) alone
+    assert dry.returncode != 0 and plain.returncode != 0
