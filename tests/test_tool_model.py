@@ -80,14 +80,17 @@ def test_the_fit_learns_only_the_assistants_tokens(tokenizer):
         f"{a} + {b} = {a + b}, so the answer is \\boxed{{{a + b}}}.<|im_end|>"]
 
 
-def test_the_tool_model_is_fitted_in_the_dtype_the_trainer_computes_in(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("bf16", [True, False], ids=["native-bf16", "emulated-bf16"])
+def test_the_tool_model_is_fitted_in_the_dtype_the_trainer_computes_in(bf16, tmp_path, monkeypatch, capsys):
     """bf16 only where the CPU has it natively (config.native_bf16, train.py's --bf16 auto): on an AVX2-only CPU an
-    emulated bf16 fit ran 30 minutes without finishing. Built from a tiny random Llama in a fresh cache, the fit's
-    first layer computes in that dtype, and the folder's name says it."""
+    emulated bf16 fit ran 30 minutes without finishing. Both answers of native_bf16 are given to the build (whatever
+    this machine's is): built from a tiny random Llama in a fresh cache, the fit's first layer computes in bf16 where
+    it is native and in fp32 where not, and the folder's name says which."""
     import torch
-    from config import native_bf16
     make_tiny_model(tmp_path / "SmolLM2-135M-Instruct")  # the base model the build starts from, in the fresh cache
     monkeypatch.setenv("NANOGRPO_CACHE", str(tmp_path))
+    asked = []
+    monkeypatch.setattr(embedded, "native_bf16", lambda device: asked.append(device) or bf16)  # as this CPU would say
 
     class Seen(Exception):
         """Raised by the first linear layer the build runs: its output's dtype is the fit's, and the rest of the
@@ -103,7 +106,7 @@ def test_the_tool_model_is_fitted_in_the_dtype_the_trainer_computes_in(tmp_path,
             tool_model_path()
     finally:
         hook.remove()
-    bf16 = native_bf16(torch.device("cpu"))
+    assert asked == [torch.device("cpu")]  # the CPU the fit runs on was asked
     assert seen.value.args[0] == (torch.bfloat16 if bf16 else torch.float32)
     folder = embedded.tool_model_folder(bf16)
     assert os.path.basename(folder).startswith(f"SmolLM2-135M-tools-{'bf16' if bf16 else 'fp32'}-")
