@@ -105,7 +105,7 @@ OUTPUTS = ("metrics.jsonl", "rollouts.jsonl", "model", "adapter")  # what a run 
 def prepare_output_dir(output_dir: str, resume: str | None, step: int = 0, dry_run: bool = False):
     """Rank 0, at start (not at the first save, hours later). The folder must be writable, and it is locked for
     the run: a second run into it stops (utils.OutputLock: a lock of another node is watched for up to a minute,
-    so that a requeue is not stopped by its dead run's lock). A new run does not mix with an earlier run's output there
+    or while its flock is held up to 2.5 minutes, so that a requeue is not stopped by its dead run's lock). A new run does not mix with an earlier run's output there
     (`dry_run`: these checks alone, the folder's content is left as it is). A run
     resumed from a checkpoint of this folder keeps the logs up to its step; if the run went further, the logs as
     they were and the checkpoints after it are moved aside (set_aside_after), so that `latest` never jumps back
