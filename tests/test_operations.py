@@ -162,12 +162,15 @@ def saved_state(checkpoint) -> dict[str, torch.Tensor]:
 
 def same_state(a, b, other):
     """Checkpoints a and b hold the same weights and optimizer state (to float32's sums in another order), and
-    `other` does not (the comparison can fail)."""
+    `other` does not (the comparison can fail). To 1e-5 (an optimizer step is 1e-2): the sampler's log-probs, in the
+    importance weights, carry the server's float rounding, which depends on how it batched the requests of the
+    moment (a request per prompt, from every rank), and Adam divides a weight's gradient by its own scale, so a
+    weight whose gradient is nearly 0 can move by a few 1e-6 more in one run than in the other (seen: 1.7e-6)."""
     x, y, z = saved_state(a), saved_state(b), saved_state(other)
     assert x.keys() == y.keys() and any(k.startswith("optimizer/state/") for k in x) and len(x) > 10
     for k in x:
-        torch.testing.assert_close(y[k], x[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")
-    assert any(not torch.allclose(z[k], x[k], rtol=1e-4, atol=1e-6) for k in x if k.startswith("model") or
+        torch.testing.assert_close(y[k], x[k], rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
+    assert any(not torch.allclose(z[k], x[k], rtol=1e-4, atol=1e-5) for k in x if k.startswith("model") or
                k.startswith("adapter"))
 
 
@@ -332,7 +335,8 @@ def test_sigterm_during_a_slow_tool_turn_or_evaluation_saves_within_20_s(server,
     """A stop is seen wherever it arrives, not when the phase ends. 1) Every rank's tool call blocks (a slow tool,
     --tool_timeout 300) from step 2 or 3 on. 2) Rank 0's evaluation after step 1 blocks, while rank 1 has finished
     its share and waits for rank 0. Each time SIGTERM ends the run within 20 s, exit code 0, with a checkpoint of the
-    last completed step and its metrics logged; before, the run waited for the phase to end (a tool: up to 300 s).
+    last completed step and its metrics logged (wandb's run finished too); before, the run waited for the phase to end
+    (a tool: up to 300 s).
     (torchrun's own exit code after a signal is 1; the ranks' is 0.)"""
     tool = tmp_path / "tool-gate"
     monkeypatch.setenv("NANOGRPO_TEST_GATE", str(tool))
@@ -351,13 +355,19 @@ def test_sigterm_during_a_slow_tool_turn_or_evaluation_saves_within_20_s(server,
     monkeypatch.setenv("NANOGRPO_TEST_GATE", str(evaluation))
     monkeypatch.setenv("NANOGRPO_TEST_GATE_CALL", "3")  # rank 0's calls: evaluation, step 1, evaluation
     monkeypatch.setenv("NANOGRPO_TEST_GATE_RANK", "0")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     proc = start_run(server, tmp_path / "eval", *RUN, "--max_steps", "500", "--rollout", "tests.helpers:gated_at_call_2",
-                     "--eval_steps", "1", "--eval_num_prompts", "4", "--num_generations_eval", "2", "--eval_pass_k", "1")
+                     "--eval_steps", "1", "--eval_num_prompts", "4", "--num_generations_eval", "2", "--eval_pass_k", "1",
+                     "--report_to", "wandb")
     stdout, stderr, took = stopped_when_waiting(proc, evaluation, signal.SIGTERM)
     assert took < 20 and "stopped by a signal. Saved" in stdout, (took, stdout[-2000:], stderr[-3000:])
     assert complete_checkpoints_load(tmp_path / "eval") == ["checkpoint-1"]
     records = [json.loads(line) for line in open(tmp_path / "eval" / "metrics.jsonl")]
     assert [r["step"] for r in records] == [0, 1] and "loss" in records[1] and "eval/reward" not in records[1]
+    # wandb's run was finished on the way out: unfinished, its offline record holds nothing (7 bytes)
+    record, = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert os.path.getsize(record) > 1000, os.path.getsize(record)
 
 
 def test_a_signal_while_the_run_starts_ends_it_there_and_frees_the_output_folder(tiny_model, tmp_path):
@@ -381,6 +391,13 @@ def test_a_signal_while_the_run_starts_ends_it_there_and_frees_the_output_folder
     assert proc.returncode == 0 and took < 20 and "stopped by a signal while the run was starting" in stdout, \
         (took, stdout[-2000:], stderr[-3000:])
     assert os.listdir(out) == []  # no lock left, nothing written
+
+
+def output_of(proc) -> str:
+    """What a run printed, once stopped (for a message: a run waiting at a gate would never end by itself)."""
+    stop(proc)
+    stdout, stderr = proc.communicate(timeout=60)
+    return stdout[-3000:] + stderr[-5000:]
 
 
 def start_run(server, out, *args, nproc: int = 2) -> subprocess.Popen:
@@ -421,7 +438,7 @@ def test_a_server_restarted_or_lost_mid_run_is_waited_for_and_else_the_run_is_sa
             deadline = time.monotonic() + 300
             while not os.path.exists(f"{gate}.waiting") and proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.1)
-            assert proc.poll() is None and os.path.exists(f"{gate}.waiting"), proc.communicate()
+            assert proc.poll() is None and os.path.exists(f"{gate}.waiting"), output_of(proc)
             os.killpg(first["proc"].pid, signal.SIGKILL)
             first["proc"].wait()
         with running_server(tiny_model, tmp_path / "server2.log", *lora, port=port) as second:
@@ -430,7 +447,8 @@ def test_a_server_restarted_or_lost_mid_run_is_waited_for_and_else_the_run_is_sa
             assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
             assert "lost the vLLM server" in stdout and "the vLLM server is back" in stdout, stdout[-3000:]
             metrics = list(map(json.loads, open(out / "metrics.jsonl")))
-            assert [m["step"] for m in metrics] == [1, 2, 3, 4] and metrics[-1]["server_reconnects"] >= 1
+            # one restart, one reconnect: the batches it cut short are sampled again without another
+            assert [m["step"] for m in metrics] == [1, 2, 3, 4] and metrics[-1]["server_reconnects"] == 1, stdout
             assert all(m["tools/calls"] > 0 for m in metrics)  # the model called the tool
             assert max(m["sync_probe_diff_max"] for m in metrics) < 1e-4
 

@@ -82,8 +82,9 @@ def test_each_loss_type_trains_through_the_server(server, tmp_path, loss_type, e
 
 
 def step_1_loss(loss_type: str, flags: list[str], rows: list[dict], entropy: float) -> tuple[float | None, float]:
-    """Step 1's loss as the flags define it, written out from the ledger (8 rows in the order the step ran them, one
-    process; bnpo's micro-batches are --micro_batch_size rows in that order, of the groups it keeps).
+    """Step 1's loss as the flags define it, written out from the ledger (8 rows in the order the step sampled them,
+    one process; bnpo's micro-batches are --micro_batch_size rows of the groups it keeps, in the order of the step's
+    shuffle: train.update's torch.randperm seeded by --seed (42) + 1000 x step 0 + iteration 0).
     On-policy every ratio is 1 (and the sampler's correction 1, or off), so a token's policy term is -A (sapo:
     -sigmoid(0) 4 / tau A = -2 A / tau), and the loss types differ only in how they normalise the sum. Checks the
     ledger's advantages against --scale_rewards on the way. Returns the loss (None where it needs log-probs) and
@@ -107,7 +108,8 @@ def step_1_loss(loss_type: str, flags: list[str], rows: list[dict], entropy: flo
             kept.append(not ("--drop_zero_std_groups" in flags and rs.std().item() < 1e-6))
     total = sum(t * n for t, n in zip(terms, lengths))
     size = int(flags[flags.index("--micro_batch_size") + 1]) if "--micro_batch_size" in flags else 16
-    run = [(t, n) for t, n, k in zip(terms, lengths, kept) if k]  # bnpo: each micro-batch's token mean, averaged
+    shuffled = torch.randperm(N, generator=torch.Generator().manual_seed(42)).tolist()  # as train.update draws it
+    run = [(terms[i], lengths[i]) for i in shuffled if kept[i]]  # bnpo: each micro-batch's token mean, averaged
     micro = [run[i:i + size] for i in range(0, len(run), size)]
     bnpo = sum(sum(t * n for t, n in m) / max(sum(n for _, n in m), 1) for m in micro) / len(micro)
     closed = {"grpo": sum(t for t, n in zip(terms, lengths) if n) / N, "sapo": sum(t for t, n in zip(terms, lengths) if n) / N,
