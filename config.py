@@ -25,6 +25,13 @@ NO_DATASET = "none"  # an environment makes the prompts: rows are seeds for its 
 NO_DATASET_STARTS = 2 ** 16  # ... this many training rows, seeds 0, 1, ...: not from --max_steps, which a resume may change
 
 
+def loss_types() -> dict:
+    """grpo.LOSSES: each --loss_type's objective and aggregation. Imported when asked, not with this file: grpo
+    imports torch, which the processes that read this file and never train (the reward functions') do without."""
+    from grpo import LOSSES
+    return LOSSES
+
+
 class UsageError(ValueError):
     """A mistake in the flags or the inputs, found before training starts (a flag, a file, a column, the
     server's address): train.py and vllm_server.py print its message as one line and exit with code 2, as
@@ -304,7 +311,7 @@ class Config:
         bnpo normalises per micro-batch, which dropping rows reshapes."""
         if self.drop_zero_std_groups == "auto":
             return (self.beta == 0 and self.entropy_coef == 0 and not self.use_adaptive_entropy
-                    and self.loss_type != "bnpo")
+                    and loss_types()[self.loss_type].aggregation != "bnpo")
         return self.drop_zero_std_groups
 
     def collective_timeout(self) -> float:
@@ -349,8 +356,8 @@ class Config:
             errors.append(f"--delta {self.delta} must be 0 (off) or above 1 + epsilon_high ({1 + self.eps_high})")
         if self.importance_sampling_level not in ("token", "sequence"):
             errors.append(f"--importance_sampling_level {self.importance_sampling_level!r}: use token or sequence")
-        if self.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"):
-            errors.append(f"--loss_type {self.loss_type!r}: use grpo, bnpo, dr_grpo, dapo, luspo, cispo, sapo or vespo")
+        if self.loss_type not in loss_types():
+            errors.append(f"--loss_type {self.loss_type!r}: use {', '.join(loss_types())} (grpo.LOSSES)")
         if self.loss_type == "vespo" and self.importance_sampling_level != "token":
             errors.append("--loss_type vespo weighs each sequence by its own sequence ratio: leave "
                           "--importance_sampling_level token")

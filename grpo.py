@@ -1,15 +1,19 @@
 """
 The math of GRPO as pure functions of tensors: advantages from rewards, each token's weight in the loss, the loss
-itself and its masks and importance weights. No collectives and no I/O: train.py calls them with its step's
-tensors and the counts it summed over the ranks, tests/test_math.py with hand-made tensors against loops over
-tokens, bench/loss_parity.py against TRL's own code. README: "Loss choices" has the formulas, docs/loss_choices.md
-why each default is what it is.
+itself and its masks and importance weights. No collectives, no I/O and no config: train.py calls them with its
+step's tensors, the counts it summed over the ranks and the loss's numbers (LossParams); tests/test_math.py calls
+them with hand-made tensors against loops over tokens, bench/loss_parity.py against TRL's own code.
+
+A --loss_type is one row of LOSSES: an objective (the per-token term, a function) and an aggregation (how a step's
+terms become one number, token_weights). A new loss is one function and one row (docs/your_own.md: Add a loss).
+README: "Loss choices" has the formulas, docs/loss_choices.md why each default is what it is.
 """
+import dataclasses
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
-
-from config import Config
 
 
 def group_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -69,8 +73,9 @@ class EntropyBonus:
     --entropy_target, down while above, within [--entropy_coef_min, --entropy_coef_max]. A step applies it only if
     the step before measured an entropy at or below the target (none before the first). Checkpoints keep the state."""
 
-    def __init__(self, cfg: Config, state: dict | None = None):
-        self.cfg, self.adaptive = cfg, cfg.use_adaptive_entropy
+    def __init__(self, cfg, state: dict | None = None):
+        self.adaptive, self.fixed, self.target = cfg.use_adaptive_entropy, cfg.entropy_coef, cfg.entropy_target
+        self.delta, self.low, self.high = cfg.entropy_coef_delta, cfg.entropy_coef_min, cfg.entropy_coef_max
         self.coef, self.last_entropy = cfg.entropy_coef, math.inf
         if state and self.adaptive:  # (a constant coefficient is the flag's, also on resume)
             self.coef, self.last_entropy = state["coef"], state["last_entropy"]
@@ -78,14 +83,14 @@ class EntropyBonus:
     def applied(self) -> float:
         """The coefficient of the next optimizer step's bonus."""
         if not self.adaptive:
-            return self.cfg.entropy_coef
-        return self.coef if self.last_entropy <= self.cfg.entropy_target else 0.0
+            return self.fixed
+        return self.coef if self.last_entropy <= self.target else 0.0
 
     def update(self, entropy: float):
         """After an optimizer step: `entropy` is the mean entropy of the tokens it trained, over all ranks."""
         if self.adaptive:
-            step = self.cfg.entropy_coef_delta if entropy <= self.cfg.entropy_target else -self.cfg.entropy_coef_delta
-            self.coef = min(max(self.coef + step, self.cfg.entropy_coef_min), self.cfg.entropy_coef_max)
+            step = self.delta if entropy <= self.target else -self.delta
+            self.coef = min(max(self.coef + step, self.low), self.high)
             self.last_entropy = entropy
 
     def metrics(self) -> dict:
@@ -95,31 +100,118 @@ class EntropyBonus:
         return {"coef": self.coef, "last_entropy": self.last_entropy}
 
 
-def token_weights(mask: torch.Tensor, loss_type: str, num_seqs: float, num_tokens: float, max_completion_length: int,
-                  num_micro_batches: int) -> torch.Tensor:
-    """(B, C) weight of each completion token in the loss of one optimizer step. `num_seqs` and
-    `num_tokens` count the sequences and tokens of the step over all ranks, `num_micro_batches` the
-    micro-batches over all ranks; summing weight * per-token loss over every micro-batch of every
-    rank gives the step's loss:
+# -----------------------------------------------------------------------------
+# The loss of one micro-batch: sum over its tokens of weight * per-token term. A --loss_type is an objective (the
+# per-token term) and an aggregation (each token's weight: how the step's terms become one number), one row of LOSSES.
+
+@dataclass(frozen=True)
+class LossParams:
+    """The numbers the loss uses, each the flag of the same name (config.py says what each does)."""
+    loss_type: str = "dapo"
+    epsilon: float = 0.2  # the ratio is clipped to [1 - epsilon, 1 + epsilon_high]
+    epsilon_high: float = 0.2  # (the flag's -1, "same as epsilon", is resolved)
+    delta: float = 0.0
+    beta: float = 0.0
+    importance_sampling_level: str = "token"
+    use_bias_correction_kl: bool = True
+    vllm_importance_sampling_kl: bool = False
+    off_policy_mask_threshold: float = -1.0
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    entropy_coef: float = 0.0  # the entropy bonus's coefficient for this optimizer step (EntropyBonus.applied)
+    max_completion_length: int = 256  # dr_grpo divides by it
+
+    @classmethod
+    def of(cls, cfg) -> "LossParams":
+        """The run's loss parameters, from its config."""
+        return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)} | {"epsilon_high": cfg.eps_high})
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """What the aggregations divide by, each counted over all ranks."""
+    sequences: float  # completions in this optimizer step
+    tokens: float  # loss tokens in this optimizer step
+    micro_batches: float  # micro-batches in this optimizer step (bnpo)
+    ranks: int = 1  # DDP and FSDP average the gradients over ranks: each rank's weights are this many times larger
+    round_tokens: float | None = None  # loss tokens in the whole generation round (dapo); None: this step's
+    steps_per_generation: int = 1  # optimizer steps per round (dapo divides the round's tokens among them, as TRL)
+
+
+def token_weights(mask: torch.Tensor, aggregation: str, n: StepCounts, max_completion_length: int) -> torch.Tensor:
+    """(B, C) weight of each completion token of a micro-batch in the loss of one optimizer step. Summing weight *
+    per-token term over every micro-batch of every rank, and averaging over the ranks as DDP does, gives the step's
+    loss; this is the whole normalisation, ranks and micro-batches included:
       grpo     (1/N) sum_i (1/|o_i|) sum_t     mean over sequences of each sequence's token mean
       bnpo     mean over micro-batches of each micro-batch's token mean (depends on the split)
       dr_grpo  1/(N * max_completion_length) sum_i sum_t   (Dr. GRPO: no length bias)
-      dapo     1/(sum_i |o_i|) sum_i sum_t                 (DAPO: every token of the step alike)
-      luspo    (1/N) sum_i sum_t                           (LUSPO: each sequence by its length)
-    cispo and vespo are normalised as dapo, sapo as grpo (as in TRL)."""
+      dapo     1/(sum_i |o_i|) sum_i sum_t                 (DAPO: every token of the step alike; the round's tokens
+                                                             / steps_per_generation, as TRL)
+      luspo    (1/N) sum_i sum_t                           (LUSPO: each sequence by its length)"""
     mask = mask.to(torch.float64)
-    loss_type = {"cispo": "dapo", "vespo": "dapo", "sapo": "grpo"}.get(loss_type, loss_type)
-    if loss_type == "luspo":
-        return mask / num_seqs
-    if loss_type == "grpo":
-        return mask / mask.sum(dim=1, keepdim=True).clamp(min=1) / num_seqs
-    if loss_type == "bnpo":
-        return mask / mask.sum().clamp(min=1) / num_micro_batches
-    if loss_type == "dr_grpo":
-        return mask / (num_seqs * max_completion_length)
-    if loss_type == "dapo":
-        return mask / max(num_tokens, 1.0)
-    raise ValueError(f"unknown loss_type {loss_type!r}")
+    if aggregation == "luspo":
+        weights = mask / n.sequences
+    elif aggregation == "grpo":
+        weights = mask / mask.sum(dim=1, keepdim=True).clamp(min=1) / n.sequences
+    elif aggregation == "bnpo":
+        weights = mask / mask.sum().clamp(min=1) / n.micro_batches
+    elif aggregation == "dr_grpo":
+        weights = mask / (n.sequences * max_completion_length)
+    elif aggregation == "dapo":
+        tokens = n.tokens if n.round_tokens is None else n.round_tokens / n.steps_per_generation
+        weights = mask / max(tokens, 1.0)
+    else:
+        raise ValueError(f"unknown aggregation {aggregation!r}")
+    return weights * n.ranks
+
+
+def clipped_objective(logp, ratio, adv, t: dict, p: LossParams):
+    """PPO's clipped surrogate: -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A); --delta > 0 also caps the
+    unclipped rho at delta (INTELLECT-2)."""
+    unclipped = torch.clamp(ratio, max=p.delta) if p.delta > 0 else ratio
+    per_token = -torch.min(unclipped * adv, torch.clamp(ratio, 1 - p.epsilon, 1 + p.epsilon_high) * adv)
+    return per_token, (ratio < 1 - p.epsilon) & (adv < 0), (ratio > 1 + p.epsilon_high) & (adv > 0)  # where it clips
+
+
+def cispo_objective(logp, ratio, adv, t: dict, p: LossParams):
+    """CISPO (MiniMax-M1): -sg(min(rho, eps_high)) A logp: the importance weight is clipped, not the update."""
+    return -torch.clamp(ratio, max=p.epsilon_high).detach() * adv * logp, None, ratio > p.epsilon_high
+
+
+def sapo_objective(logp, ratio, adv, t: dict, p: LossParams):
+    """SAPO: -sigmoid(tau (rho - 1)) 4 / tau A, a soft gate instead of a clip, tau by the sign of A."""
+    tau = torch.where(adv > 0, adv.new_tensor(p.sapo_temperature_pos), adv.new_tensor(p.sapo_temperature_neg))
+    return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv, None, None
+
+
+def vespo_objective(logp, ratio, adv, t: dict, p: LossParams):
+    """VESPO: -sg(phi(w)) A logp, phi(w) = e^lam w^k e^(-lam w) of the sequence ratio w = pi / pi_vLLM (k, lam by
+    the sign of A). The sampler correction is inside w, so LOSSES's row says the loss must not apply it again."""
+    w = vespo_weights((logp - t["old_logp"]).detach(), adv, t["loss_mask"], t.get("is_weight"), p)
+    return -w * adv * logp, None, None
+
+
+@dataclass(frozen=True)
+class Loss:
+    objective: Callable  # (logp, ratio, adv, t, p) -> per-token term (B, C), where it clipped low, high (or None)
+    aggregation: str  # token_weights's: grpo | bnpo | dr_grpo | dapo | luspo
+    own_sampler_weight: bool = False  # the objective applies the sampler correction itself (t["is_weight"])
+
+
+LOSSES = {  # --loss_type: its objective and its aggregation, as TRL pairs them
+    "grpo": Loss(clipped_objective, "grpo"),
+    "bnpo": Loss(clipped_objective, "bnpo"),
+    "dr_grpo": Loss(clipped_objective, "dr_grpo"),
+    "dapo": Loss(clipped_objective, "dapo"),
+    "luspo": Loss(clipped_objective, "luspo"),  # GSPO's sequence ratio (validated), each sequence by its length
+    "cispo": Loss(cispo_objective, "dapo"),
+    "sapo": Loss(sapo_objective, "grpo"),
+    "vespo": Loss(vespo_objective, "dapo", own_sampler_weight=True),
+}
 
 
 def loss_mask_of(sampled: torch.Tensor, truncated: torch.Tensor, mask_truncated: bool) -> torch.Tensor:
@@ -128,70 +220,54 @@ def loss_mask_of(sampled: torch.Tensor, truncated: torch.Tensor, mask_truncated:
     return sampled * ~truncated.unsqueeze(1) if mask_truncated else sampled
 
 
-def grpo_loss(logp, old_logp, advantages, mask, weights, cfg: Config, ref_logp=None, is_weight=None,
-              sampler_logp=None, entropy=None, entropy_mask=None, entropy_weights=None):
+def grpo_loss(logp, t: dict, weights, p: LossParams, entropy=None, entropy_weights=None):
     """The policy loss with a k3 KL penalty and an entropy bonus: sum over tokens of weights * per-token loss
-    (README: Loss choices).
+    (README: Loss choices). Returns the loss (a scalar to backpropagate) and a dict of masked sums.
 
-    logp, old_logp, ref_logp, sampler_logp, mask, weights, is_weight, entropy, entropy_mask, entropy_weights:
-    (B, C) per completion token; advantages: (B,). The ratio rho = pi / pi_old is per token, or with
-    cfg.importance_sampling_level "sequence" (GSPO) one per sequence: exp of the mean of its tokens'
-    log-ratios. The per-token policy loss, by cfg.loss_type:
-      clipped (grpo, bnpo, dr_grpo, dapo, luspo)  -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A); delta > 0
-                                                  also caps the unclipped rho at delta (INTELLECT-2)
-      cispo                                       -sg(min(rho, eps_high)) A logp  (the weight is clipped, MiniMax-M1)
-      sapo                                        -sigmoid(tau (rho - 1)) 4 / tau A, tau by the sign of A (SAPO)
-      vespo                                       -sg(phi(w)) A logp, phi(w) = e^lam w^k e^(-lam w) of the sequence
-                                                  ratio w = pi / pi_vLLM (VESPO; k, lam by the sign of A)
-    is_weight (the sampler correction, pi_old / pi_vLLM) multiplies the policy term (vespo: it is inside w),
-    and the KL term only with cfg.vllm_importance_sampling_kl; cfg.use_bias_correction_kl multiplies the KL
-    term by rho (DeepSeek-V3.2, TRL's default). Masks on the policy term only: cfg.off_policy_mask_threshold
-    drops sequences with A < 0 whose mean log(pi_vLLM / pi) is above it (DeepSeek-V3.2), entropy_mask keeps
-    the high-entropy tokens (--top_entropy_quantile). cfg.entropy_coef subtracts coef * sum of
-    entropy_weights * entropy. Returns the loss (a scalar to backpropagate) and a dict of masked sums."""
-    eps_low, eps_high = cfg.epsilon, cfg.eps_high
-    token_log_ratio = logp - old_logp  # (B, C)
-    log_ratio = token_log_ratio
-    if cfg.importance_sampling_level == "sequence":
+    logp, weights, entropy, entropy_weights: (B, C) per completion token. `t` holds the micro-batch's other inputs:
+    advantages (B,); loss_mask and, each (B, C) or None, old_logp (None: on-policy, pi_old = pi), ref_logp (beta > 0),
+    sampler_logp, is_weight (the sampler correction pi_old / pi_vLLM), entropy_mask (--top_entropy_quantile).
+    The ratio rho = pi / pi_old is per token, or with importance_sampling_level "sequence" (GSPO) one per sequence:
+    exp of the mean of its tokens' log-ratios. The per-token term is LOSSES[p.loss_type]'s objective.
+    is_weight multiplies the policy term, and the KL term only with vllm_importance_sampling_kl;
+    use_bias_correction_kl multiplies the KL term by rho (DeepSeek-V3.2, TRL's default). Masks on the policy term
+    only: off_policy_mask_threshold drops sequences with A < 0 whose mean log(pi_vLLM / pi) is above it
+    (DeepSeek-V3.2), entropy_mask keeps the high-entropy tokens. entropy_coef subtracts coef * sum of
+    entropy_weights * entropy."""
+    loss_fn, mask, is_weight = LOSSES[p.loss_type], t["loss_mask"], t.get("is_weight")
+    t = {**t, "old_logp": logp.detach() if t.get("old_logp") is None else t["old_logp"]}
+    log_ratio = logp - t["old_logp"]  # (B, C)
+    if p.importance_sampling_level == "sequence":
         m = mask.to(logp.dtype)
         log_ratio = (log_ratio * m).sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
     ratio = torch.exp(log_ratio)  # (B, C), or (B, 1)
-    adv = advantages.unsqueeze(1)  # (B, 1)
-    low = high = torch.zeros_like(ratio, dtype=torch.bool)
-    if cfg.loss_type == "cispo":
-        per_token = -torch.clamp(ratio, max=eps_high).detach() * adv * logp
-        high = ratio > eps_high
-    elif cfg.loss_type == "sapo":
-        tau = torch.where(adv > 0, adv.new_tensor(cfg.sapo_temperature_pos), adv.new_tensor(cfg.sapo_temperature_neg))
-        per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
-    elif cfg.loss_type == "vespo":
-        per_token = -vespo_weights(token_log_ratio.detach(), adv, mask, is_weight, cfg) * adv * logp
-    else:
-        unclipped = torch.clamp(ratio, max=cfg.delta) if cfg.delta > 0 else ratio
-        per_token = -torch.min(unclipped * adv, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv)
-        low, high = (ratio < 1 - eps_low) & (adv < 0), (ratio > 1 + eps_high) & (adv > 0)  # where it clips
+    adv = t["advantages"].unsqueeze(1)  # (B, 1)
+    per_token, low, high = loss_fn.objective(logp, ratio, adv, t, p)
     kept = torch.ones_like(logp)  # tokens whose policy term counts
-    if cfg.off_policy_mask_threshold >= 0:
-        kept = kept * off_policy_mask(logp, old_logp if sampler_logp is None else sampler_logp, adv, mask,
-                                      cfg.off_policy_mask_threshold)
-    if entropy_mask is not None:
-        kept = kept * entropy_mask
+    if p.off_policy_mask_threshold >= 0:
+        sampler_logp = t["old_logp"] if t.get("sampler_logp") is None else t["sampler_logp"]
+        kept = kept * off_policy_mask(logp, sampler_logp, adv, mask, p.off_policy_mask_threshold)
+    if t.get("entropy_mask") is not None:
+        kept = kept * t["entropy_mask"]
     per_token = per_token * kept
-    if is_weight is not None and cfg.loss_type != "vespo":
+    if is_weight is not None and not loss_fn.own_sampler_weight:
         per_token = per_token * is_weight
-    if cfg.beta > 0:  # at beta 0 there is no reference, and no KL is reported (as in TRL)
+    if p.beta > 0:  # at beta 0 there is no reference, and no KL is reported (as in TRL)
+        ref_logp = t["ref_logp"]
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # k3: unbiased, always >= 0
-        kl_in_loss = kl * ratio if cfg.use_bias_correction_kl else kl  # TRL logs its mean as kl
-        kl_term = kl_in_loss * is_weight if is_weight is not None and cfg.vllm_importance_sampling_kl else kl_in_loss
-        per_token = per_token + cfg.beta * kl_term
+        kl_in_loss = kl * ratio if p.use_bias_correction_kl else kl  # TRL logs its mean as kl
+        kl_term = kl_in_loss * is_weight if is_weight is not None and p.vllm_importance_sampling_kl else kl_in_loss
+        per_token = per_token + p.beta * kl_term
     loss = (per_token * weights).sum()
-    if cfg.entropy_coef != 0:
-        loss = loss - cfg.entropy_coef * (entropy * entropy_weights).sum()
+    if p.entropy_coef != 0:
+        loss = loss - p.entropy_coef * (entropy * entropy_weights).sum()
     mask = mask.to(logp.dtype)
-    stats = {"clip_low": (low * mask).sum(), "clip_high": (high * mask).sum(),
-             "clip_region": (((ratio < 1 - eps_low) | (ratio > 1 + eps_high)) * mask).sum(),
+    none = torch.zeros_like(ratio, dtype=torch.bool)
+    stats = {"clip_low": ((none if low is None else low) * mask).sum(),
+             "clip_high": ((none if high is None else high) * mask).sum(),
+             "clip_region": (((ratio < 1 - p.epsilon) | (ratio > 1 + p.epsilon_high)) * mask).sum(),
              "policy_masked": ((kept == 0) * mask).sum(),
-             **({"kl": (kl * mask).sum(), "kl_in_loss": (kl_in_loss * mask).sum()} if cfg.beta > 0 else {})}
+             **({"kl": (kl * mask).sum(), "kl_in_loss": (kl_in_loss * mask).sum()} if p.beta > 0 else {})}
     return loss, {k: v.detach() for k, v in stats.items()}
 
 
@@ -206,7 +282,7 @@ def off_policy_mask(logp, sampler_logp, adv, mask, threshold: float) -> torch.Te
 
 
 @torch.no_grad()
-def vespo_weights(token_log_ratio, adv, mask, is_weight, cfg: Config) -> torch.Tensor:
+def vespo_weights(token_log_ratio, adv, mask, is_weight, p: LossParams) -> torch.Tensor:
     """(B, 1) VESPO's gamma weight phi(w) = exp(lam + k log w - lam w) (1 at w = 1) of each sequence's ratio
     w = prod_t pi / pi_vLLM: the product of its tokens' pi / pi_old and of the sampler correction
     `is_weight` (pi_old / pi_vLLM, token modes), in log space, clamped to [1e-8, e^20] as TRL does."""
@@ -216,8 +292,8 @@ def vespo_weights(token_log_ratio, adv, mask, is_weight, cfg: Config) -> torch.T
         log_w = log_w + (is_weight.log().clamp(math.log(1e-8), 20) * m).sum(dim=1, keepdim=True)
     log_w = log_w.clamp(math.log(1e-8), 20)
     positive = adv >= 0
-    k = torch.where(positive, adv.new_tensor(cfg.vespo_k_pos), adv.new_tensor(cfg.vespo_k_neg))
-    lam = torch.where(positive, adv.new_tensor(cfg.vespo_lambda_pos), adv.new_tensor(cfg.vespo_lambda_neg))
+    k = torch.where(positive, adv.new_tensor(p.vespo_k_pos), adv.new_tensor(p.vespo_k_neg))
+    lam = torch.where(positive, adv.new_tensor(p.vespo_lambda_pos), adv.new_tensor(p.vespo_lambda_neg))
     lam = lam.clamp(min=1e-4)
     return torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(0.0, posinf=0.0, neginf=0.0)
 

@@ -43,8 +43,8 @@ from checkpoints import (StopRequest, check_checkpoint, evaluated_last, find_che
                          prepare_output_dir, restore_training_state, save_checkpoint, save_model)
 from config import Config, native_bf16, parse_config
 from embedded import resolve_model
-from grpo import (EntropyBonus, batch_advantages, group_advantages, group_normalized, grpo_loss, loss_mask_of,
-                  sampler_is_weights, token_weights, without_signal)
+from grpo import (LOSSES, EntropyBonus, LossParams, StepCounts, batch_advantages, group_advantages, group_normalized,
+                  grpo_loss, loss_mask_of, sampler_is_weights, token_weights, without_signal)
 from guard import ServerGuard, connect_server
 from logprobs import completion_logprobs, length_sorted, no_grad_logprobs, take, to_device, trim_padding
 from metrics import (MetricsLogger, ScoringWatch, StepTimer, check_finite, console_line, eval_line, eval_summary,
@@ -111,64 +111,68 @@ def step_advantages(rewards: torch.Tensor, reward_matrix: torch.Tensor, weightin
 
 
 def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autocast,
-                         tokens_per_step: float | None = None) -> tuple[dict, torch.Tensor]:
+                         round_tokens: float | None = None, params: LossParams | None = None) -> tuple[dict, torch.Tensor]:
     """Backpropagate the loss of one optimizer step on this rank's share `data`, micro-batch by
     micro-batch. `data` holds tensors over this rank's completions: inputs (the model's, a dict),
     loss_mask, advantages, and old_logp, ref_logp, sampler_logp, entropy_mask (each or None), and optionally
-    `keep` (rows to run; the others still count in the normalisation). Token weights count the step
-    over all ranks, so the gradient after DDP's averaging is the same however the step is split
+    `keep` (rows to run; the others still count in the normalisation). Every other tensor in it reaches the loss
+    too, cut to the micro-batch (a new per-token input of a loss is one more key). Token weights count the step
+    over all ranks (grpo.token_weights), so the gradient after DDP's averaging is the same however the step is split
     over micro-batches and ranks (except bnpo, by definition). Every rank runs as many micro-batches
     (FSDP2 gathers weights in each forward, DDP reduces in the last backward): a rank with fewer rows
-    runs its first row again with weight 0. dapo divides by `tokens_per_step` (default: this step's, all ranks).
-    Returns sums of per-token statistics over this rank's tokens, and the policy's log-probs (N, C)."""
+    runs its first row again with weight 0. `round_tokens`: the generation round's tokens over all ranks, which
+    dapo shares among its --steps_per_generation steps (default: this step's alone). `params`: the loss's numbers
+    (default: the config's). Returns sums of per-token statistics over this rank's tokens, and the policy's
+    log-probs (N, C)."""
     device = next(model.parameters()).device
     mask = data["loss_mask"]
+    params = params or LossParams.of(cfg)
+    loss = LOSSES[cfg.loss_type]
     C = mask.shape[1]
     rows = torch.arange(len(mask))[data["keep"]] if data.get("keep") is not None else torch.arange(len(mask))
-    if cfg.loss_type == "bnpo":  # its normalisation is per micro-batch: keep them a random draw
+    if loss.aggregation == "bnpo":  # its normalisation is per micro-batch: keep them a random draw
         micro = [rows[i:i + cfg.micro_batch_size] for i in range(0, len(rows), cfg.micro_batch_size)]
     else:  # similar lengths together, so little padding is computed (the order does not change the gradient)
         micro = length_sorted(rows, data["inputs"]["attention_mask"].sum(dim=1), cfg.micro_batch_size)
     bonus_mask = mask if data.get("entropy_mask") is None else mask * data["entropy_mask"]  # the tokens it trains
     counts = sum_over_ranks({"seqs": len(mask), "tokens": mask.sum(), "micro": len(micro), "bonus": bonus_mask.sum()})
     num_micro = int(extremes_over_ranks({"micro_max": len(micro)})["micro_max"])
+    step_counts = StepCounts(counts["seqs"], counts["tokens"], counts["micro"], world_size, round_tokens,
+                             cfg.steps_per_generation if round_tokens is not None else 1)
     sums, logps = {}, torch.zeros(mask.shape)
     for j in range(num_micro):
         padding = j >= len(micro)  # this rank has run all its rows; keep in step with the others
         s = torch.arange(1) if padding else micro[j]
         inputs, c = trim_padding(take(data["inputs"], s), C)  # only c of the C completion columns
-        part = {k: None if data.get(k) is None else data[k][s, :c].to(device)
-                for k in ("old_logp", "ref_logp", "sampler_logp", "entropy_mask")}
+        t = loss_inputs(data, s, c, device)  # the loss's tensors of these rows: (b, c) per token, (b,) per row
+        t["loss_mask"] = t["loss_mask"] * (not padding)  # a padding run counts no token
         with gradient_sync(model, j == num_micro - 1):  # DDP reduces on the last micro-batch only
             with autocast:  # the forward alone: the backward then runs without autocast's bf16 copies of the weights
                 logp, entropy = completion_logprobs(model, to_device(inputs, device), c, cfg.temperature,
-                                                    entropy_grad=cfg.entropy_coef != 0)  # (b, c) each, fp32
+                                                    entropy_grad=params.entropy_coef != 0)  # (b, c) each, fp32
             # pi_old: the policy before this round's first update. On-policy it is the current policy,
             # whose detached log-probs are these; off-policy the loop computed them before updating.
-            old_logp = logp.detach() if part["old_logp"] is None else part["old_logp"]
-            m = mask[s, :c].to(device) * (not padding)  # a padding run counts no token
-            weights = token_weights(mask[s, :c], cfg.loss_type, counts["seqs"], tokens_per_step or counts["tokens"],
-                                    cfg.max_completion_length, counts["micro"]).to(device)
-            weights = weights * world_size * (not padding)  # DDP and FSDP average the gradients over ranks
+            if t.get("old_logp") is None:
+                t["old_logp"] = logp.detach()
+            m = t["loss_mask"]
+            weights = token_weights(m, loss.aggregation, step_counts, cfg.max_completion_length).to(device)
             bonus_weights = bonus_mask[s, :c].to(device) * (world_size * (not padding) / max(counts["bonus"], 1.0))
-            extra, is_weight = {}, None
-            if cfg.vllm_importance_sampling_correction and part["sampler_logp"] is not None:  # against the sampler
-                is_weight, ratio = sampler_is_weights(old_logp.float(), part["sampler_logp"], m,
-                                                      cfg.vllm_importance_sampling_mode,
-                                                      cfg.vllm_importance_sampling_clip_min,
-                                                      cfg.vllm_importance_sampling_clip_max)
+            extra = {}
+            if cfg.vllm_importance_sampling_correction and t.get("sampler_logp") is not None:  # against the sampler
+                t["is_weight"], ratio = sampler_is_weights(t["old_logp"].float(), t["sampler_logp"], m,
+                                                           cfg.vllm_importance_sampling_mode,
+                                                           cfg.vllm_importance_sampling_clip_min,
+                                                           cfg.vllm_importance_sampling_clip_max)
                 r = ratio.expand_as(m) * m
                 extra = {"is_ratio": r.sum(), "is_ratio_max": r.max(),
                          "is_ratio_min": torch.where(m > 0, r, torch.inf).min(),
-                         "is_dropped": ((is_weight == 0) & (m > 0)).sum()}
-            loss, stats = grpo_loss(logp, old_logp, data["advantages"][s].to(device), m, weights, cfg,
-                                    part["ref_logp"], is_weight, part["sampler_logp"], entropy, part["entropy_mask"],
-                                    bonus_weights)
-            loss.backward()
+                         "is_dropped": ((t["is_weight"] == 0) & (m > 0)).sum()}
+            loss_value, stats = grpo_loss(logp, t, weights, params, entropy, bonus_weights)
+            loss_value.backward()
         trained = bonus_mask[s, :c].to(device) * (not padding)  # the tokens the bonus acts on
         stats = {**stats, **extra, "entropy": (entropy.detach() * m).sum(), "tokens": m.sum(),
                  "trained_entropy": (entropy.detach() * trained).sum(), "trained_tokens": trained.sum(),
-                 "loss": loss.detach() / world_size}
+                 "loss": loss_value.detach() / world_size}
         merge_stats(sums, {k: v.item() for k, v in stats.items()})  # the same names on every rank that ran
         if not padding:
             logps[s, :c] = logp.detach().float().cpu()
@@ -176,6 +180,13 @@ def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autoca
 
 
 def optimizer_step(optimizer, scheduler, params, max_grad_norm: float) -> torch.Tensor:
+def loss_inputs(data: dict, rows: torch.Tensor, c: int, device) -> dict:
+    """The tensors of `data` the loss reads, of `rows`: per-token ones (N, C) cut to the first c completion columns,
+    per-completion ones (N,) as they are. The model's inputs and `keep` are not the loss's; None stays out."""
+    return {k: (v[rows, :c] if v.dim() == 2 else v[rows]).to(device) for k, v in data.items()
+            if isinstance(v, torch.Tensor) and k != "keep"}
+
+
     """Clip the gradient, step (unless it is NaN/inf: the weights and optimizer state stay good), clear it.
     Returns the gradient norm before clipping, the same on every rank (that of the reduced gradient)."""
     norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf")))
@@ -214,14 +225,15 @@ def update(model, optimizer, scheduler, trainable: list, data: dict, step: int, 
     and TR-DPO (--sync_ref_model) mixes the policy into `ref_model` every --ref_model_sync_steps. Returns the
     summed statistics, each step's gradient norm, and the first pass's log-probs (N, C) (the sync check's)."""
     sums, grad_norms, first_pass_logp = {}, [], torch.zeros(data["loss_mask"].shape)
-    tokens_per_step = sum_over_ranks({"tokens": data["loss_mask"].sum()})["tokens"] / cfg.steps_per_generation
+    round_tokens = sum_over_ranks({"tokens": data["loss_mask"].sum()})["tokens"]
+    params = LossParams.of(cfg)
     for iteration in range(cfg.num_iterations):
         seed = cfg.seed + step * 1000 + iteration
         order = torch.randperm(len(data["loss_mask"]), generator=torch.Generator().manual_seed(seed))
         for part in order.chunk(cfg.steps_per_generation):
-            step_cfg = dataclasses.replace(cfg, entropy_coef=bonus.applied())
-            part_sums, logp = accumulate_gradients(model, take(data, part), step_cfg, world_size, autocast,
-                                                   tokens_per_step)
+            step_params = dataclasses.replace(params, entropy_coef=bonus.applied())  # the bonus's coefficient of now
+            part_sums, logp = accumulate_gradients(model, take(data, part), cfg, world_size, autocast, round_tokens,
+                                                   step_params)
             merge_stats(sums, part_sums)
             with timer.within("optimizer"):  # part of time/train
                 grad_norms.append(optimizer_step(optimizer, scheduler, trainable, cfg.max_grad_norm))

@@ -27,7 +27,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from config import Config  # noqa: E402
-from grpo import EntropyBonus, grpo_loss, sampler_is_weights, token_weights  # noqa: E402
+from grpo import (LOSSES, EntropyBonus, LossParams, StepCounts, grpo_loss, sampler_is_weights,  # noqa: E402
+                  token_weights)
 from rewards import weighted_rewards  # noqa: E402
 from train import high_entropy_mask, step_advantages  # noqa: E402
 
@@ -140,12 +141,14 @@ def our_loss(t: dict, case: dict) -> tuple[float, torch.Tensor, torch.Tensor, di
     if cfg.vllm_importance_sampling_correction:
         is_weight, _ = sampler_is_weights(old, t["sampler_logp"], mask, cfg.vllm_importance_sampling_mode,
                                           cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max)
-    weights = token_weights(mask, cfg.loss_type, len(mask), float(mask.sum()), cfg.max_completion_length, 1)
+    weights = token_weights(mask, LOSSES[cfg.loss_type].aggregation, StepCounts(len(mask), float(mask.sum()), 1),
+                            cfg.max_completion_length)
     entropy_mask = None if cfg.top_entropy_quantile == 1 else high_entropy_mask(t["entropy"], mask,
                                                                                 cfg.top_entropy_quantile)
     trained = mask if entropy_mask is None else mask * entropy_mask  # the bonus's tokens
-    loss, stats = grpo_loss(logp, old, t["advantages"], mask, weights, cfg, t["ref_logp"], is_weight,
-                            t["sampler_logp"], entropy, entropy_mask, trained / trained.sum().clamp(min=1))
+    inputs = dict(advantages=t["advantages"], loss_mask=mask, old_logp=old, ref_logp=t["ref_logp"], is_weight=is_weight,
+                  sampler_logp=t["sampler_logp"], entropy_mask=entropy_mask)
+    loss, stats = grpo_loss(logp, inputs, weights, LossParams.of(cfg), entropy, trained / trained.sum().clamp(min=1))
     d_logp, d_entropy = torch.autograd.grad(loss, (logp, entropy), allow_unused=True)
     metrics = {"kl": (stats["kl_in_loss"] / mask.sum()).item()} if cfg.beta > 0 else {}
     if bonus.adaptive:

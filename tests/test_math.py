@@ -1,6 +1,8 @@
 """The GRPO math against naive per-element loops written here, in float64."""
 import itertools
 import math
+import os
+import re
 
 import pytest
 import torch
@@ -8,7 +10,7 @@ from transformers import LlamaForCausalLM
 
 from config import Config
 from models import lr_factor
-from grpo import group_advantages, grpo_loss, token_weights
+from grpo import LOSSES, LossParams, StepCounts, group_advantages, grpo_loss, token_weights
 from conftest import collated
 from data import step_prompt_indices
 from embedded import arithmetic_problems
@@ -118,6 +120,14 @@ def test_scoring_watch_warns_once_of_a_run_whose_rewards_all_agreed_from_its_sta
     assert "warning" not in capsys.readouterr().out
 
 
+def loss_of(logp, old, adv, mask, weights, cfg: Config, ref=None, is_weight=None, sampler=None, entropy=None,
+            entropy_mask=None, entropy_weights=None):
+    """grpo.grpo_loss on one micro-batch's tensors, given as the tests below name them."""
+    t = dict(advantages=adv, loss_mask=mask, old_logp=old, ref_logp=ref, is_weight=is_weight, sampler_logp=sampler,
+             entropy_mask=entropy_mask)
+    return grpo_loss(logp, t, weights, LossParams.of(cfg), entropy, entropy_weights)
+
+
 def spec(**options) -> Config:
     """The loss options of a test: clip range [0.8, 1.28], no KL bias correction, unless given."""
     return Config(**{"epsilon": 0.2, "epsilon_high": 0.28, "use_bias_correction_kl": False, **options})
@@ -154,7 +164,7 @@ def test_grpo_loss_matches_naive_loop_with_clipping_delta_and_kl():
     weights = torch.rand(B, C, dtype=torch.float64) * mask
     for beta in (0.0, 0.04):
         for delta in (0.0, 1.5):
-            loss, stats = grpo_loss(logp, old, adv, mask, weights, spec(delta=delta, beta=beta), ref)
+            loss, stats = loss_of(logp, old, adv, mask, weights, spec(delta=delta, beta=beta), ref)
             want, kl, low, high, region = naive_loss(logp.tolist(), old.tolist(), ref.tolist(), adv.tolist(),
                                                      mask.tolist(), weights.tolist(), 0.2, 0.28, delta, beta)
             assert abs(loss.item() - want) < 1e-6
@@ -162,8 +172,8 @@ def test_grpo_loss_matches_naive_loop_with_clipping_delta_and_kl():
             assert (stats["clip_low"].item(), stats["clip_high"].item(), stats["clip_region"].item()) == (low, high, region)
             assert low > 0 and high > 0
     # delta bites: with a positive advantage and a ratio above delta, the loss differs
-    assert grpo_loss(logp, old, adv, mask, weights, spec(delta=1.5))[0].item() != \
-        grpo_loss(logp, old, adv, mask, weights, spec())[0].item()
+    assert loss_of(logp, old, adv, mask, weights, spec(delta=1.5))[0].item() != \
+        loss_of(logp, old, adv, mask, weights, spec())[0].item()
 
 
 def test_sequence_level_ratio_matches_naive_loop_with_its_gradient():
@@ -191,7 +201,7 @@ def test_sequence_level_ratio_matches_naive_loop_with_its_gradient():
         return total
     for beta in (0.0, 0.04):
         for delta in (0.0, 1.1):
-            loss, stats = grpo_loss(logp, old, adv, mask, weights,
+            loss, stats = loss_of(logp, old, adv, mask, weights,
                                     spec(delta=delta, beta=beta, importance_sampling_level="sequence"), ref)
             (grad,) = torch.autograd.grad(loss, logp)
             lp = logp.detach().clone().requires_grad_()
@@ -199,12 +209,12 @@ def test_sequence_level_ratio_matches_naive_loop_with_its_gradient():
             (want_grad,) = torch.autograd.grad(want, lp)
             assert abs(loss.item() - want.item()) < 1e-12 and torch.allclose(grad, want_grad, atol=1e-12)
             assert grad[mask == 0].abs().max() == 0  # padding gets no gradient
-    token_level = grpo_loss(logp, old, adv, mask, weights, spec())[0]
+    token_level = loss_of(logp, old, adv, mask, weights, spec())[0]
     sequence = spec(importance_sampling_level="sequence")
-    assert abs(token_level.item() - grpo_loss(logp, old, adv, mask, weights, sequence)[0].item()) > 1e-6
+    assert abs(token_level.item() - loss_of(logp, old, adv, mask, weights, sequence)[0].item()) > 1e-6
     # a clipped sequence counts all its tokens in the clip metrics
     far = logp.detach() - 1.0  # every ratio e: above 1 + eps_high
-    _, stats = grpo_loss(logp, far, adv, mask, weights, sequence)
+    _, stats = loss_of(logp, far, adv, mask, weights, sequence)
     assert stats["clip_region"].item() == mask.sum().item() and stats["clip_high"].item() == 3 + 1
 
 
@@ -239,14 +249,14 @@ def test_cispo_and_sapo_match_naive_loops_with_their_gradients():
         for level in ("token", "sequence"):
             for beta in (0.0, 0.04):
                 options = spec(epsilon_high=2.5, beta=beta, importance_sampling_level=level, loss_type=loss_type)
-                loss, stats = grpo_loss(logp, old, adv, mask, weights, options, ref)
+                loss, stats = loss_of(logp, old, adv, mask, weights, options, ref)
                 (grad,) = torch.autograd.grad(loss, logp)
                 lp = logp.detach().clone().requires_grad_()
                 want = naive(lp, loss_type, level, beta)
                 (want_grad,) = torch.autograd.grad(want, lp)
                 assert abs(loss.item() - want.item()) < 1e-12, (loss_type, level, beta)
                 assert torch.allclose(grad, want_grad, atol=1e-12), (loss_type, level, beta)
-    _, stats = grpo_loss(logp, old, adv, mask, weights, spec(epsilon_high=2.5, loss_type="cispo"))
+    _, stats = loss_of(logp, old, adv, mask, weights, spec(epsilon_high=2.5, loss_type="cispo"))
     assert stats["clip_high"].item() == ((torch.exp(logp - old) > 2.5) * mask).sum().item() > 0  # capped weights
 
 
@@ -265,7 +275,7 @@ def test_kl_bias_correction_and_the_sampler_weight_match_a_loop_with_their_gradi
     for offset, correction, kl_weighted in itertools.product((0.0, 0.3), (False, True), (False, True)):
         old = logp.detach() + offset  # offset 0: on-policy
         options = spec(beta=0.1, use_bias_correction_kl=correction, vllm_importance_sampling_kl=kl_weighted)
-        loss, _ = grpo_loss(logp, old, adv, mask, weights, options, ref, w)
+        loss, _ = loss_of(logp, old, adv, mask, weights, options, ref, w)
         (grad,) = torch.autograd.grad(loss, logp)
         lp = logp.detach().clone().requires_grad_()
         total = 0.0
@@ -278,7 +288,7 @@ def test_kl_bias_correction_and_the_sampler_weight_match_a_loop_with_their_gradi
                 total = total + weights[b][t] * (policy + 0.1 * kl)
         (want_grad,) = torch.autograd.grad(total, lp)
         assert abs(loss.item() - total.item()) < 1e-12 and torch.allclose(grad, want_grad, atol=1e-12)
-    on_policy = [torch.autograd.grad(grpo_loss(logp, logp.detach(), adv, mask, weights,
+    on_policy = [torch.autograd.grad(loss_of(logp, logp.detach(), adv, mask, weights,
                                                spec(beta=0.1, use_bias_correction_kl=c), ref)[0], logp)[0]
                  for c in (False, True)]
     assert not torch.allclose(*on_policy)  # the correction's gradient differs even where rho = 1
@@ -300,7 +310,7 @@ def test_vespo_matches_a_loop_with_its_gradient():
     is_weight[1, 2] = 0.0  # a token the mask mode dropped
     for w, beta in itertools.product((None, is_weight), (0.0, 0.04)):
         options = spec(loss_type="vespo", beta=beta, use_bias_correction_kl=False)
-        loss, _ = grpo_loss(logp, old, adv, mask, weights, options, ref, w)
+        loss, _ = loss_of(logp, old, adv, mask, weights, options, ref, w)
         (grad,) = torch.autograd.grad(loss, logp)
         lp = logp.detach().clone().requires_grad_()
         total = 0.0
@@ -336,7 +346,7 @@ def test_the_off_policy_mask_the_entropy_mask_and_the_entropy_bonus_match_a_loop
     entropy_mask = torch.rand(B, C) > 0.4
     bonus_weights = (mask * entropy_mask).double() / (mask * entropy_mask).sum()
     options = spec(beta=0.04, off_policy_mask_threshold=0.1, entropy_coef=0.01, use_bias_correction_kl=False)
-    loss, stats = grpo_loss(logp, old, adv, mask, weights, options, ref, None, sampler, entropy, entropy_mask,
+    loss, stats = loss_of(logp, old, adv, mask, weights, options, ref, None, sampler, entropy, entropy_mask,
                             bonus_weights)
     grads = torch.autograd.grad(loss, (logp, entropy))
     lp, h = logp.detach().clone().requires_grad_(), entropy.detach().clone().requires_grad_()
@@ -439,8 +449,8 @@ def test_token_weights_match_the_definitions_for_each_loss_type():
     for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"):
         want = naive_weights(mask.tolist(), loss_type, splits, 6)
         for mb in splits:
-            got = token_weights(mask[mb], loss_type, num_seqs=4, num_tokens=float(mask.sum()), max_completion_length=6,
-                                num_micro_batches=2)
+            got = token_weights(mask[mb], LOSSES[loss_type].aggregation,
+                                StepCounts(sequences=4, tokens=float(mask.sum()), micro_batches=2), 6)
             for r, i in enumerate(mb):
                 for t in range(4):
                     assert abs(got[r, t].item() - want.get((i, t), 0.0)) < 1e-12, (loss_type, i, t)
@@ -454,7 +464,7 @@ def test_on_policy_loss_gradient_is_advantage_weighted_logprob_gradient():
     logp = torch.tensor([[-1.0, -2.0], [-0.5, -0.1]], dtype=torch.float64, requires_grad=True)
     adv = torch.tensor([2.0, -1.0], dtype=torch.float64)
     mask = torch.tensor([[1, 1], [1, 0]])
-    loss, _ = grpo_loss(logp, logp.detach(), adv, mask, mask / 3, spec(epsilon_high=0.2))
+    loss, _ = loss_of(logp, logp.detach(), adv, mask, mask / 3, spec(epsilon_high=0.2))
     loss.backward()
     assert torch.allclose(logp.grad, torch.tensor([[-2 / 3, -2 / 3], [1 / 3, 0.0]], dtype=torch.float64))
 
@@ -589,7 +599,7 @@ def test_truncated_completions_carry_no_loss_when_masked():
             assert got[i, t] == (0 if truncated[i] else cmask[i, t])
     assert torch.equal(loss_mask_of(cmask, truncated, False), cmask)
     # and the dapo normalisation then counts only the tokens that carry loss
-    w = token_weights(got, "dapo", 3, float(got.sum()), 3, 1)
+    w = token_weights(got, "dapo", StepCounts(3, float(got.sum()), 1), 3)
     assert abs(w.sum().item() - 1) < 1e-12 and w[0].sum() == 0
 
 
@@ -781,7 +791,7 @@ def test_dapo_divides_each_step_by_the_rounds_tokens_over_its_steps_as_trl():
         return dict(inputs=inputs, loss_mask=tokens["mask"], advantages=torch.tensor(advantages, dtype=torch.float64),
                     old_logp=None, ref_logp=None, keep=None, sampler_logp=None, entropy_mask=None)
 
-    sums, _ = accumulate_gradients(model, batch([3, 2], [1.0, -1.0]), cfg, 1, nullcontext(), tokens_per_step=6 / 2)
+    sums, _ = accumulate_gradients(model, batch([3, 2], [1.0, -1.0]), cfg, 1, nullcontext(), round_tokens=6)
     assert abs(sums["loss"] - -1 / 3) < 1e-12
     model.zero_grad()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights stay: both steps on-policy
@@ -790,3 +800,22 @@ def test_dapo_divides_each_step_by_the_rounds_tokens_over_its_steps_as_trl():
         sums, norms, _ = update(model, optimizer, scheduler, list(model.parameters()), batch([3, 2, 1, 1], [1.0, 1.0, -1.0, 1.0]),
                                 step, cfg, 1, nullcontext(), StepTimer(), EntropyBonus(cfg))
         assert len(norms) == 2 and abs(sums["loss"] - -5 / 3.5) < 1e-12, sums["loss"]
+
+
+def test_the_worked_example_of_adding_a_loss_runs_as_written(monkeypatch):
+    """docs/your_own.md "Add a loss": its objective and row, run as written in grpo.py's namespace, register a new
+    --loss_type, and its own test (the doc's second block) passes against its naive loop."""
+    import grpo
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "your_own.md")).read()
+    section = doc.split("## Add a loss", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 2, "the section has the loss and its test"
+    monkeypatch.setitem(grpo.LOSSES, "gpg", None)  # (the row is taken out again after the test)
+    exec(blocks[0], dict(vars(grpo)))
+    assert grpo.LOSSES["gpg"].aggregation == "dapo"
+    namespace = {}
+    exec(blocks[1], namespace)
+    tests = [f for name, f in namespace.items() if name.startswith("test_")]
+    assert tests
+    for test in tests:
+        test()

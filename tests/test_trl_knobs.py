@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from config import Config
 from conftest import run_train
-from grpo import EntropyBonus, batch_advantages, group_normalized, grpo_loss, without_signal
+from grpo import EntropyBonus, LossParams, batch_advantages, group_normalized, grpo_loss, without_signal
 from rewards import weighted_rewards
 
 
@@ -122,7 +122,8 @@ def test_the_kl_in_the_loss_is_k3_times_the_ratio_with_the_bias_correction():
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.float64)
     for correction in (True, False):
         cfg = Config(beta=0.04, use_bias_correction_kl=correction)
-        _, stats = grpo_loss(logp, old, torch.ones(B, dtype=torch.float64), mask, mask, cfg, ref)
+        t = dict(advantages=torch.ones(B, dtype=torch.float64), loss_mask=mask, old_logp=old, ref_logp=ref)
+        _, stats = grpo_loss(logp, t, mask, LossParams.of(cfg))
         plain = in_loss = 0.0
         for b in range(B):
             for t in range(C):
