@@ -28,7 +28,7 @@ from types import SimpleNamespace
 from config import RunStopped, UsageError
 from rollout import Episode, RolloutContext, slot_seed
 from tools import appended_ids, end_of_turn_id, load_callables, mark_groups_with_different_prompts, reward_value
-from vllm_server import HEALTH_EVERY_S, INSTANCE_HEADER, ServerLost, structured
+from vllm_client import HEALTH_EVERY_S, INSTANCE_HEADER, ServerLost, structured
 
 
 def is_agent(env: str) -> bool:

@@ -1,7 +1,7 @@
 """The trainer's link to the vLLM server: connect_server waits for it and checks the prompts fit, and ServerGuard makes
 the calls to it safe on every rank: it waits for a lost or restarted server, pushes the weights again and repeats the
 call; a server that does not come back, or an error on any rank, saves the run first on every rank and then stops it.
-The client and the weight transfer it drives are in vllm_server.py."""
+The client is in vllm_client.py, the weight transfer it drives in weight_sync.py."""
 import os
 import time
 
@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from config import Config, Interrupted, RunStopped, SignalStop, UsageError
-from vllm_server import ServerLost, VLLMClient
+from vllm_client import ServerLost, VLLMClient
 
 
 class ServerGone(RunStopped):

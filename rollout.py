@@ -39,7 +39,7 @@ from data import encode_prompt
 from logprobs import PerPrompt
 from rewards import EXTRA_ARGUMENTS
 from utils import InThread, print0, unless_stopped
-from vllm_server import ServerLost
+from vllm_client import ServerLost
 
 
 @dataclass
@@ -64,7 +64,7 @@ class Episode:
 
 @dataclass
 class RolloutContext:
-    client: object  # vllm_server.VLLMClient
+    client: object  # vllm_client.VLLMClient
     tokenizer: object
     num_generations: int  # G: episodes per row
     sampling: dict  # max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, structured_outputs_regex

@@ -54,8 +54,9 @@ from mixture import load_mixture, resume_signature
 from models import build_models, build_optimizer, full_tensor, gradient_sync, mix_into_reference, reference_model
 from plot import plot_run
 from preflight import Preflight, largest_update, sampled, scored
-from rewards import RewardScorer, load_postprocess, postprocessed, weighted_rewards
+from rewards import load_postprocess, postprocessed, weighted_rewards
 from rollout import RolloutContext, SEED_LIMIT, SampledAhead, ahead_from_json, collate, run_rollout, training_samples
+from scorer import RewardScorer
 from tools import environment_rewards
 from utils import (barrier, extremes_over_ranks, gather_lines, print0, quantile_over_ranks, run_and_exit,
                    moments_over_ranks, set_malloc_thresholds, setup_distributed, sum_over_ranks)

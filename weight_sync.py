@@ -1,11 +1,15 @@
 """The policy's weights on their way to the server: every weight in the server's names and dtype, LoRA merged, FSDP2
-shards gathered one tensor at a time (ServerWeights), or a LoRA adapter alone (AdapterWeights) and its push over the
-server's /load_adapter (AdapterSync); which of them a run pushes (server_sync); and the probe that checks the server
-computes with them (check_sync).
-Not here: the weights' transport (vllm_server.WeightSync: gloo or NCCL broadcasts), saving to disk (checkpoints.py).
+shards gathered one tensor at a time (ServerWeights) and their push over the transport the server runs (WeightSync:
+our gloo, or vLLM's nccl), or a LoRA adapter alone (AdapterWeights) and its push over the server's /load_adapter
+(AdapterSync); which of them a run pushes (server_sync); and the probe that checks the server computes with them
+(check_sync).
+Not here: the client and the gloo sender, with the wire protocol of a push (vllm_client.py), saving to disk
+(checkpoints.py).
 """
 import collections
+import contextlib
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -19,7 +23,7 @@ from config import RunStopped, UsageError
 from logprobs import no_grad_logprobs
 from models import full_tensor, hf_model, sharded_parameters
 from utils import print0, sum_over_ranks, text_of_rank0
-from vllm_server import VLLMClient, WeightSync, raise_on_every_rank
+from vllm_client import GlooWeightSender, ServerLost, VLLMClient, check_port_free, raise_on_every_rank
 
 
 WeightMeta = collections.namedtuple("WeightMeta", "name dtype shape")
@@ -72,6 +76,102 @@ class ServerWeights:
             if self.merge_lora and name.endswith(".base_layer.weight"):  # a LoRA layer: W + B A * alpha / r
                 weight = weight + lora_delta(self.model.get_submodule(name.removesuffix(".base_layer.weight")))
             yield name.replace(".base_layer", ""), weight.to(self.dtype)
+
+
+class WeightSync:
+    """Pushes the trainer's weights into the server. Built and called on every trainer rank, since
+    reading sharded weights is a collective; rank 0 alone talks to the server. The transport is the
+    one the server was started with (--weight-transfer-config): our `gloo` (any machine: host memory
+    over TCP) or vLLM's `nccl` (GPU to GPU); the code that calls it is the same.
+    `source`: (name, tensor) pairs in the server's names and dtype, with metadata() (ServerWeights above)."""
+
+    def __init__(self, client: VLLMClient, source, rank: int, group_host: str, group_port: int, bucket_mb: float = 64):
+        self.client, self.source, self.rank, self.engine = client, _Resumable(source), rank, None
+        self.group_host, self.group_port, self.bucket_bytes = group_host, group_port, int(bucket_mb * 2**20)
+        self.connect()
+
+    def connect(self):
+        """Join the server's weight transfer (rank 0); again after the server restarted. The next push sends every
+        weight, also those that do not change (on every rank: FSDP2 gathers each one). Every rank calls it, and it
+        fails on every rank or on none (raise_on_every_rank): a rank that went on would push alone."""
+        getattr(self.source.source, "send_all_next", lambda: None)()
+        error = None
+        if self.rank == 0:
+            try:
+                self._join()
+            except Exception as e:  # e.g. the port of --vllm_group_port taken, the server lost
+                error = e
+        raise_on_every_rank(error, "joining the weight transfer")
+
+    def _join(self):
+        """Rank 0's part of connect(): the transfer the server's config names (our gloo, or vLLM's nccl)."""
+        self.engine = None  # a previous group, with its rendezvous store, goes first: the port is reused
+        gc.collect()
+        check_port_free("", self.group_port, "--vllm_group_port")  # rank 0 hosts the rendezvous there
+        config = self.client.server_config()
+        backend = (config.get("weight_transfer_config") or {}).get("backend")
+        world_size = 1 + self.client.num_workers()
+        if backend == "gloo":
+            self.engine = GlooWeightSender(self.client, self.source, self.group_host, self.group_port, world_size,
+                                           self.bucket_bytes)
+        elif backend == "nccl":
+            from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+            init_info = NCCLTrainerInitInfo(master_address=self.group_host, master_port=self.group_port,
+                                            world_size=world_size, packed=True,
+                                            packed_buffer_size_bytes=self.bucket_bytes, rank=0)
+            self.engine = WeightTransferTrainerFactory.trainer_init(init_info, client=self.client, source=self.source)
+        else:
+            raise UsageError(f"the server's weight-transfer backend is {backend!r}; nanogrpo pushes weights with "
+                             "'gloo' or 'nccl': start the server with --weight-transfer-config "
+                             "'{\"backend\": \"gloo\"}' (the default of vllm_server.py) or '{\"backend\": \"nccl\"}' "
+                             "(GPUs)")
+
+    def push(self):
+        """Make the server compute with the current weights. Every rank calls it, and it fails on every rank or on
+        none (raise_on_every_rank). Rank 0 sends; the other ranks read the weights (FSDP2: gathers) in the same
+        order. If the push fails on rank 0 (ServerLost, or any error), before reading the weights or halfway,
+        rank 0 still reads the rest of them, so that every rank has taken part in the same gathers."""
+        self.source.begin()
+        error = None
+        if self.engine is not None:
+            try:
+                self.client.pause()  # requests under way (--max_staleness above 1) wait: no step sees half the weights
+                self.engine.send_weights()
+                self.client.reset_prefix_cache()  # cached KV of the old weights is stale
+                self.client.reset_encoder_cache()  # and so are images encoded by the old vision tower (VLMs)
+                self.client.resume()
+            except Exception as e:
+                error = e
+                with contextlib.suppress(Exception):  # a server still there goes on; the error says what went wrong
+                    self.client.resume()
+        elif self.rank == 0:
+            error = ServerLost("the weight transfer is not joined")
+        self.source.finish()  # what this push has not read: all of it on the other ranks
+        raise_on_every_rank(error, "the weight push")
+
+
+class _Resumable:
+    """A weight source that remembers how far a push has read it, so that the push can be finished
+    (see WeightSync.push)."""
+
+    def __init__(self, source):
+        self.source, self.iteration = source, None
+
+    def metadata(self):
+        return self.source.metadata()
+
+    def begin(self):
+        self.iteration = None  # nothing read yet
+
+    def __iter__(self):
+        self.iteration = iter(self.source)
+        return self.iteration
+
+    def finish(self):
+        """Read what this push has not read: all of it if it never began reading."""
+        for _ in self.iteration if self.iteration is not None else self.source:
+            pass
 
 
 class AdapterWeights:
@@ -134,7 +234,7 @@ class AdapterSync:
 def server_sync(cfg, client, model, server_dtype: torch.dtype, rank: int, version):
     """How the weights reach the server, and a phrase that says it: with --use_peft the adapter alone
     (AdapterSync) where --lora_sync and the server allow it, else every weight, LoRA merged in
-    (vllm_server.WeightSync: gloo or NCCL broadcasts). --lora_sync adapter that cannot be stops the run at start.
+    (WeightSync: gloo or NCCL broadcasts). --lora_sync adapter that cannot be stops the run at start.
     A dry run's adapters get a series of their own (dry-run-<8 hex digits>-N, drawn by rank 0): the server may be
     another run's, whose adapters (policy-N) stay as they are (a push unloads only older ones of its own series)."""
     if cfg.use_peft and cfg.lora_sync != "merged":

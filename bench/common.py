@@ -102,7 +102,7 @@ def serving(model: str, workdir: str, *flags: str, cores: set[int] | None = None
     (with LoRA up to `lora_rank`) and nothing else is asked of it (`flags`, `cores`)."""
     from config import UsageError
     from utils import stop_process_group
-    from vllm_server import VLLMClient
+    from vllm_client import VLLMClient
     if os.environ.get(SHARED_SERVER) and not flags and cores is None:
         port, pid = map(int, os.environ[SHARED_SERVER].split(":"))
         client = VLLMClient(port=port)

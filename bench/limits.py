@@ -138,7 +138,8 @@ def training_limit(model: str, work: dict, variants: list[str]) -> dict[str, dic
 def sync_limit(model: str, repeats: int = 3) -> float:
     import torch
     from models import load_model
-    from vllm_server import bucket_plan, keep_freed_memory
+    from vllm_client import bucket_plan
+    from vllm_server import keep_freed_memory
     keep_freed_memory()
     dtype = compute_dtype()
     source = list(load_model(model, torch.device("cpu")).parameters())

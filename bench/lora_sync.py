@@ -51,7 +51,7 @@ if __name__ == "__main__":
     p.add_argument("train_flags", nargs="*", help="more train.py flags for both runs, after --")
     a = p.parse_args()
     from embedded import resolve_model
-    from vllm_server import VLLMClient
+    from vllm_client import VLLMClient
     model = resolve_model(a.model)
     rank = min(r for r in (*VLLM_RANKS, a.lora_r) if r >= a.lora_r)
     lora = ["--use_peft", "--lora_r", str(a.lora_r), "--lora_alpha", str(2 * a.lora_r), "--lora_target_modules",

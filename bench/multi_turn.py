@@ -45,7 +45,7 @@ def rollouts(model: str, port: int, env: str, steps: int, prompts: int, G: int, 
     from data import load_rows
     from rollout import RolloutContext
     from tools import load_callables, tool_rollout
-    from vllm_server import VLLMClient
+    from vllm_client import VLLMClient
     factory = load_callables(EMBEDDED_ENVIRONMENTS.get(env, (env,))[0], "--env")[0]
     if hasattr(factory, "prefill"):  # an embedded environment: its call turns opened, whatever the model
         factory = type(factory.__name__, (factory,), {"prefill": True})

@@ -35,8 +35,8 @@ def summary(times: list[float]) -> str:
 def measure(model: str, flags: tuple, workdir: str, requests: int, pushes: int, idle: float) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from utils import cpu_seconds_of_group
-    from vllm_server import VLLMClient, WeightSync
-    from weight_sync import ServerWeights
+    from vllm_client import VLLMClient
+    from weight_sync import ServerWeights, WeightSync
     with serving(model, workdir, *flags) as server:
         client = VLLMClient(port=server["port"])
         dtype, _ = client.server_dtype_and_max_len()
@@ -80,7 +80,7 @@ def main():
         results = []
         for name in args.models.split(","):
             if name == "tiny" and os.environ.get(SHARED_SERVER) and args.pollings == "shipped":
-                from vllm_server import VLLMClient  # the tests' own server on their tiny model, served as shipped
+                from vllm_client import VLLMClient  # the tests' own server on their tiny model, served as shipped
                 client = VLLMClient(port=int(os.environ[SHARED_SERVER].split(":")[0]))
                 client.wait_for_health(timeout=30)
                 model, flags = client.model_name, ()

@@ -18,7 +18,7 @@ from common import serving, workload_arguments
 from data import encode_prompt
 from embedded import resolve_model
 from rollout import RolloutContext, generate
-from vllm_server import VLLMClient
+from vllm_client import VLLMClient
 
 
 def one_request(client, tokenizer, texts: list[str], G: int, length: int, seed: int) -> list[list[int]]:

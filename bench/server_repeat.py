@@ -39,7 +39,7 @@ if __name__ == "__main__":
 
     from config import DEFAULT_DATASET, EMBEDDED_TASKS
     from embedded import arithmetic_problems, resolve_model
-    from vllm_server import VLLMClient
+    from vllm_client import VLLMClient
     model = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model)
     system = EMBEDDED_TASKS[DEFAULT_DATASET]["system_prompt"]

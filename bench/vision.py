@@ -44,7 +44,7 @@ def rollouts(model: str, port: int, steps: int, prompts: int, G: int, length: in
     from data import load_rows
     from rollout import RolloutContext
     from vision import load_processor, vision_rollout
-    from vllm_server import VLLMClient
+    from vllm_client import VLLMClient
     processor = load_processor(model)
     rows = load_rows("shapes", "train", "", "answer", steps * prompts, 0)
     out = []

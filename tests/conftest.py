@@ -199,7 +199,7 @@ def running_server(model: str, log_path, *extra: str, port: int | None = None):
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
                             preexec_fn=die_with_parent)
     from config import UsageError
-    from vllm_server import VLLMClient
+    from vllm_client import VLLMClient
     client = VLLMClient(port=port, api_key=extra[extra.index("--api-key") + 1] if "--api-key" in extra else None)
     try:
         deadline = time.monotonic() + 300

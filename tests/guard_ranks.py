@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from guard import ServerGuard  # noqa: E402
 from logprobs import completion_logprobs  # noqa: E402
 from utils import setup_distributed, teardown_distributed
-from vllm_server import ServerLost  # noqa: E402
+from vllm_client import ServerLost  # noqa: E402
 from weight_sync import Probe, check_sync
 
 rank, _, world_size, _, is_main = setup_distributed()

@@ -12,7 +12,7 @@ import embedded
 from config import Config, parse_config
 from conftest import ROOT, free_port, run_all, train_args
 from data import load_rows
-from rewards import RewardScorer
+from scorer import RewardScorer
 
 GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
 

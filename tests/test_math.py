@@ -15,7 +15,7 @@ from conftest import collated
 from data import step_prompt_indices
 from embedded import arithmetic_problems
 from metrics import pass_at_k
-from vllm_server import bucket_plan
+from vllm_client import bucket_plan
 
 
 def test_group_advantages_match_naive_loop_in_each_scaling_mode():

@@ -87,7 +87,7 @@ def test_the_trajectories_of_a_group_draw_from_streams_of_their_own_on_the_real_
     """After a first turn that is the same for all (a call of echo with each trajectory's own number), the G second
     turns come from the server: their contexts differ by a digit, and on the tiny near-uniform model a shared
     random stream would draw the same tokens for all of them. Each draws its own; the same call repeats exactly."""
-    from vllm_server import VLLMClient
+    from vllm_client import VLLMClient
 
     class FirstTurnEchoes:
         def __init__(self):
@@ -299,7 +299,7 @@ def slow_factory(hangs: list):
 
 
 def test_factories_resets_and_rewards_run_under_one_deadline_and_what_gets_no_reward(tokenizer, capfd):
-    from rewards import RewardScorer
+    from scorer import RewardScorer
     client = Scripted(tokenizer, lambda context: "done")
     ctx = RolloutContext(client, tokenizer, 3, dict(max_tokens=30, temperature=1.0), seed=1)
     rows = [{"prompt": p} for p in ("hang", "fine", "none", "text")]
@@ -371,7 +371,7 @@ def test_a_mixture_of_datasets_under_one_env_takes_the_envs_flags_not_a_tasks():
 # ----------------------------------------------------------------------------- agents, on the real server
 
 def agent_ctx(server, tokenizer, G: int, max_tokens: int = 40):
-    from vllm_server import VLLMClient
+    from vllm_client import VLLMClient
     client = VLLMClient(port=server["port"])
     client.wait_for_health(60)
     return RolloutContext(client, tokenizer, G, dict(max_tokens=max_tokens, temperature=1.0, top_p=1.0, top_k=-1,

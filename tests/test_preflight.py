@@ -12,7 +12,7 @@ import torch
 from conftest import free_port, launcher, run, run_all, run_train, train_args
 from test_bad_input import starts_fail
 from test_tools import SMOLLM2_TEMPLATE
-from vllm_server import VLLMClient
+from vllm_client import VLLMClient
 
 pytestmark = pytest.mark.slow
 CHECKS = ["output folder", "tokenizer", "tasks", "server", "reward functions", "models", "weight push", "sync probe",
@@ -37,8 +37,7 @@ def another_lora_run(server) -> tuple[VLLMClient, dict]:
     the user's adapter. Returns a client and, by adapter, the server's log-probs of a probe."""
     from transformers import AutoModelForCausalLM
     from models import add_lora
-    from vllm_server import WeightSync
-    from weight_sync import AdapterSync, AdapterWeights, ServerWeights
+    from weight_sync import AdapterSync, AdapterWeights, ServerWeights, WeightSync
     client = VLLMClient(port=server["port"])
     client.wait_for_health(30)
     lora = add_lora(AutoModelForCausalLM.from_pretrained(server["model"], dtype=torch.float32), 4, 16.0, 0.0,

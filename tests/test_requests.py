@@ -1,4 +1,4 @@
-"""vllm_server.VLLMClient against a stand-in HTTP server: a slow request is not a lost server (it may take as
+"""vllm_client.VLLMClient against a stand-in HTTP server: a slow request is not a lost server (it may take as
 long as its work does, while the server answers /health), a server that stops answering /health during a
 request is lost after --vllm_server_timeout, and --vllm_request_timeout stops a request that takes longer; an
 answer from a restarted server, or a replacement's /health while a request waits, is a lost server at once."""
@@ -9,9 +9,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-import vllm_server
+import vllm_client
 from config import RunStopped, UsageError
-from vllm_server import ServerLost, VLLMClient
+from vllm_client import ServerLost, VLLMClient
 
 
 class StandIn(BaseHTTPRequestHandler):
@@ -24,7 +24,7 @@ class StandIn(BaseHTTPRequestHandler):
             while not self.healthy:
                 time.sleep(0.05)
             self.send_response(200)
-            self.send_header(vllm_server.INSTANCE_HEADER, self.instance)
+            self.send_header(vllm_client.INSTANCE_HEADER, self.instance)
             self.end_headers()
         else:  # not a vLLM server: no model list
             self.send_response(404)
@@ -36,7 +36,7 @@ class StandIn(BaseHTTPRequestHandler):
                                         "finish_reason": "stop"}]}).encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
-        self.send_header(vllm_server.INSTANCE_HEADER, self.instance)
+        self.send_header(vllm_client.INSTANCE_HEADER, self.instance)
         self.end_headers()
         self.wfile.write(body)
 
@@ -46,7 +46,7 @@ class StandIn(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def stand_in(monkeypatch):
-    monkeypatch.setattr(vllm_server, "HEALTH_EVERY_S", 0.2)
+    monkeypatch.setattr(vllm_client, "HEALTH_EVERY_S", 0.2)
     handler = type("Handler", (StandIn,), {})
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     httpd.daemon_threads = True

@@ -18,7 +18,7 @@ from conftest import free_port
 from embedded import default_model_path
 from rollout import RolloutContext, generate, run_rollout
 from tools import tool_rollout
-from vllm_server import INSTANCE_HEADER, ServerLost, VLLMClient
+from vllm_client import INSTANCE_HEADER, ServerLost, VLLMClient
 
 SAMPLING = dict(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0)
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from conftest import (ROOT, die_with_parent, free_port, launcher, make_tiny_model, run, run_train, running_server,
                       stop, train_args)
 from utils import free_ports
-from vllm_server import VLLMClient
+from vllm_client import VLLMClient
 
 pytestmark = pytest.mark.slow
 LORA = ["--use_peft", "--lora_r", "4", "--lora_alpha", "16", "--lora_dropout", "0", "--save_merged_model"]

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import ROOT
 from config import RunStopped
-from rewards import RewardScorer
+from scorer import RewardScorer
 
 HANGS = "tests.helpers:starts_a_child_and_hangs"
 
@@ -80,7 +80,7 @@ KILLED = """
 import sys
 sys.path.insert(0, sys.argv[1])
 from config import RunStopped
-from rewards import RewardScorer
+from scorer import RewardScorer
 RewardScorer([sys.argv[2]], ["prompt"], timeout=600)([{"prompt": "p"}], ["c"], [[1]])
 """
 
@@ -105,7 +105,7 @@ def test_the_scorer_and_what_it_started_end_when_the_trainer_is_killed(tmp_path)
 def test_the_scorer_process_does_not_import_the_trainers_script(tmp_path):
     """spawn's children import the parent's main script first: for train.py, torch and transformers (~4 s, ~0.3 GB)
     before the first score. The scorer needs nothing of it; it scores all the same."""
-    out = run_script(tmp_path, "import torch\nfrom rewards import RewardScorer\n"
+    out = run_script(tmp_path, "import torch\nfrom scorer import RewardScorer\n"
                                "if __name__ == '__main__':\n"
                                "    scorer = RewardScorer(['accuracy'], ['prompt', 'answer'])\n"
                                "    print(scorer([{'prompt': '2 + 2?', 'answer': '4'}], ['\\\\boxed{4}'], [[1]], 0))\n"
@@ -119,17 +119,18 @@ def test_a_ctrl_c_as_the_scorer_starts_reaches_the_trainer_and_not_the_scorer(tm
     """The scorer process is born with Ctrl-C held back until it has a session of its own (a terminal's Ctrl-C
     killed it as it started); the trainer's Ctrl-C meanwhile still reaches the trainer's handler, with other
     threads running (as a trainer has). Ignoring SIGINT for the start lost it: the run went on."""
-    out = run_script(tmp_path, "import os, signal, subprocess, sys, threading, time\nimport rewards\n"
+    out = run_script(tmp_path, "import os, signal, subprocess, sys, threading, time\n"
+                               "from scorer import RewardScorer, _ctrl_c_held_back_from_children\n"
                                "got = []\n"
                                "signal.signal(signal.SIGINT, lambda *_: got.append('stop'))\n"
                                "threading.Thread(target=time.sleep, args=(5,), daemon=True).start()\n"
-                               "with rewards._ctrl_c_held_back_from_children():\n"
+                               "with _ctrl_c_held_back_from_children():\n"
                                "    os.kill(os.getpid(), signal.SIGINT)\n"
                                "    child = subprocess.run([sys.executable, '-c', 'import signal; "
                                "print(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))'], capture_output=True, "
                                "text=True).stdout.strip()\n"
                                "time.sleep(0.5)\n"
-                               "scorer = rewards.RewardScorer(['tests.helpers:ctrl_c_is_pythons'], ['prompt'])\n"
+                               "scorer = RewardScorer(['tests.helpers:ctrl_c_is_pythons'], ['prompt'])\n"
                                "print(got, child, scorer([{'prompt': 'a'}], ['b'], [[1]], 0))\n"
                                "scorer.stop()\n")
     assert out.strip() == "['stop'] True [[1.0]]", out

@@ -106,7 +106,7 @@ def test_the_weight_transfer_rendezvous_listens_on_its_address_only():
     import socket
     import subprocess
     from conftest import free_port
-    from vllm_server import gloo_group
+    from vllm_client import gloo_group
     port = free_port()
     group = gloo_group("127.0.0.1", port, 0, 1, timeout_s=10)
     assert listening_addresses(port) == ["0100007F"]  # 127.0.0.1

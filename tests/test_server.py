@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from conftest import ROOT, collated, free_port
 from logprobs import completion_logprobs
 from utils import cpu_seconds_of_group
-from vllm_server import VLLMClient, WeightSync
-from weight_sync import ServerWeights
+from vllm_client import VLLMClient
+from weight_sync import ServerWeights, WeightSync
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import pytest
 from conftest import ROOT, launcher, run
 from config import UsageError
 from guard import ServerGone, ServerGuard
-from vllm_server import ServerLost
+from vllm_client import ServerLost
 
 
 class Server:
@@ -146,7 +146,7 @@ def test_a_call_that_keeps_losing_the_server_stops_after_three_attempts():
 def test_a_push_that_fails_still_reads_every_weight_once(reads_before_failing):
     """Under FSDP2 reading a weight is a gather every rank takes part in: rank 0 must read them all, once,
     whether the server was lost before the push read anything (a hang before), halfway, or at the end."""
-    from vllm_server import WeightSync
+    from weight_sync import WeightSync
     read = []
 
     class Weights:

@@ -11,7 +11,8 @@ from config import RunStopped, UsageError
 from conftest import ROOT, run_train
 from data import encode_prompt, load_rows
 from embedded import default_model_path
-from rewards import RewardScorer, load_reward_func
+from rewards import load_reward_func
+from scorer import RewardScorer
 
 GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
 SYSTEM = "You answer in as few words as you can."

@@ -248,7 +248,7 @@ class EndsAtOnce:
 
 
 def test_an_environment_that_raises_or_hangs_gives_its_trajectory_no_reward_and_holds_nothing_up(tokenizer, capfd):
-    from rewards import RewardScorer
+    from scorer import RewardScorer
     from rollout import RolloutContext
     from tools import environment_rewards, tool_rollout
     ctx = RolloutContext(EndsAtOnce(), tokenizer, 2, dict(max_tokens=8, temperature=1.0), seed=1)

@@ -134,7 +134,7 @@ def test_the_server_samples_with_the_image_and_the_trainer_scores_what_it_sample
     from logprobs import completion_logprobs
     from rollout import RolloutContext, collate, run_rollout
     from vision import load_processor, vision_rollout
-    from vllm_server import VLLMClient
+    from vllm_client import VLLMClient
     processor = load_processor(tiny_vlm)
     assert processor is not None and load_processor(vlm_server["model"]) is not None
     red, blue = Image.new("RGB", (50, 40), (230, 20, 20)), Image.new("RGB", (64, 64), (20, 20, 230))
@@ -201,8 +201,8 @@ def test_a_vision_tower_push_reaches_a_repeated_image_and_the_probe_sees_a_stale
     from transformers import AutoModelForImageTextToText
     from config import RunStopped
     from vision import load_processor, vision_probe
-    from vllm_server import VLLMClient, WeightSync
-    from weight_sync import ServerWeights, check_sync
+    from vllm_client import VLLMClient
+    from weight_sync import ServerWeights, WeightSync, check_sync
     from conftest import free_port
     client = VLLMClient(port=vlm_server["port"])
     model = AutoModelForImageTextToText.from_pretrained(tiny_vlm, dtype=torch.float32).eval()
