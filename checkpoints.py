@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from config import STOP, RunStopped, SignalStop, UsageError
 from metrics import LOGS, keep_steps_up_to
 from models import full_tensor, hf_model, sharded_parameters
-from utils import OutputLock, print0, sum_over_ranks, text_of_rank0
+from utils import OutputLock, gather_lines, print0, sum_over_ranks, text_of_rank0
 from weight_sync import ServerWeights
 
 
@@ -402,3 +402,41 @@ class StopRequest:
     def requested(self) -> bool:
         self.stopping = sum_over_ranks({"stop": self.flag})["stop"] > 0
         return self.stopping
+
+
+class Saver:
+    """What a run saves, and when. `save(steps_done)` writes checkpoint-{steps_done} (every rank: FSDP2 gathers; rank
+    0 writes) with the reward scorer's failures, the entropy bonus's state and, with --async_generation, the batches
+    sampled ahead (`ahead`, set once it exists). `on_stop` is what the server guard calls when the run must stop (the
+    server gone, an error on a rank, a signal): the metrics of a step that updated the weights but was not logged yet
+    (`unlogged`) are logged first, then the steps done since the start are saved, if any; at a signal in the loop
+    (`in_loop`), also none (its state: after step 0's evaluation, say)."""
+
+    def __init__(self, cfg, run_config: dict, model, optimizer, scheduler, tokenizer, reference, scorer, bonus, logger,
+                 start_step: int, is_main: bool):
+        self.cfg, self.run_config, self.is_main, self.start_step = cfg, run_config, is_main, start_step
+        self.model, self.optimizer, self.scheduler, self.tokenizer = model, optimizer, scheduler, tokenizer
+        self.reference = reference if cfg.sync_ref_model else None  # TR-DPO moves it: it is saved too
+        self.scorer, self.bonus, self.logger = scorer, bonus, logger
+        self.ahead = None  # rollout.SampledAhead, with --async_generation
+        self.unlogged = {}
+        self.in_loop = False  # True once the loop runs (after the starting point's evaluation)
+
+    def save(self, steps_done: int, wait_for_ahead: bool = False) -> str:
+        # The batches sampled ahead are waited for (at a stop: those done), and every rank's is kept in rank order (the
+        # step's prompts in order), so that a resumed run, with any number of processes, trains on what an
+        # uninterrupted one would.
+        extra = {**sum_over_ranks({"scorer_failures": self.scorer.failures}), "entropy_bonus": self.bonus.state_dict()}
+        if self.ahead:
+            extra["presampled"] = gather_lines([self.ahead.to_json(steps_done, wait_for_ahead)])
+        path = save_checkpoint(self.cfg.output_dir, steps_done, self.model, self.optimizer, self.scheduler,
+                               self.tokenizer, self.run_config, self.is_main, self.cfg.save_total_limit, extra,
+                               reference=self.reference)
+        print0(f"saved {path}")
+        return path
+
+    def on_stop(self, signal: bool = False) -> str | None:
+        if self.unlogged:
+            self.logger.log(self.unlogged)
+        steps_done = self.scheduler.last_epoch // (self.cfg.num_iterations * self.cfg.steps_per_generation)
+        return self.save(steps_done) if steps_done > self.start_step or signal and self.in_loop else None

@@ -26,6 +26,7 @@ sample them as the n of one prompt.
 """
 import base64
 import dataclasses
+import functools
 import hashlib
 import importlib
 import json
@@ -360,3 +361,38 @@ class SampledAhead:
             batch = self.guard.run(self.sample(step) if found_again else batch.result)
             version = version if self.guard.reconnects == reconnects and not found_again else self.version()
         return version, batch
+
+
+class StepRollouts:
+    """Which rows this rank samples at each step, and the calls that sample them: the same rows and seeds on a resume,
+    with any number of processes, and repeatable (the server guard runs a call again after a reconnect). `ctx`: the
+    rollout's context, its seed replaced by each call's."""
+
+    def __init__(self, mixture, ctx: RolloutContext, cfg, rank: int, world_size: int):
+        self.mixture, self.ctx, self.rank, self.world_size = mixture, ctx, rank, world_size
+        self.seed, self.prompts_per_step, self.per_rank = cfg.seed, cfg.prompts_per_step, cfg.prompts_per_step // world_size
+        self.num_generations_eval = cfg.num_generations_eval
+
+    def rows_of(self, step: int, extra_round: int = 0) -> list[int]:
+        """This rank's rows (indices) of `step`, or of its extra sampling round (--dynamic_sampling)."""
+        indices = self.mixture.step_rows(step, self.prompts_per_step, self.seed + 1_000_003 * extra_round)  # by task
+        return indices[self.rank * self.per_rank:(self.rank + 1) * self.per_rank]
+
+    def call(self, step: int, extra_round: int = 0):
+        """The call that samples this rank's episodes of `step` (G per row, row by row)."""
+        seed = ((self.seed * 1_000_000 + step) * 1000 + self.rank + extra_round * 10 ** 15) % SEED_LIMIT  # in int64
+        rows = [self.mixture.rows[i] for i in self.rows_of(step, extra_round)]
+        return functools.partial(run_rollout, self.mixture.rollout, rows, dataclasses.replace(self.ctx, seed=seed))
+
+    def evaluation(self) -> tuple[list[int], functools.partial]:
+        """This rank's share of the evaluation rows (indices) and the call that samples them, with the same seeds
+        every time (two evaluations differ only by the weights)."""
+        mine = list(range(self.rank, len(self.mixture.eval_rows), self.world_size))
+        seed = ((self.seed * 1_000_000 + 999_999) * 1000 + self.rank) % SEED_LIMIT
+        ctx = dataclasses.replace(self.ctx, num_generations=self.num_generations_eval, seed=seed)
+        return mine, functools.partial(run_rollout, self.mixture.rollout, [self.mixture.eval_rows[i] for i in mine], ctx)
+
+    def first_of_each_task(self):
+        """--dry_run's rollout: the call that samples G episodes of each task's first row (rank 0 alone)."""
+        rows = [task.rows[0] for task in self.mixture.tasks if self.rank == 0]
+        return functools.partial(run_rollout, self.mixture.rollout, rows, dataclasses.replace(self.ctx, seed=self.seed))

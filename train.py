@@ -33,14 +33,14 @@ functions of tensors):
 """
 import dataclasses
 import functools
-import math
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 
-from checkpoints import (StopRequest, check_checkpoint, evaluated_last, find_checkpoint, load_checkpoint,
-                         prepare_output_dir, restore_training_state, save_checkpoint, save_model)
+from checkpoints import (Saver, StopRequest, check_checkpoint, evaluated_last, find_checkpoint, load_checkpoint,
+                         prepare_output_dir, restore_training_state, save_model)
 from config import Config, native_bf16, parse_config
 from embedded import resolve_model
 from grpo import (LOSSES, EntropyBonus, LossParams, StepCounts, batch_advantages, group_advantages, group_normalized,
@@ -48,68 +48,79 @@ from grpo import (LOSSES, EntropyBonus, LossParams, StepCounts, batch_advantages
 from guard import ServerGuard, connect_server
 from logprobs import completion_logprobs, length_sorted, no_grad_logprobs, take, to_device, trim_padding
 from metrics import (MetricsLogger, ScoringWatch, StepTimer, check_finite, console_line, eval_line, eval_summary,
-                     mean_over_ranks,
-                     merge_stats, progress, reward_metrics, rollout_records, training_metrics)
+                     mean_over_ranks, merge_stats, progress, reward_metrics, rollout_records, training_metrics)
 from mixture import load_mixture, resume_signature
 from models import build_models, build_optimizer, full_tensor, gradient_sync, mix_into_reference, reference_model
 from plot import plot_run
 from preflight import Preflight, largest_update, sampled, scored
 from rewards import load_postprocess, postprocessed, weighted_rewards
-from rollout import RolloutContext, SEED_LIMIT, SampledAhead, ahead_from_json, collate, run_rollout, training_samples
+from rollout import RolloutContext, SampledAhead, StepRollouts, ahead_from_json, collate, training_samples
 from scorer import RewardScorer
 from tools import environment_rewards
-from utils import (barrier, extremes_over_ranks, gather_lines, print0, quantile_over_ranks, run_and_exit,
-                   moments_over_ranks, set_malloc_thresholds, setup_distributed, sum_over_ranks)
+from utils import (barrier, extremes_over_ranks, moments_over_ranks, print0, quantile_over_ranks, run_and_exit,
+                   set_malloc_thresholds, setup_distributed, sum_over_ranks)
 from vision import load_tokenizer
 from weight_sync import check_sync, server_sync, weight_bytes
 
 
-def keep_groups_with_signal(batch: tuple, draw, G: int, max_rounds: int, by_column: bool = False) -> tuple[tuple, dict]:
-    """DAPO's dynamic sampling on this rank's scored batch (episodes, texts, reward matrix, rewards: G per group;
-    row indices: one per group). A group whose rewards (by_column: each function's, GDPO) all agree has no signal
-    (its advantages are 0); more groups come from draw(k, wanted), which samples and scores extra round k (a batch of
-    the same kind; nothing unless `wanted`: every rank takes part in every round, also one that has enough), until
-    every rank has as many groups with signal as it started with, or after max_rounds rounds. Returns that many groups, those with
-    signal first (in the order drawn), any shortfall filled with groups without, and the rounds' metrics."""
-    want, rounds, parts, k = len(batch[0]) // G, 0, [batch], 2 if by_column else 3  # batch[k]: what must differ
-    have = int((~without_signal(batch[k], G)).sum())
-    while rounds < max_rounds and sum_over_ranks({"short": max(want - have, 0)})["short"] > 0:
-        rounds += 1
-        parts.append(draw(rounds, have < want))
-        have += int((~without_signal(parts[-1][k], G)).sum())
-    episodes, texts, matrix, rewards, rows = (sum((b[0] for b in parts), []), sum((b[1] for b in parts), []),
-                                              torch.cat([b[2] for b in parts]), torch.cat([b[3] for b in parts]),
-                                              sum((b[4] for b in parts), []))
-    signal = ~without_signal(matrix if by_column else rewards, G)  # (groups,)
-    groups = (signal.nonzero().flatten().tolist() + (~signal).nonzero().flatten().tolist())[:want]
-    kept = [g * G + i for g in groups for i in range(G)]
-    t = sum_over_ranks({"drawn": len(rows), "without_signal": sum(not signal[g] for g in groups)})
-    batch = ([episodes[i] for i in kept], [texts[i] for i in kept], matrix[kept], rewards[kept],
-             [rows[g] for g in groups])
-    return batch, {"dynamic_sampling/rounds": rounds, "dynamic_sampling/groups_drawn": t["drawn"],
-                   "dynamic_sampling/groups_without_signal": t["without_signal"]}
+# -----------------------------------------------------------------------------
+# one step, in the order of the method: sample (rollout.StepRollouts, through the server), score, advantages,
+# old / ref log-probs, loss and step; then the loop in main() syncs the weights, logs and saves
+
+@dataclass
+class Scored:
+    """A step's batch on this rank, scored: G episodes per row, row by row."""
+    episodes: list  # rollout.Episode: prompt and completion ids, which tokens were sampled, the sampler's log-probs
+    texts: list[str]  # each completion, decoded
+    reward_matrix: torch.Tensor  # (N, k): each reward function's reward (NaN: not scored)
+    rewards: torch.Tensor  # (N,): their weighted sum (NaN: nothing scored)
+    rows: list[int]  # the rows sampled (indices), one per group of G
 
 
-def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
-    """(N, C) the tokens of `mask` whose entropy is among the top `quantile` of the step's tokens over all ranks
-    (Beyond the 80/20 Rule: the forking tokens, rho = 0.2): entropy >= the (1 - rho)-quantile, as TRL."""
-    threshold = quantile_over_ranks(entropy[mask > 0], 1 - quantile)
-    return (entropy >= threshold) & (mask > 0)
+def score(episodes: list, rows: list[int], optimizer_steps: int, tokenizer, mixture, scorer, postprocess) -> Scored:
+    """Every reward function on the completions of its tasks' rows (in the scorer's process), each environment's
+    get_reward() as a column of its own, the --reward_postprocess hook, then the weighted sum."""
+    texts = [tokenizer.decode(e.completion_ids, skip_special_tokens=True) for e in episodes]  # ([] -> [], not [""])
+    completions = [text if e.messages is None else e.messages for e, text in zip(episodes, texts)]  # multi-turn
+    tasks = mixture.task_index([e.row for e in episodes])  # (N,) each one's task: its columns, its weights
+    scores = scorer([{**e.row, **e.extra} for e in episodes], completions, [e.completion_ids for e in episodes],
+                    optimizer_steps, mixture.own[tasks])  # each function scores its tasks' rows
+    # Each trajectory's get_reward() is a column; an episode whose environment failed gets no reward at all.
+    scores = environment_rewards(episodes, scores, scorer, mixture.env_names, mixture.env_reward_of(tasks))
+    reward_matrix = torch.tensor(scores, dtype=torch.float32).T.reshape(len(texts), len(mixture.names))  # (N, k)
+    reward_matrix = postprocessed(postprocess, reward_matrix, mixture.names, mixture.names_of(tasks))  # the hook
+    reward_matrix = reward_matrix.where(mixture.own[tasks], float("nan"))  # another task's column: not scored
+    rewards = weighted_rewards(reward_matrix, mixture.weights[tasks], mixture.own[tasks])
+    return Scored(episodes, texts, reward_matrix, rewards, rows)
 
-
-def step_advantages(rewards: torch.Tensor, reward_matrix: torch.Tensor, weighting: tuple, G: int,
-                    cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+def step_advantages(batch: Scored, weighting: tuple, G: int, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
     """(N,) advantages (0: not scored) and (N,) whether each completion's group has no signal (advantages 0). GRPO:
     the weighted sum of the rewards normalized in its group. GDPO (--multi_objective_aggregation normalize_then_sum):
     each function's rewards normalized in the group, then weighed and summed (`weighting`: each row's weights and
     own columns, rewards.weighted_rewards), then normalized over the batch of all ranks (as TRL)."""
     if cfg.multi_objective_aggregation == "normalize_then_sum":
-        summed = weighted_rewards(group_normalized(reward_matrix, G), *weighting)
-        return batch_advantages(summed, *moments_over_ranks(summed)), without_signal(reward_matrix, G).repeat_interleave(G)
-    batch_std = moments_over_ranks(rewards)[1] if cfg.scale_rewards == "batch" else 1.0  # (collectives)
-    advantages = group_advantages(rewards, G, cfg.scale_rewards, batch_std)
-    return advantages, without_signal(rewards, G).repeat_interleave(G)
+        summed = weighted_rewards(group_normalized(batch.reward_matrix, G), *weighting)
+        zero_std = without_signal(batch.reward_matrix, G).repeat_interleave(G)
+        return batch_advantages(summed, *moments_over_ranks(summed)), zero_std
+    batch_std = moments_over_ranks(batch.rewards)[1] if cfg.scale_rewards == "batch" else 1.0  # (collectives)
+    advantages = group_advantages(batch.rewards, G, cfg.scale_rewards, batch_std)
+    return advantages, without_signal(batch.rewards, G).repeat_interleave(G)
 
+def old_and_ref_logprobs(model, ref_model, inputs: dict, loss_mask: torch.Tensor, cfg: Config, autocast,
+                         off_policy: bool) -> tuple:
+    """No-grad passes before the first update: pi_old's log-probs (off-policy only: on-policy the training forward's
+    detached log-probs are pi_old, and rho = 1), the high-entropy token mask (--top_entropy_quantile < 1, from pi_old's
+    entropies), the reference's log-probs (beta > 0; with LoRA the adapter is switched off). Each (N, C) or None."""
+    C, old_logp, ref_logp, entropy_mask = loss_mask.shape[1], None, None, None
+    if off_policy or cfg.top_entropy_quantile < 1:
+        old_logp, entropy = no_grad_logprobs(model, inputs, C, cfg.temperature, cfg.micro_batch_size, autocast)
+        old_logp = old_logp if off_policy else None
+        if cfg.top_entropy_quantile < 1:  # train on the step's high-entropy tokens only
+            entropy_mask = high_entropy_mask(entropy, loss_mask, cfg.top_entropy_quantile)
+    if cfg.beta > 0:
+        with reference_model(model, ref_model) as ref:
+            ref_logp = no_grad_logprobs(ref, inputs, C, cfg.temperature, cfg.micro_batch_size, autocast)[0]
+    return old_logp, ref_logp, entropy_mask
 
 def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autocast,
                          round_tokens: float | None = None, params: LossParams | None = None) -> tuple[dict, torch.Tensor]:
@@ -126,9 +137,9 @@ def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autoca
     (default: the config's). Returns sums of per-token statistics over this rank's tokens, and the policy's
     log-probs (N, C)."""
     device = next(model.parameters()).device
-    mask = data["loss_mask"]
     params = params or LossParams.of(cfg)
     loss = LOSSES[cfg.loss_type]
+    mask = data["loss_mask"]
     C = mask.shape[1]
     rows = torch.arange(len(mask))[data["keep"]] if data.get("keep") is not None else torch.arange(len(mask))
     if loss.aggregation == "bnpo":  # its normalisation is per micro-batch: keep them a random draw
@@ -137,9 +148,9 @@ def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autoca
         micro = length_sorted(rows, data["inputs"]["attention_mask"].sum(dim=1), cfg.micro_batch_size)
     bonus_mask = mask if data.get("entropy_mask") is None else mask * data["entropy_mask"]  # the tokens it trains
     counts = sum_over_ranks({"seqs": len(mask), "tokens": mask.sum(), "micro": len(micro), "bonus": bonus_mask.sum()})
-    num_micro = int(extremes_over_ranks({"micro_max": len(micro)})["micro_max"])
     step_counts = StepCounts(counts["seqs"], counts["tokens"], counts["micro"], world_size, round_tokens,
                              cfg.steps_per_generation if round_tokens is not None else 1)
+    num_micro = int(extremes_over_ranks({"micro_max": len(micro)})["micro_max"])
     sums, logps = {}, torch.zeros(mask.shape)
     for j in range(num_micro):
         padding = j >= len(micro)  # this rank has run all its rows; keep in step with the others
@@ -179,15 +190,13 @@ def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autoca
             logps[s, :c] = logp.detach().float().cpu()
     return sums, logps
 
-
-def optimizer_step(optimizer, scheduler, params, max_grad_norm: float) -> torch.Tensor:
 def loss_inputs(data: dict, rows: torch.Tensor, c: int, device) -> dict:
     """The tensors of `data` the loss reads, of `rows`: per-token ones (N, C) cut to the first c completion columns,
     per-completion ones (N,) as they are. The model's inputs and `keep` are not the loss's; None stays out."""
     return {k: (v[rows, :c] if v.dim() == 2 else v[rows]).to(device) for k, v in data.items()
             if isinstance(v, torch.Tensor) and k != "keep"}
 
-
+def optimizer_step(optimizer, scheduler, params, max_grad_norm: float) -> torch.Tensor:
     """Clip the gradient, step (unless it is NaN/inf: the weights and optimizer state stay good), clear it.
     Returns the gradient norm before clipping, the same on every rank (that of the reduced gradient)."""
     norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf")))
@@ -196,27 +205,6 @@ def loss_inputs(data: dict, rows: torch.Tensor, c: int, device) -> dict:
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     return norm
-
-
-# -----------------------------------------------------------------------------
-# the loop's mechanisms: pi_old and the reference, the updates of one step
-
-def old_and_ref_logprobs(model, ref_model, inputs: dict, loss_mask: torch.Tensor, cfg: Config, autocast,
-                         off_policy: bool) -> tuple:
-    """No-grad passes before the first update: pi_old's log-probs (off-policy only: on-policy the training forward's
-    detached log-probs are pi_old, and rho = 1), the high-entropy token mask (--top_entropy_quantile < 1, from pi_old's
-    entropies), the reference's log-probs (beta > 0; with LoRA the adapter is switched off). Each (N, C) or None."""
-    C, old_logp, ref_logp, entropy_mask = loss_mask.shape[1], None, None, None
-    if off_policy or cfg.top_entropy_quantile < 1:
-        old_logp, entropy = no_grad_logprobs(model, inputs, C, cfg.temperature, cfg.micro_batch_size, autocast)
-        old_logp = old_logp if off_policy else None
-        if cfg.top_entropy_quantile < 1:  # train on the step's high-entropy tokens only
-            entropy_mask = high_entropy_mask(entropy, loss_mask, cfg.top_entropy_quantile)
-    if cfg.beta > 0:
-        with reference_model(model, ref_model) as ref:
-            ref_logp = no_grad_logprobs(ref, inputs, C, cfg.temperature, cfg.micro_batch_size, autocast)[0]
-    return old_logp, ref_logp, entropy_mask
-
 
 def update(model, optimizer, scheduler, trainable: list, data: dict, step: int, cfg: Config, world_size: int,
            autocast, timer, bonus: EntropyBonus, ref_model=None) -> tuple[dict, list, torch.Tensor]:
@@ -247,13 +235,11 @@ def update(model, optimizer, scheduler, trainable: list, data: dict, step: int, 
                 first_pass_logp[part] = logp
     return sums, grad_norms, first_pass_logp
 
-
 def sampler_diff(tokens: dict, keep, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The sync check of every step: |logp - the sampler's log-prob| (N, C) of the tokens compared (the sampled ones
     whose sampler log-prob is known, in rows that trained: `keep`, None = all), and those tokens (N, C)."""
     compared = tokens["sampled"] * ~tokens["sampler_logp"].isnan() * (1 if keep is None else keep.unsqueeze(1))
     return (logp - tokens["sampler_logp"]).abs().where(compared > 0, 0.0), compared
-
 
 def main(cfg: Config):
     # -------------------------------------------------------------------------- setup
@@ -265,13 +251,12 @@ def main(cfg: Config):
     torch.manual_seed(cfg.seed + rank)
     set_malloc_thresholds(4 * 2**20, 0)  # freed activations go back, not into holes between gradients (docs/memory.md)
     G = cfg.num_generations
-    prompts_per_rank = cfg.prompts_per_step // world_size
     checks = Preflight(cfg.dry_run, cfg.output_dir, is_main)  # --dry_run: each build below is a check (preflight.py)
     with checks("output folder"):
         resume = find_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir) if cfg.resume_from_checkpoint else None
         run_config = dataclasses.asdict(cfg) | resume_signature(cfg)  # as checkpoints keep it (a mixture's tasks too)
         resume_step, changed_flags = check_checkpoint(resume, run_config) if resume else (0, [])  # continues it exactly
-        # writable, ours alone (locked), no earlier run's output to mix with: said now, not at the first save
+        # Writable, ours alone (locked), no earlier run's output to mix with: said now, not at the first save.
         output_lock = prepare_output_dir(cfg.output_dir, resume, resume_step, cfg.dry_run) if is_main else None
         checks.say(f"{cfg.output_dir}" + (f", resumes {resume} after step {resume_step}" if resume else ""))
     with checks("tokenizer"):
@@ -279,14 +264,14 @@ def main(cfg: Config):
         processor, tokenizer = load_tokenizer(cfg, model_path)  # processor: a vision-language model's, else None
         pad_id = 0 if tokenizer.pad_token_id is None else tokenizer.pad_token_id  # masked: any id (Llama 3 has none)
         checks.say(f"{model_path}" + (", with its image processor" if processor else ""))
-    # the tasks (mixture.py; one, for one dataset): their rows, rollouts (rows -> episodes through the server; tools
-    # and environments: tools.py) and reward functions. `rows`: every task's, one list; eval_rows: held out
+    # The tasks (mixture.py; one, for one dataset): their rows, their rollout (rows -> episodes through the server;
+    # tools and environments: tools.py) and their reward functions, and the held-out rows.
     with checks("tasks"):
         mixture = load_mixture(cfg, tokenizer, processor)  # a template that cannot render the tools stops here
-        rows, eval_rows, rollout_fn = mixture.rows, mixture.eval_rows, mixture.rollout
-        # through the chat template, with the image tokens (every image is read now: a bad one stops the run here)
+        # Through the chat template, with the image tokens (every image is read now: a bad one stops the run here).
         longest = mixture.longest_prompt(tokenizer, processor, cfg.max_prompt_length)  # at most that
-        checks.say(f"{mixture.describe()} | {len(rows)} rows, {len(eval_rows)} held out | the longest prompt {longest}")
+        checks.say(f"{mixture.describe()} | {len(mixture.rows)} rows, {len(mixture.eval_rows)} held out | the longest "
+                   f"prompt {longest}")
     with checks("server"):
         client, server_dtype, max_len = connect_server(cfg, longest)  # waits for it; the prompts must fit
         checks.say(f"{client.base}, our key | {server_dtype} | {longest} + {cfg.max_completion_length} <= {max_len}")
@@ -295,8 +280,11 @@ def main(cfg: Config):
                               device, cfg.max_steps, cfg.reward_timeout, cfg.reward_options())  # signatures checked
         postprocess = load_postprocess(cfg.reward_postprocess)  # the reward matrix's hook (rewards.postprocess_rewards)
         checks.say(", ".join(mixture.names) + " take the dataset's columns")
-    sampling = cfg.sampling()  # max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, a regex
     names = mixture.names  # k reward columns: every task's functions, then each environment's get_reward()
+    ctx = RolloutContext(client, tokenizer, G, cfg.sampling(), cfg.seed, cfg.system_prompt, processor,
+                         cfg.max_prompt_length)  # sampling: max_tokens, temperature, top_p, top_k, ...
+    rollouts = StepRollouts(mixture, ctx, cfg, rank, world_size)  # each step's rows on this rank, and their calls
+    score_batch = functools.partial(score, tokenizer=tokenizer, mixture=mixture, scorer=scorer, postprocess=postprocess)
 
     with checks("models"):
         state = load_checkpoint(resume) if resume else {"step": 0}  # optimizer, scheduler, RNG, step
@@ -310,128 +298,49 @@ def main(cfg: Config):
                    + "".join(f"; {change} (this run's flag applies)" for change in changed + changed_flags))
         checks.say(f"{sum(p.numel() for p in trainable):,} trainable parameters on {device}, beta {cfg.beta}")
     off_policy = cfg.num_iterations > 1 or cfg.steps_per_generation > 1  # then pi_old needs its own pass
+    updates_per_round = cfg.num_iterations * cfg.steps_per_generation  # optimizer steps per step (round) of the loop
     bonus = EntropyBonus(cfg, state.get("entropy_bonus"))  # its coefficient: constant, or adaptive (checkpointed)
-    # without a cache of bf16 weight copies: a forward uses each weight once (casting costs little), and a cache
-    # would hold a bf16 copy of the model through it: 0.2 GB of the trainer's peak on the 135M model
+    # Without a cache of bf16 weight copies: a forward uses each weight once (casting costs little), and a cache
+    # would hold a bf16 copy of the model through it: 0.2 GB of the trainer's peak on the 135M model.
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False) if cfg.bf16 else nullcontext()
 
-    # a fixed probe the server scores after pushes, to catch a sync that silently went wrong (a VLM's has an image)
+    # A fixed probe the server scores after pushes, to catch a sync that silently went wrong (a VLM's has an image).
     sync_probe = mixture.sync_probe(tokenizer, processor)
     sync_tolerance = cfg.probe_tolerance(exact=server_dtype == torch.float32 and not cfg.bf16)
     logger = MetricsLogger(cfg.output_dir, is_main and not cfg.dry_run, cfg.report_to, run_config, cfg.wandb_project,
                            cfg.run_name)
-
-    def rows_of(step: int, extra_round: int = 0) -> list[int]:
-        """This rank's rows (indices) of `step` (or of its extra sampling round, --dynamic_sampling), as on resume."""
-        indices = mixture.step_rows(step, cfg.prompts_per_step, cfg.seed + 1_000_003 * extra_round)  # by task weights
-        return indices[rank * prompts_per_rank:(rank + 1) * prompts_per_rank]
-
-    def rollout_call(step: int, extra_round: int = 0):
-        """The call that samples this rank's episodes of `step`, repeatable (a server reconnect runs it again)."""
-        seed = ((cfg.seed * 1_000_000 + step) * 1000 + rank + extra_round * 10 ** 15) % SEED_LIMIT  # in int64
-        ctx = RolloutContext(client, tokenizer, G, sampling, seed, cfg.system_prompt, processor, cfg.max_prompt_length)
-        return functools.partial(run_rollout, rollout_fn, [rows[i] for i in rows_of(step, extra_round)], ctx)
-
-    def with_signal(step: int, batch: tuple) -> tuple[tuple, dict]:
-        """--dynamic_sampling (DAPO): the step's scored batch with its groups whose rewards all agree replaced by groups
-        of extra rounds, sampled and scored now (keep_groups_with_signal); without it, the batch as it is."""
-        if not cfg.dynamic_sampling:
-            return batch, {}
-
-        def draw_more(extra_round: int, wanted: bool) -> tuple:  # (episodes, texts, reward matrix, rewards, rows)
-            episodes = guard.run(rollout_call(step, extra_round) if wanted else list)  # every rank: a collective
-            return (episodes, *guard.run(score, episodes), rows_of(step, extra_round) if wanted else [])
-        batch, dynamic = keep_groups_with_signal(batch, draw_more, G, cfg.dynamic_sampling_max_rounds,
-                                                 by_column=cfg.multi_objective_aggregation == "normalize_then_sum")
-        if dynamic["dynamic_sampling/groups_without_signal"] and not warned_short:
-            warned_short.append(step)  # said once
-            print0(f"warning: --dynamic_sampling found too few groups with signal in {cfg.dynamic_sampling_max_rounds} "
-                   f"extra rounds at step {step + 1}; the batch was filled with groups without (no policy gradient). "
-                   "Counted in dynamic_sampling/groups_without_signal; raise the flag or make the task easier")
-        return batch, dynamic
-    warned_short = []
-
-    def checkpoint(steps_done: int, wait_for_ahead: bool = False) -> str:  # every rank: FSDP2 gathers; rank 0 writes
-        # async: the batches sampled ahead (waited for; at a stop, those done), every rank's in rank order (the step's
-        # prompts in order): a resumed run, with any number of processes, trains on what an uninterrupted one would
-        extra = {**sum_over_ranks({"scorer_failures": scorer.failures}), "entropy_bonus": bonus.state_dict(),
-                 **({"presampled": gather_lines([ahead.to_json(steps_done, wait_for_ahead)])} if ahead.K else {})}
-        path = save_checkpoint(cfg.output_dir, steps_done, model, optimizer, scheduler, processor or tokenizer,
-                               run_config, is_main, cfg.save_total_limit, extra,
-                               reference=ref_model if cfg.sync_ref_model else None)  # TR-DPO moves it
-        print0(f"saved {path}")
-        return path
-    # guard.run(fn) runs the calls to the server, and every call that may stop the run, on every rank together.
-    # If the server dies or restarts, it waits for it, pushes the current weights and repeats the call; if it does
-    # not come back, or a call raises on any rank (a stop the code foresees too: a judge gone, the loss non-finite),
-    # every rank saves the rounds done (optimizer steps taken / steps per round), then the run stops with a message.
-    updates_per_round = cfg.num_iterations * cfg.steps_per_generation  # optimizer steps per step (round) of the loop
-    unlogged = {}  # the metrics of a step that has updated the weights, until its log line
-    in_loop = False  # True once the loop runs (after the starting point's evaluation, which a checkpoint marks done)
-
-    def save_on_stop(signal: bool = False) -> str | None:
-        """The steps done since the start (or the resume), if any; at a stop signal in the loop, also none (its state:
-        after step 0's evaluation, say). The metrics of a step not logged yet are logged first."""
-        if unlogged:
-            logger.log(unlogged)
-        steps_done = scheduler.last_epoch // updates_per_round
-        return checkpoint(steps_done) if steps_done > state["step"] or signal and in_loop else None
+    saver = Saver(cfg, run_config, model, optimizer, scheduler, processor or tokenizer, ref_model, scorer, bonus,
+                  logger, state["step"], is_main)
 
     scorer.start()  # its process imports the reward functions while the first push and samples are under way
-    # weights leave in the server's names and dtype (LoRA merged, or the adapter alone), FSDP2 shards gathered one
-    # tensor at a time; every rank takes part (the gathers), rank 0 alone sends
+    # Weights leave in the server's names and dtype (LoRA merged, or the adapter alone), FSDP2 shards gathered one
+    # tensor at a time; every rank takes part (the gathers), rank 0 alone sends.
     with checks("weight push"):
         sync, pushed = server_sync(cfg, client, model, server_dtype, rank, version=lambda: scheduler.last_epoch)
-        guard = ServerGuard(client, sync, cfg.vllm_server_timeout, on_gone=save_on_stop,
+        # guard.run(fn) runs the calls to the server, and every call that may stop the run, on every rank together.
+        # If the server dies or restarts, it waits for it, pushes the current weights and repeats the call. If it
+        # does not come back, or a call raises on any rank (a stop the code foresees too: a judge gone, the loss not
+        # finite), or a stop signal came, every rank saves the steps done (saver.on_stop), then the run stops.
+        guard = ServerGuard(client, sync, cfg.vllm_server_timeout, on_gone=saver.on_stop,
                             stop_requested=lambda: stop.flag)
         stop.at_once = False  # from here a signal is seen by the guard's calls (and their waits), which save first
         guard.run(sync.push)  # the server = our step-0 policy (LoRA: its adapter starts at zero, but names must map)
         barrier()  # no rank samples while weights are being pushed
-        # the batches sampled ahead (--async_generation, up to --max_staleness K), a checkpoint's too
-        saved = ahead_from_json(state.get("presampled"), state["step"], lambda j: [rows[i] for i in rows_of(j)],
-                                rank * prompts_per_rank, G) if cfg.async_generation else {}
-        ahead = SampledAhead(cfg.max_staleness if cfg.async_generation else 0, rollout_call, guard,
-                             lambda: scheduler.last_epoch, updates_per_round, saved,
-                             probe_alone=bool(client.server_config().get("lora_config")))
         checks.say(f"{pushed}: {weight_bytes(model, server_dtype, 'adapter' in pushed) / 2**20:,.1f} MB per push"
                    + (f" (the base, {weight_bytes(model, server_dtype) / 2**20:,.1f} MB, once per connection)"
                       if "adapter" in pushed else ""))
+    ahead = None  # --async_generation: the batches sampled ahead, up to --max_staleness K (a checkpoint's too)
+    if cfg.async_generation:
+        saved = ahead_from_json(state.get("presampled"), state["step"],
+                                lambda j: [mixture.rows[i] for i in rollouts.rows_of(j)], rank * rollouts.per_rank, G)
+        ahead = saver.ahead = SampledAhead(cfg.max_staleness, rollouts.call, guard, lambda: scheduler.last_epoch,
+                                           updates_per_round, saved,
+                                           probe_alone=bool(client.server_config().get("lora_config")))
     parallel = "FSDP2" if cfg.fsdp else "DDP" if world_size > 1 else "single process"
     print0(f"nanogrpo | model {cfg.model} | {world_size} process(es) on {device.type} | {cfg.prompts_per_step} prompts "
-           f"x G={G} = {cfg.prompts_per_step * G} completions per step ({prompts_per_rank * G} per rank) | "
+           f"x G={G} = {cfg.prompts_per_step * G} completions per step ({rollouts.per_rank * G} per rank) | "
            f"{mixture.describe()} | loss {cfg.loss_type} | beta {cfg.beta} | bf16 {cfg.bf16} | "
            f"{parallel}{' + LoRA' if cfg.use_peft else ''} | pushes {pushed}")
-
-    def score(episodes: list) -> tuple[list[str], torch.Tensor, torch.Tensor]:
-        """The completions' texts, each function's rewards (N, k) (NaN = not scored), their weighted sum (N,)."""
-        texts = [tokenizer.decode(e.completion_ids, skip_special_tokens=True) for e in episodes]  # ([] -> [], not [""])
-        completions = [text if e.messages is None else e.messages for e, text in zip(episodes, texts)]  # multi-turn
-        tasks = mixture.task_index([e.row for e in episodes])  # (N,) each one's task: its columns, its weights
-        scores = scorer([{**e.row, **e.extra} for e in episodes], completions, [e.completion_ids for e in episodes],
-                        scheduler.last_epoch, mixture.own[tasks])  # each function scores its tasks' rows
-        # each trajectory's get_reward() as a column; an episode whose environment failed gets no reward at all
-        scores = environment_rewards(episodes, scores, scorer, mixture.env_names, mixture.env_reward_of(tasks))
-        reward_matrix = torch.tensor(scores, dtype=torch.float32).T.reshape(len(texts), len(names))  # (N, k)
-        reward_matrix = postprocessed(postprocess, reward_matrix, names, mixture.names_of(tasks))  # the hook
-        reward_matrix = reward_matrix.where(mixture.own[tasks], float("nan"))  # another task's column: unscored
-        return texts, reward_matrix, weighted_rewards(reward_matrix, mixture.weights[tasks], mixture.own[tasks])
-
-    def evaluate() -> dict:
-        """Mean rewards and pass@k on the evaluation prompts, through the server (each rank its share). The
-        requests carry the same seeds every time, so two evaluations differ only by the weights."""
-        n, mine = cfg.num_generations_eval, list(range(rank, len(eval_rows), world_size))
-        seed = ((cfg.seed * 1_000_000 + 999_999) * 1000 + rank) % SEED_LIMIT  # the same every time
-        ctx = RolloutContext(client, tokenizer, n, sampling, seed, cfg.system_prompt, processor, cfg.max_prompt_length)
-        episodes = guard.run(run_rollout, rollout_fn, [eval_rows[i] for i in mine], ctx)
-        texts, matrix, rewards = guard.run(score, episodes)
-        logger.log_rollouts(rollout_records(episodes, texts, matrix, names, rewards, tokenizer,
-                                            [mine[i // n] for i in range(len(episodes))], split="eval",
-                                            step=scheduler.last_epoch // updates_per_round,
-                                            policy_version=scheduler.last_epoch, rank=rank))
-        lengths = torch.tensor([len(e.completion_ids) for e in episodes], dtype=torch.float32)
-        # per prompt: passed if its task's first reward function gives >= 1; per task too, in a mixture
-        return mixture.eval_metrics([eval_rows[i] for i in mine], matrix, rewards, lengths, n, cfg.pass_k()) | {
-            f"eval/{name}": value for name, value in mixture.trajectory_metrics(episodes).items()}
 
     if cfg.dry_run:  # the parts of a first step, each a check, on one prompt per task; then stop (preflight.py)
         with checks("sync probe"):
@@ -439,62 +348,63 @@ def main(cfg: Config):
             checks.say(f"the server's log-probs are the trainer's to {probe['sync_probe_diff_mean']:.2g} on average "
                        f"(at most {sync_tolerance:g})")
         with checks("rollout"):  # rank 0 samples G completions of each task's first prompt
-            ctx = RolloutContext(client, tokenizer, G, sampling, cfg.seed, cfg.system_prompt, processor,
-                                 cfg.max_prompt_length)
-            episodes = guard.run(run_rollout, rollout_fn, [t.rows[0] for t in mixture.tasks if is_main], ctx)
+            episodes = guard.run(rollouts.first_of_each_task())
             checks.say(sampled(episodes, [t.name for t in mixture.tasks]))
         with checks("rewards"):
-            checks.say(scored(guard.run(score, episodes)[1], names, scorer))
+            checks.say(scored(guard.run(score_batch, episodes, [], 0).reward_matrix, names, scorer))
         with checks("memory"):  # one update of --micro_batch_size completions of the largest shape a step can see
             checks.say(largest_update(old_and_ref_logprobs, update, model, ref_model, optimizer, scheduler, trainable,
                                       sync_probe, longest, pad_id, cfg, world_size, autocast, off_policy, device))
         return checks.passed()  # (the scorer's process ends with main's objects)
 
-    # the starting point, to compare with; resumed after the last step, its evaluation if a stop came before it
-    if eval_rows and (resume is None or state["step"] == cfg.max_steps and not evaluated_last(cfg.output_dir)):
-        metrics = {"step": state["step"], **evaluate()}
+    # The starting point, to compare with; resumed after the last step, its evaluation if a stop came before it.
+    evaluation = functools.partial(evaluate, rollouts, score_batch, guard, logger, mixture, cfg)
+    if mixture.eval_rows and (resume is None or state["step"] == cfg.max_steps and not evaluated_last(cfg.output_dir)):
+        metrics = {"step": state["step"], **evaluation(scheduler.last_epoch)}
         logger.log(metrics)
         print0(eval_line(state["step"], metrics, cfg.pass_k(), [t.name for t in mixture.tasks]))
     bad_steps, t_start = 0, time.perf_counter()  # steps in a row whose loss was not finite; for the progress bar
     scoring = ScoringWatch(names, cfg.max_unscored_steps)  # steps in a row with a reward function down, or alike
-    in_loop = True
+    saver.in_loop, warned_short = True, []
     for step in range(state["step"], cfg.max_steps):
         timer = StepTimer()
         # ---------------------------------------------------------------------- sample
-        mine = rows_of(step)
-        # version: the policy that samples, after this many optimizer steps. Async, the batch was sampled
-        # during the steps before (by the weights of then), except the first ones.
-        version, episodes = ahead.take(step)  # G per row, row by row
-        # async: the server samples the next K batches while we train (after the last step too: the last checkpoint
-        # keeps them, so that a run continued from it goes on as if never stopped)
-        ahead.launch(step)
+        # G completions of each of this rank's prompts, row by row. version: the policy that sampled them (optimizer
+        # steps). Async, the batch was sampled during the steps before, by the weights of then, except the first.
+        if ahead:
+            version, episodes = ahead.take(step)
+            ahead.launch(step)  # the server samples the next K batches while we train (after the last step too: the
+            # last checkpoint keeps them, so that a run continued from it goes on as if never stopped)
+        else:
+            version, episodes = scheduler.last_epoch, guard.run(rollouts.call(step))
         timer.lap("generate")
 
         # ---------------------------------------------------------------------- score
-        texts, reward_matrix, rewards = guard.run(score, episodes)  # (N, k) per function (NaN: not scored); (N,)
-        guard.run(scoring.update, scorer.failed, scorer.attempted, rewards, step + 1)  # a judge gone: saves, stops
-        # --dynamic_sampling (DAPO): groups whose rewards all agree make way for more, sampled now
-        (episodes, texts, reward_matrix, rewards, mine), dynamic = with_signal(
-            step, (episodes, texts, reward_matrix, rewards, mine))
+        batch = guard.run(score_batch, episodes, rollouts.rows_of(step), scheduler.last_epoch)  # rewards (N, k), (N,)
+        # --max_unscored_steps steps in a row with a reward function down (or none scored) save and stop the run.
+        guard.run(scoring.update, scorer.failed, scorer.attempted, batch.rewards, step + 1)
+        # --dynamic_sampling (DAPO): groups whose rewards all agree make way for more, sampled now.
+        batch, dynamic = dynamic_sampling(batch, step, rollouts, score_batch, guard, cfg, scheduler.last_epoch,
+                                          warned_short)
         timer.lap("score")
 
         # ---------------------------------------------------------------------- advantages
-        # (N,) each: 0 where not scored; zero_std: the groups without signal
-        advantages, zero_std = step_advantages(rewards, reward_matrix, mixture.weighting(episodes), G, cfg)
+        # (N,) each: 0 where not scored; zero_std: the completions of groups without signal.
+        advantages, zero_std = step_advantages(batch, mixture.weighting(batch.episodes), G, cfg)
 
         # ---------------------------------------------------------------------- old / ref log-probs
-        samples, of = training_samples(episodes)  # (S,) what trains: the episodes (and agents' forks); of: theirs
+        samples, of = training_samples(batch.episodes)  # (S,) what trains: the episodes (and agents' forks); of: theirs
         inputs, tokens = collate(samples, pad_id)  # the model's inputs; (S, C) mask, sampled, logp
         truncated = torch.tensor([e.finish_reason == "length" for e in samples])  # (S,)
         loss_mask = loss_mask_of(tokens["sampled"], truncated, cfg.mask_truncated_completions)  # (S, C) sampled tokens
-        # off-policy (several updates per generation batch), pi_old is frozen before the first update
+        # Off-policy (several updates per generation batch), pi_old is frozen before the first update.
         old_logp, ref_logp, entropy_mask = old_and_ref_logprobs(model, ref_model, inputs, loss_mask, cfg, autocast,
                                                                 off_policy)
         timer.lap("old_ref")
 
         # ---------------------------------------------------------------------- loss and step
         if stop.requested():  # before the weights change: the checkpoint holds the state at the start of this step
-            checkpoint(step)
+            saver.save(step)
             break
         model.train()
         data = dict(inputs=inputs, loss_mask=loss_mask, advantages=advantages[of],
@@ -502,46 +412,50 @@ def main(cfg: Config):
                     sampler_logp=tokens["sampler_logp"], entropy_mask=entropy_mask)
         sums, grad_norms, first_pass_logp = update(model, optimizer, scheduler, trainable, data, step, cfg, world_size,
                                                    autocast, timer, bonus, ref_model)
-        # the server's log-probs of what it sampled vs ours for the same weights: a sync check
+        # The server's log-probs of what it sampled vs ours for the same weights: a sync check.
         diff, compared = sampler_diff(tokens, data["keep"], first_pass_logp if old_logp is None else old_logp)
         timer.lap("train")
 
         # ---------------------------------------------------------------------- metrics (a stop from here to the
         # log line, after this step's update, logs them before it saves: no step is missing in metrics.jsonl)
         metrics = {**mean_over_ranks(scorer.metrics), "step": step + 1,  # the reward functions' log_metric first
-                   **reward_metrics(rewards, reward_matrix, names, zero_std, scorer.failures, mixture.own_of(episodes)),
-                   **mixture.metrics(episodes, rewards, reward_matrix, zero_std, G),  # per task; multi-turn
+                   **reward_metrics(batch.rewards, batch.reward_matrix, names, zero_std, scorer.failures,
+                                    mixture.own_of(batch.episodes)),
+                   **mixture.metrics(batch.episodes, batch.rewards, batch.reward_matrix, zero_std, G),  # per task
                    **training_metrics(sums, grad_norms, tokens["mask"].sum(dim=1).float(), truncated, diff, compared,
                                       kl=cfg.beta > 0),
-                   **dynamic, **ahead.metrics(), **bonus.metrics(),  # async staleness; the entropy coefficient
+                   **dynamic, **(ahead.metrics() if ahead else {}), **bonus.metrics(),  # staleness; entropy coef
                    "lr": scheduler.get_last_lr()[0], "optimizer_steps": scheduler.last_epoch,
                    "old_logprob_pass": int(off_policy or cfg.top_entropy_quantile < 1)}
-        unlogged.update(metrics)
-        logger.log_rollouts(rollout_records(episodes, texts, reward_matrix, names, rewards, tokenizer,
-                                            [mine[i // G] for i in range(len(episodes))], scorer.extra, advantages,
-                                            step=step + 1, split="train", policy_version=version, rank=rank))
+        saver.unlogged = dict(metrics)
+        logger.log_rollouts(rollout_records(batch.episodes, batch.texts, batch.reward_matrix, names, batch.rewards,
+                                            tokenizer, [batch.rows[i // G] for i in range(len(batch.episodes))],
+                                            scorer.extra, advantages, step=step + 1, split="train",
+                                            policy_version=version, rank=rank))
         bad_steps = guard.run(check_finite, sum(not g.isfinite() for g in grad_norms), bad_steps, step + 1)
 
         # ---------------------------------------------------------------------- sync weights
-        ahead.settle(step)  # K = 1: the server samples the next batch with the weights before this update: wait for it
+        if ahead:  # K = 1: the server samples the next batch with the weights before this update: wait for it
+            ahead.settle(step)
         timer.lap("generate")
         guard.run(sync.push)
         barrier()  # no rank samples again before the server has the new weights
         timer.lap("sync")
         probe = {}
         if cfg.sync_check_steps and (step + 1) % cfg.sync_check_steps == 0:  # stops if the server's weights differ
-            ahead.before_probe()
+            if ahead:
+                ahead.before_probe()
             probe = guard.run(check_sync, client, model, sync_probe, autocast, is_main, sync_tolerance, step + 1)
         timer.lap("probe")
 
         # ---------------------------------------------------------------------- log
         metrics |= {**probe, "server_reconnects": guard.reconnects, **timer.metrics()}
-        if eval_rows and ((step + 1) % cfg.eval_every() == 0 or step + 1 == cfg.max_steps):
+        if mixture.eval_rows and ((step + 1) % cfg.eval_every() == 0 or step + 1 == cfg.max_steps):
             t_eval = time.perf_counter()
-            metrics |= evaluate()
+            metrics |= evaluation(scheduler.last_epoch)
             metrics["time/eval"] = time.perf_counter() - t_eval
         logger.log(metrics)
-        unlogged.clear()
+        saver.unlogged = {}
         print0(console_line(metrics, names, cfg.max_steps) + " | "
                + progress(step + 1 - state["step"], cfg.max_steps - state["step"], time.perf_counter() - t_start))
         scoring.signal(metrics["frac_zero_std_groups"], step + 1, last=step + 1 == cfg.max_steps)  # warns once
@@ -550,7 +464,7 @@ def main(cfg: Config):
 
         # ---------------------------------------------------------------------- checkpoint
         if stop.requested() or (cfg.save_steps and ((step + 1) % cfg.save_steps == 0 or step + 1 == cfg.max_steps)):
-            checkpoint(step + 1, wait_for_ahead=not stop.stopping)
+            saver.save(step + 1, wait_for_ahead=not stop.stopping)
         if stop.stopping:
             break
 
@@ -571,6 +485,88 @@ def main(cfg: Config):
         output_lock.close()  # the folder is free for another run
     barrier()  # no rank tears the process group down while another still uses it (gloo aborts at exit otherwise)
 
+# -----------------------------------------------------------------------------
+# the optional mechanisms: evaluation, DAPO's dynamic sampling, the high-entropy token mask
+
+def evaluate(rollouts: StepRollouts, score_batch, guard, logger, mixture, cfg: Config, optimizer_steps: int) -> dict:
+    """Mean rewards and pass@k on the evaluation prompts, through the server (each rank its share). The requests
+    carry the same seeds every time, so two evaluations differ only by the weights."""
+    n, mine, call = cfg.num_generations_eval, *rollouts.evaluation()
+    episodes = guard.run(call)
+    batch = guard.run(score_batch, episodes, mine, optimizer_steps)
+    updates_per_round = cfg.num_iterations * cfg.steps_per_generation
+    logger.log_rollouts(rollout_records(episodes, batch.texts, batch.reward_matrix, mixture.names, batch.rewards,
+                                        rollouts.ctx.tokenizer, [mine[i // n] for i in range(len(episodes))],
+                                        split="eval", step=optimizer_steps // updates_per_round,
+                                        policy_version=optimizer_steps, rank=rollouts.rank))
+    lengths = torch.tensor([len(e.completion_ids) for e in episodes], dtype=torch.float32)
+    # Per prompt: passed if its task's first reward function gives >= 1; per task too, in a mixture.
+    eval_rows = [mixture.eval_rows[i] for i in mine]
+    return mixture.eval_metrics(eval_rows, batch.reward_matrix, batch.rewards, lengths, n, cfg.pass_k()) | {
+        f"eval/{name}": value for name, value in mixture.trajectory_metrics(episodes).items()}
+
+def dynamic_sampling(batch: Scored, step: int, rollouts: StepRollouts, score_batch, guard, cfg: Config,
+                     optimizer_steps: int, warned: list) -> tuple[Scored, dict]:
+    """--dynamic_sampling (DAPO): the step's scored batch with its groups whose rewards all agree replaced by groups
+    of extra rounds, sampled and scored now (keep_groups_with_signal); without it, the batch as it is. A batch that
+    stays short of groups with signal is said once (`warned`) and counted."""
+    if not cfg.dynamic_sampling:
+        return batch, {}
+    draw = functools.partial(draw_round, step=step, rollouts=rollouts, score_batch=score_batch, guard=guard,
+                             optimizer_steps=optimizer_steps)
+    batch, metrics = keep_groups_with_signal(batch, draw, cfg.num_generations, cfg.dynamic_sampling_max_rounds,
+                                             by_column=cfg.multi_objective_aggregation == "normalize_then_sum")
+    if metrics["dynamic_sampling/groups_without_signal"] and not warned:
+        warned.append(step)
+        print0(f"warning: --dynamic_sampling found too few groups with signal in {cfg.dynamic_sampling_max_rounds} "
+               f"extra rounds at step {step + 1}; the batch was filled with groups without (no policy gradient). "
+               "Counted in dynamic_sampling/groups_without_signal; raise the flag or make the task easier")
+    return batch, metrics
+
+
+def draw_round(extra_round: int, wanted: bool, step: int, rollouts: StepRollouts, score_batch, guard,
+               optimizer_steps: int) -> Scored:
+    """Extra round `extra_round` of `step`'s sampling, scored. Every rank runs every round (the guard's calls are
+    collectives); a rank that has enough groups already (not `wanted`) samples nothing."""
+    episodes = guard.run(rollouts.call(step, extra_round) if wanted else list)
+    return guard.run(score_batch, episodes, rollouts.rows_of(step, extra_round) if wanted else [], optimizer_steps)
+
+
+def keep_groups_with_signal(batch: Scored, draw, G: int, max_rounds: int, by_column: bool = False) -> tuple[Scored, dict]:
+    """DAPO's dynamic sampling on this rank's scored batch. A group whose rewards (by_column: each function's, GDPO)
+    all agree has no signal (its advantages are 0); more groups come from draw(k, wanted), which samples and scores
+    extra round k (an empty batch unless `wanted`: every rank takes part in every round, also one that has enough),
+    until every rank has as many groups with signal as it started with, or after max_rounds rounds. Returns that many
+    groups, those with signal first (in the order drawn), any shortfall filled with groups without, and the rounds'
+    metrics."""
+    want, rounds, parts = len(batch.episodes) // G, 0, [batch]
+    have = int(groups_with_signal(batch, G, by_column).sum())
+    while rounds < max_rounds and sum_over_ranks({"short": max(want - have, 0)})["short"] > 0:
+        rounds += 1
+        parts.append(draw(rounds, have < want))
+        have += int(groups_with_signal(parts[-1], G, by_column).sum())
+    drawn = Scored(sum((b.episodes for b in parts), []), sum((b.texts for b in parts), []),
+                   torch.cat([b.reward_matrix for b in parts]), torch.cat([b.rewards for b in parts]),
+                   sum((b.rows for b in parts), []))
+    signal = groups_with_signal(drawn, G, by_column)  # (groups,)
+    groups = (signal.nonzero().flatten().tolist() + (~signal).nonzero().flatten().tolist())[:want]
+    kept = [g * G + i for g in groups for i in range(G)]
+    t = sum_over_ranks({"drawn": len(drawn.rows), "without_signal": sum(not signal[g] for g in groups)})
+    batch = Scored([drawn.episodes[i] for i in kept], [drawn.texts[i] for i in kept], drawn.reward_matrix[kept],
+                   drawn.rewards[kept], [drawn.rows[g] for g in groups])
+    return batch, {"dynamic_sampling/rounds": rounds, "dynamic_sampling/groups_drawn": t["drawn"],
+                   "dynamic_sampling/groups_without_signal": t["without_signal"]}
+
+
+def groups_with_signal(batch: Scored, G: int, by_column: bool) -> torch.Tensor:
+    """(groups,) whether each group's rewards differ (by_column: any function's, GDPO normalizes each)."""
+    return ~without_signal(batch.reward_matrix if by_column else batch.rewards, G)
+
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """(N, C) the tokens of `mask` whose entropy is among the top `quantile` of the step's tokens over all ranks
+    (Beyond the 80/20 Rule: the forking tokens, rho = 0.2): entropy >= the (1 - rho)-quantile, as TRL."""
+    threshold = quantile_over_ranks(entropy[mask > 0], 1 - quantile)
+    return (entropy >= threshold) & (mask > 0)
 
 if __name__ == "__main__":
     run_and_exit(main, parse_config())  # a mistake found at start: one line, exit code 2

@@ -30,7 +30,7 @@ from config import Config  # noqa: E402
 from grpo import (LOSSES, EntropyBonus, LossParams, StepCounts, grpo_loss, sampler_is_weights,  # noqa: E402
                   token_weights)
 from rewards import weighted_rewards  # noqa: E402
-from train import high_entropy_mask, step_advantages  # noqa: E402
+from train import Scored, high_entropy_mask, step_advantages  # noqa: E402
 
 from vs_trl import ROOT, trl_python  # noqa: E402
 
@@ -125,7 +125,7 @@ def our_advantages(case: dict) -> torch.Tensor:
     """train.step_advantages: what the loop computes from a step's reward matrix (one process)."""
     cfg = Config(multi_objective_aggregation=case["aggregation"], scale_rewards=case["scale_rewards"])
     rewards = weighted_rewards(case["matrix"], case["weights"])
-    return step_advantages(rewards, case["matrix"], (case["weights"], None), case["G"], cfg)[0]
+    return step_advantages(Scored([], [], case["matrix"], rewards, []), (case["weights"], None), case["G"], cfg)[0]
 
 
 def our_loss(t: dict, case: dict) -> tuple[float, torch.Tensor, torch.Tensor, dict]:

@@ -25,7 +25,7 @@ GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
     (["--temperature", "0"], "--temperature must be > 0"),
     (["--top_p", "0"], "--top_p must be in"),
     (["--lr_scheduler_type", "step"], "constant, linear or cosine"),
-    (["--loss_type", "ppo"], "grpo, bnpo, dr_grpo, dapo, luspo, cispo, sapo or vespo"),
+    (["--loss_type", "ppo"], "use grpo, bnpo, dr_grpo, dapo, luspo, cispo, sapo, vespo"),
     (["--loss_type", "cispo"], "an absolute bound"),
     (["--loss_type", "luspo"], "use it with --importance_sampling_level sequence"),
     (["--loss_type", "vespo", "--importance_sampling_level", "sequence"], "leave --importance_sampling_level token"),

@@ -397,12 +397,12 @@ def test_high_entropy_mask_keeps_the_top_quantile_of_the_tokens_of_the_step():
 def test_dynamic_sampling_keeps_groups_with_signal_and_draws_until_it_has_enough():
     """Groups (G = 2) whose rewards all agree make way for the groups of extra rounds, in the order drawn, until
     there are as many with signal as the batch had; after max_rounds the rest is filled with groups without."""
-    from train import keep_groups_with_signal
+    from train import Scored, keep_groups_with_signal
 
-    def batch(rewards, first_row):  # (episodes, texts, matrix, rewards, rows): episode names say where they are from
+    def batch(rewards, first_row):  # episode names say where they are from
         n = len(rewards)
-        return ([f"e{first_row + i // 2}.{i % 2}" for i in range(n)], [f"t{first_row + i // 2}" for i in range(n)],
-                torch.tensor(rewards).unsqueeze(1), torch.tensor(rewards), list(range(first_row, first_row + n // 2)))
+        return Scored([f"e{first_row + i // 2}.{i % 2}" for i in range(n)], [f"t{first_row + i // 2}" for i in range(n)],
+                      torch.tensor(rewards).unsqueeze(1), torch.tensor(rewards), list(range(first_row, first_row + n // 2)))
     first = batch([1.0, 1.0, 0.0, 1.0, 0.0, 0.0], 0)  # rows 0 (no signal), 1 (signal), 2 (no signal)
     more = {1: batch([1.0, 0.0, 1.0, 1.0, 0.5, 0.5], 10), 2: batch([0.25, 0.5, 3.0, 3.0, 0.0, 0.0], 20)}
     calls = []
@@ -411,18 +411,18 @@ def test_dynamic_sampling_keeps_groups_with_signal_and_draws_until_it_has_enough
         calls.append((k, wanted))
         return more[k]
     kept, metrics = keep_groups_with_signal(first, draw, 2, max_rounds=3)
-    assert calls == [(1, True), (2, True)] and kept[4] == [1, 10, 20]
-    assert kept[0] == ["e1.0", "e1.1", "e10.0", "e10.1", "e20.0", "e20.1"] and kept[3].tolist() == [0, 1, 1, 0, .25, .5]
+    assert calls == [(1, True), (2, True)] and kept.rows == [1, 10, 20]
+    assert kept.episodes == ["e1.0", "e1.1", "e10.0", "e10.1", "e20.0", "e20.1"] and kept.rewards.tolist() == [0, 1, 1, 0, .25, .5]
     assert metrics == {"dynamic_sampling/rounds": 2, "dynamic_sampling/groups_drawn": 9,
                        "dynamic_sampling/groups_without_signal": 0}
     calls.clear()
     kept, metrics = keep_groups_with_signal(first, draw, 2, max_rounds=1)  # short: filled with groups without
-    assert calls == [(1, True)] and kept[4] == [1, 10, 0] and metrics["dynamic_sampling/groups_without_signal"] == 1
+    assert calls == [(1, True)] and kept.rows == [1, 10, 0] and metrics["dynamic_sampling/groups_without_signal"] == 1
     kept, metrics = keep_groups_with_signal(more[2], draw, 2, max_rounds=0)
-    assert kept[4] == [20, 21, 22] and metrics["dynamic_sampling/rounds"] == 0
+    assert kept.rows == [20, 21, 22] and metrics["dynamic_sampling/rounds"] == 0
     full = batch([1.0, 0.0, 0.0, 1.0], 30)
     calls.clear()
-    assert keep_groups_with_signal(full, draw, 2, max_rounds=3)[0][4] == [30, 31] and calls == []
+    assert keep_groups_with_signal(full, draw, 2, max_rounds=3)[0].rows == [30, 31] and calls == []
 
 
 def naive_weights(mask, loss_type, micro_batches, max_len):
