@@ -1,8 +1,9 @@
 """nanogrpo's configuration: one dataclass, every field a command-line flag of the same name; the flags the
-embedded tasks and environments run with (their code is in embedded.py); the errors that stop a run with one line.
+embedded tasks and environments run with (their code is in embedded.py); the errors that stop a run with one
+line.
 
-Flag names follow TRL's GRPOConfig wherever TRL has the same knob. This module is the bottom floor: it imports no
-module of the project and nothing heavy at import, so `python train.py --help` answers at once.
+Flag names follow TRL's GRPOConfig wherever TRL has the same knob. This module is the bottom floor: it imports
+no module of the project and nothing heavy at import, so `python train.py --help` answers at once.
 """
 import argparse
 import dataclasses
@@ -16,18 +17,21 @@ import typing
 from dataclasses import dataclass
 
 DEFAULT_MODEL = "smollm2-135m"  # the embedded model; any other value is a hub id or a folder
-EMBEDDED_VLM = "smollm2-vision"  # the embedded vision-language model: SmolLM2 with a small vision tower (embedded.py)
-TOOL_MODEL = "smollm2-135m-tools"  # the embedded model taught its tools' call format (embedded.py), for the environments
+EMBEDDED_VLM = "smollm2-vision"  # the embedded VLM: SmolLM2 with a small vision tower (embedded.py)
+TOOL_MODEL = "smollm2-135m-tools"  # the embedded model taught the environments' tool calls (embedded.py)
 
 DEFAULT_DATASET = "arithmetic"  # the embedded, procedurally generated task (embedded.arithmetic_problems)
 
 NO_DATASET = "none"  # an environment makes the prompts: rows are seeds for its reset (data.load_rows)
-NO_DATASET_STARTS = 2 ** 16  # ... this many training rows, seeds 0, 1, ...: not from --max_steps, which a resume may change
+# With --dataset none the training rows are this many seeds 0, 1, ...: a fixed number, not one derived from
+# --max_steps, which a resume may change.
+NO_DATASET_STARTS = 2 ** 16
 
 
 def loss_types() -> dict:
-    """grpo.LOSSES: each --loss_type's objective and aggregation. Imported when asked, not with this file: grpo
-    imports torch, which the processes that read this file and never train (the reward functions') do without."""
+    """grpo.LOSSES: each --loss_type's objective and aggregation. Imported when asked, not with this file:
+    grpo imports torch, which the processes that read this file and never train (the reward functions') do
+    without."""
     from grpo import LOSSES
     return LOSSES
 
@@ -46,23 +50,24 @@ class RunStopped(RuntimeError):
 
 
 class SignalStop(BaseException):
-    """A stop signal (SIGTERM, the first Ctrl-C) ended the run, after it saved what it had (the message says what):
-    printed by rank 0 as it is, with exit code 0, as a stop seen at the end of a step. Not an Exception, as
-    KeyboardInterrupt is not: no handler of errors (a dry run's check, a reward function's) takes it for one."""
+    """A stop signal (SIGTERM, the first Ctrl-C) ended the run, after it saved what it had (the message says
+    what): printed by rank 0 as it is, with exit code 0, as a stop seen at the end of a step. Not an
+    Exception, as KeyboardInterrupt is not: no handler of errors (a dry run's check, a reward function's)
+    takes it for one."""
 
 
 class Interrupted(Exception):
-    """A stop signal arrived while the step waited (for a rollout, the reward functions): what it waited for is
-    abandoned, and the run saves its last completed step and stops (guard.ServerGuard)."""
+    """A stop signal arrived while the step waited (for a rollout, the reward functions): what it waited for
+    is abandoned, and the run saves its last completed step and stops (guard.ServerGuard)."""
 
 
-STOP = threading.Event()  # set when a stop signal arrives (checkpoints.StopRequest): the step's waits end then
+STOP = threading.Event()  # set by a stop signal (checkpoints.StopRequest); it ends the step's waits
 
 
 def run_main(main, *args):
     """main(*args), with a UsageError printed as one line, `error: ...`, and exit code 2, a RunStopped as
-    `stopped: ...` and exit code 3 (no traceback), a SignalStop as its message and exit code 0; every other error
-    keeps its traceback."""
+    `stopped: ...` and exit code 3 (no traceback), a SignalStop as its message and exit code 0; every other
+    error keeps its traceback."""
     where = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
     try:
         main(*args)
@@ -82,17 +87,18 @@ def run_main(main, *args):
 class Config:
     # model and data
     model: str = DEFAULT_MODEL  # "smollm2-135m" (embedded), a Hugging Face model id, or a local folder
-    dataset: str = DEFAULT_DATASET  # "arithmetic" (embedded), a hub dataset name (or a local folder laid out as one),
-                                    # or a local .json/.jsonl/.parquet file;
-                                    # "none" with an --env that makes its prompts; "parity", "shapes": embedded
-                                    # tasks (each sets the flags of EMBEDDED_TASKS not given); a mixture of several:
-                                    # source[:weight],... or a mixture file, .yaml/.json (README: Task mixtures)
+    dataset: str = DEFAULT_DATASET  # "arithmetic" (embedded), a hub dataset name (or a local folder laid out
+                                    # as one), or a local .json/.jsonl/.parquet file; "none" with an --env
+                                    # that makes its prompts; "parity", "shapes": embedded tasks (each sets
+                                    # the flags of EMBEDDED_TASKS not given); a mixture of several:
+                                    # source[:weight],... or a mixture file, .yaml/.json (README: Task
+                                    # mixtures)
     dataset_split: str = "train"  # split of a hub dataset
     prompt_column: str = ""  # column with the prompt: text or chat messages; "" = "prompt", else "question"
-    answer_column: str = "answer"  # column of the reference answer, optional; reaches rewards as it is, as
-                                   # `answer` too (the built-in accuracy reads "#### 42" as 42)
+    answer_column: str = "answer"  # column of the reference answer, optional; the reward functions get it
+                                   # as `answer` too (the built-in accuracy reads "#### 42" as 42)
     system_prompt: str = ""  # optional system message before every prompt; "" = the model's default
-    max_prompt_length: int = 512  # tokens; longer prompts are an error at start (say which to change)
+    max_prompt_length: int = 512  # tokens; a longer prompt is an error at start (it says what to change)
     num_arithmetic_problems: int = 5000  # size of the embedded task's training set (arithmetic, shapes)
     # generation (on the vLLM server)
     num_generations: int = 8  # G: completions per prompt; the group for the advantage baseline
@@ -108,80 +114,91 @@ class Config:
                                              # does to the importance weights
     rollout: str = ""  # your own rollout function, module:function (README: Rollouts); "" = rollout.generate
     tools: str = ""  # tools the model may call, module:function,... (README: Environments and tools)
-    env: str = ""  # an environment, module:factory: one instance per trajectory, its public methods are tools;
-                   # or an embedded one: calculator, guess (they set the flags of EMBEDDED_ENVIRONMENTS not given);
-                   # or several, name=factory,... (TRL's dict): each row's `environment` column picks one
+    env: str = ""  # an environment, module:factory: one instance per trajectory, whose public methods are
+                   # its tools; or an embedded one: calculator, guess (each sets the flags of
+                   # EMBEDDED_ENVIRONMENTS not given); or several, name=factory,... (TRL's dict): each row's
+                   # `environment` column picks one
     max_tool_calling_iterations: int = 5  # tool rounds per trajectory (TRL: no limit)
     tool_timeout: float = 30.0  # seconds a tool call may take; then it answers with an error
-    chat_template: str = ""  # a Jinja chat template file to use instead of the model's (e.g. one that renders tools)
-    async_generation: bool = False  # sample step t+1 while training on step t, with the weights before (1 step stale)
-    max_staleness: int = 1  # with --async_generation: batches sampled ahead, K. 1: each by one policy, the push waits
-                            # for it; K > 1: up to K in flight, pushes land while they are sampled (the server pauses
-                            # them), so a batch's tokens may come from up to K policies; older than K: dropped, counted
+    chat_template: str = ""  # a Jinja chat template file instead of the model's (e.g. one that renders tools)
+    async_generation: bool = False  # sample step t+1 while step t trains, with older weights (1 step stale)
+    max_staleness: int = 1  # with --async_generation: K, the batches sampled ahead. K = 1: each batch comes
+                            # from one policy (the push waits for it); K > 1: up to K in flight, and pushes
+                            # land while they are sampled (the server pauses them), so a batch's tokens may
+                            # come from up to K policies; a batch older than K is dropped and counted
     # GRPO
     beta: float = 0.0  # KL penalty coefficient (k3 estimator); 0 = no reference model is loaded
-    sync_ref_model: bool = False  # TR-DPO, as TRL: every --ref_model_sync_steps optimizer steps the reference moves
-                                  # toward the policy, ref = alpha * policy + (1 - alpha) * ref (needs beta > 0)
-    ref_model_mixup_alpha: float = 0.6  # ... alpha
-    ref_model_sync_steps: int = 512  # ... every this many optimizer steps
+    sync_ref_model: bool = False  # TR-DPO, as TRL (needs beta > 0): every --ref_model_sync_steps optimizer
+                                  # steps the reference moves toward the policy:
+                                  # ref = alpha * policy + (1 - alpha) * ref
+    ref_model_mixup_alpha: float = 0.6  # TR-DPO: the alpha of ref = alpha * policy + (1 - alpha) * ref
+    ref_model_sync_steps: int = 512  # TR-DPO: mix the policy into the reference every N optimizer steps
     epsilon: float = 0.2  # clip range of the ratio: [1 - epsilon, 1 + epsilon_high]
     epsilon_high: float = -1.0  # upper clip; -1 = same as epsilon (DAPO's clip-higher uses e.g. 0.28)
     delta: float = 0.0  # also cap the unclipped ratio at delta (two-sided clip, INTELLECT-2; e.g. 4); 0 = off
-    loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo | luspo | cispo | sapo | vespo (README: Loss choices)
+    loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo | luspo | cispo | sapo | vespo
+                             # (README: Loss choices; grpo.LOSSES)
     sapo_temperature_pos: float = 1.0  # sapo: the gate's temperature for tokens with positive advantage
-    sapo_temperature_neg: float = 1.05  # sapo: ... with negative (or zero) advantage
-    vespo_k_pos: float = 2.0  # vespo: the power k of the gamma weight w^k e^(-lambda w), for positive advantages
+    sapo_temperature_neg: float = 1.05  # sapo: the gate's temperature for advantages <= 0
+    vespo_k_pos: float = 2.0  # vespo: k of the gamma weight w^k e^(-lambda w), for positive advantages
     vespo_lambda_pos: float = 3.0  # vespo: its decay lambda, for positive advantages
     vespo_k_neg: float = 3.0  # vespo: k for negative advantages
     vespo_lambda_neg: float = 2.0  # vespo: lambda for negative advantages
-    importance_sampling_level: str = "token"  # token | sequence (GSPO): the ratio pi / pi_old per token or per
-                                              # sequence (its tokens' geometric mean), clipped as one
-    scale_rewards: str = "group"  # group | batch | none: divide advantages by the group's std, the batch's, or not
-    multi_objective_aggregation: str = "sum_then_normalize"  # weigh and sum the rewards, then normalize them in the
-                                                # group | normalize_then_sum (GDPO): normalize each function's rewards
-                                                # in the group, weigh and sum them, normalize over the batch
+    importance_sampling_level: str = "token"  # token | sequence (GSPO): the ratio pi / pi_old per token or
+                                              # per sequence (its tokens' geometric mean), clipped as one
+    scale_rewards: str = "group"  # group | batch | none: whose std divides the advantages (none: no division)
+    multi_objective_aggregation: str = "sum_then_normalize"  # weigh and sum the rewards, then normalize the
+                                                # sum in the group | normalize_then_sum (GDPO): normalize each
+                                                # function's rewards in the group, weigh and sum them,
+                                                # normalize over the batch
     num_iterations: int = 1  # mu: passes over each generation batch (> 1 makes updates off-policy)
-    steps_per_generation: int = 1  # optimizer steps per generation batch, each on a slice of it (> 1: off-policy)
-    vllm_importance_sampling_correction: bool = True  # weight tokens by pi_old / pi_sampler (vLLM's log-probs)
+    steps_per_generation: int = 1  # optimizer steps per generation batch, each on a slice (> 1: off-policy)
+    vllm_importance_sampling_correction: bool = True  # weight tokens by pi_old / pi_vLLM (the sampler)
     vllm_importance_sampling_mode: str = "token_truncate"  # token_truncate | token_mask | sequence_truncate
                                                            # | sequence_mask
-    vllm_importance_sampling_kl: bool = False  # weight the KL term by the sampler correction too (TRL: not)
-    use_bias_correction_kl: bool = True  # multiply the KL term by the ratio pi / pi_old (DeepSeek-V3.2; TRL's default)
-    vllm_importance_sampling_clip_min: float = 0.0  # truncate modes clamp the weight to [min, max]; mask modes
-    vllm_importance_sampling_clip_max: float = 2.0  # drop tokens (sequences) outside it. 0, inf: no bound
-    vllm_importance_sampling_cap: float = -1.0  # deprecated (as in TRL): the old name of --..._clip_max
-    off_policy_mask_threshold: float = -1.0  # drop from the policy term sequences with negative advantage whose mean
-                                             # log(pi_vLLM / pi) is above this (DeepSeek-V3.2); < 0 = off
+    vllm_importance_sampling_kl: bool = False  # weight the KL term by the sampler correction too (off in TRL)
+    use_bias_correction_kl: bool = True  # multiply the KL term by pi / pi_old (DeepSeek-V3.2; TRL's default)
+    vllm_importance_sampling_clip_min: float = 0.0  # the sampler weight's floor: truncate modes clamp to it,
+                                                    # mask modes drop tokens (sequences) below it; 0 = none
+    vllm_importance_sampling_clip_max: float = 2.0  # its ceiling: truncate modes clamp to it, mask modes
+                                                    # drop tokens (sequences) above it; inf = none
+    vllm_importance_sampling_cap: float = -1.0  # deprecated (as in TRL): the old name of
+                                                # --vllm_importance_sampling_clip_max
+    off_policy_mask_threshold: float = -1.0  # drop from the policy term sequences with negative advantage
+                                             # whose mean log(pi_vLLM / pi) exceeds this (DeepSeek-V3.2);
+                                             # < 0 = off
     top_entropy_quantile: float = 1.0  # train the policy term on the top rho of the step's tokens by entropy
                                        # (Beyond the 80/20 Rule, rho = 0.2); 1 = all
     entropy_coef: float = 0.0  # entropy bonus: the loss minus coef * the mean entropy of the trained tokens
-    use_adaptive_entropy: bool = False  # Skywork-OR1, as TRL: after each optimizer step the coefficient moves by
-                                        # --entropy_coef_delta, up while the step's entropy is at or below
-                                        # --entropy_target, down while above; it applies only at or below the target
+    use_adaptive_entropy: bool = False  # Skywork-OR1, as TRL: after each optimizer step the coefficient moves
+                                        # by --entropy_coef_delta, up while the step's entropy is at or below
+                                        # --entropy_target, down while above; it applies only at or below it
     entropy_coef_min: float = 0.0  # adaptive: the coefficient's floor
     entropy_coef_max: float = 1.0  # adaptive: its ceiling
     entropy_coef_delta: float = 0.005  # adaptive: its move per optimizer step
     entropy_target: float = 0.2  # adaptive: the mean entropy of the trained tokens to hold (nats per token)
-    dynamic_sampling: bool = False  # DAPO: replace groups whose rewards all agree by more, sampled until the batch
-                                    # is filled with groups whose rewards differ
-    dynamic_sampling_max_rounds: int = 3  # ... at most this many extra sampling rounds per step
-    drop_zero_std_groups: bool | str = "auto"  # skip the forward/backward of groups with equal rewards: true | false
-                                              # | auto = where the gradient stays exactly the same (beta 0, no
-                                              # entropy bonus, not bnpo)
+    dynamic_sampling: bool = False  # DAPO: replace groups whose rewards all agree by more, sampled until the
+                                    # batch is filled with groups whose rewards differ
+    dynamic_sampling_max_rounds: int = 3  # --dynamic_sampling: at most this many extra rounds per step
+    drop_zero_std_groups: bool | str = "auto"  # skip the forward/backward of groups with equal rewards: true
+                                              # | false | auto = where the gradient stays exactly the same
+                                              # (beta 0, no entropy bonus, not bnpo)
     mask_truncated_completions: bool = False  # completions cut at max_completion_length get no loss (DAPO)
     reward_funcs: str = "accuracy,format"  # comma-separated names from rewards.py
     reward_weights: str = ""  # comma-separated floats, one per reward function; "" = all 1.0
-    reward_postprocess: str = ""  # module:function(matrix, names, tasks) -> matrix, run on the (N, k) reward matrix
-                                  # before weighting; "" = rewards.postprocess_rewards (the identity)
-    overlong_max_length: int = 0  # the overlong_penalty reward: -1 at this many tokens; 0 = --max_completion_length
-    overlong_buffer_length: int = 0  # ... falling from 0 over this many tokens before it; 0 = a fifth of the max
-    max_unscored_steps: int = 5  # stop after this many steps in a row in which a reward function failed on every
-                                 # completion, or none was scored; 0 = never
-    reward_timeout: float = 60  # seconds the reward functions may take on one batch; then it is unscored (a slow judge)
+    reward_postprocess: str = ""  # module:function(matrix, names, tasks) -> matrix, run on the (N, k) reward
+                                  # matrix before weighting; "" = rewards.postprocess_rewards (the identity)
+    overlong_max_length: int = 0  # overlong_penalty: -1 at this many tokens; 0 = --max_completion_length
+    overlong_buffer_length: int = 0  # overlong_penalty: it falls from 0 to -1 over this many tokens before
+                                     # that length; 0 = a fifth of it
+    max_unscored_steps: int = 5  # stop after this many steps in a row in which a reward function failed on
+                                 # every completion, or none was scored; 0 = never
+    reward_timeout: float = 60  # seconds the reward functions may take on one batch; then the batch goes
+                                # unscored (a slow judge)
     # optimization
     max_steps: int = 36  # optimizer steps (= generation rounds); tuned*
-    learning_rate: float = 5e-5  # peak AdamW learning rate; tuned* (TRL's default is 1e-6, for larger models).
-                                 # The embedded arithmetic task brings 7e-5, linear (config.EMBEDDED_TASKS)
+    learning_rate: float = 5e-5  # peak AdamW learning rate; tuned* (TRL's default is 1e-6, for larger
+                                 # models); the embedded arithmetic task sets 7e-5, linear (EMBEDDED_TASKS)
     lr_scheduler_type: str = "constant"  # constant | linear | cosine (decay to 0 at max_steps)
     warmup_steps: int = 0  # linear warmup from 0
     weight_decay: float = 0.0  # AdamW weight decay
@@ -189,40 +206,41 @@ class Config:
     adam_beta2: float = 0.99  # AdamW beta2
     max_grad_norm: float = 1.0  # gradient clipping; 0 = off
     micro_batch_size: int = 16  # completions per forward/backward pass (memory knob; never changes the math)
-    disable_dropout: bool = True  # no dropout in the training forward (the model's and LoRA's): the policy trained
-                                  # is the one that sampled (README: Loss choices)
-    cast_lm_head_to_fp32: bool = False  # the lm head's matmul in fp32 under --bf16 (ScaleRL): logits, log-probs
-                                        # and their gradient without bf16 rounding; fp32 runs are so already
-    gradient_checkpointing: bool = True  # recompute activations in the backward: less memory (docs/memory.md), as TRL
-    bf16: bool | str = "auto"  # bf16 autocast, fp32 master weights: true | false | auto = where native
-                               # (GPU, avx512_bf16)
+    disable_dropout: bool = True  # no dropout in the training forward (the model's and LoRA's): the policy
+                                  # trained is the one that sampled (README: Loss choices)
+    cast_lm_head_to_fp32: bool = False  # the lm head's matmul in fp32 under --bf16 (ScaleRL): the logits,
+                                        # log-probs and their gradient without bf16 rounding
+    gradient_checkpointing: bool = True  # recompute activations in the backward: less memory (docs/memory.md)
+    bf16: bool | str = "auto"  # bf16 autocast, fp32 master weights: true | false | auto = where the
+                               # hardware computes in bf16 (GPU, avx512_bf16)
     seed: int = 42  # data order, and the server's sampling: each request carries a seed derived from it
     # scale-out and LoRA
     fsdp: bool = False  # shard the policy (and reference) with FSDP2 per decoder layer instead of DDP copies;
                         # needs torchrun
-    use_peft: bool = False  # train a LoRA adapter instead of all weights; the reference is the base (adapter off)
+    use_peft: bool = False  # train a LoRA adapter, not all weights; the reference is the base (adapter off)
     lora_r: int = 16  # LoRA rank
     lora_alpha: float = 32.0  # LoRA scaling numerator: the update is B A * lora_alpha / lora_r
     lora_dropout: float = 0.05  # dropout on the adapter's input while training (off with --disable_dropout)
     lora_target_modules: str = "all-linear"  # comma-separated module names (e.g. q_proj,v_proj) or all-linear
-    lora_sync: str = "auto"  # what a push sends: adapter (the adapter alone; the server runs --enable-lora), merged
-                             # (every weight, the adapter merged in), auto: the adapter where the server can take it
-    save_merged_model: bool = False  # with --use_peft, also save the base with the adapter merged (output_dir/model)
-    freeze_vision_tower: bool = True  # a vision-language model's vision encoder and connector stay as loaded (not
-                                      # trained, no LoRA adapter, pushed once); false trains them too
-    vision_learning_rate: float = 0.0  # peak learning rate of a trained vision encoder and connector (as LLaVA's
-                                       # mm_projector_lr); 0 = --learning_rate
+    lora_sync: str = "auto"  # what a push sends: adapter (the adapter alone; the server runs --enable-lora),
+                             # merged (every weight, the adapter merged in), auto: the adapter where the
+                             # server can take it
+    save_merged_model: bool = False  # with --use_peft, also save the merged model (output_dir/model)
+    freeze_vision_tower: bool = True  # a vision-language model's vision encoder and connector stay as loaded
+                                      # (not trained, no LoRA adapter, pushed once); false trains them too
+    vision_learning_rate: float = 0.0  # peak learning rate of a trained vision encoder and connector (as
+                                       # LLaVA's mm_projector_lr); 0 = --learning_rate
     # server
     vllm_server_host: str = "127.0.0.1"  # where vllm_server.py listens
     vllm_server_port: int = 8000  # the --port of vllm_server.py
-    vllm_server_timeout: float = 300  # seconds to wait for the server at start, and to come back if it dies mid-run
-    vllm_request_timeout: float = 0  # seconds one request may take (0: no limit); a dead server is found by /health
-    vllm_group_host: str = "127.0.0.1"  # address of trainer rank 0 as the server sees it (weight-transfer rendezvous)
+    vllm_server_timeout: float = 300  # seconds to wait for the server at start, or to come back mid-run
+    vllm_request_timeout: float = 0  # seconds a request may take; 0 = no limit (/health finds a dead server)
+    vllm_group_host: str = "127.0.0.1"  # rank 0's address as the server sees it (weight-sync rendezvous)
     vllm_group_port: int = 51216  # TCP port of that rendezvous, hosted by trainer rank 0
     weight_sync_bucket_mb: float = 64  # weights leave the trainer packed in buckets of this size
-    sync_check_steps: int = 1  # every N steps the server scores a fixed probe and we compare log-probs; 0 = never
-    sync_check_tolerance: float = -1.0  # stop if the probe's mean |log-prob diff| is above (nats); -1 = 1e-3
-                                        # fp32, 0.5 bf16
+    sync_check_steps: int = 1  # compare a fixed probe's log-probs with the server's every N steps; 0 = never
+    sync_check_tolerance: float = -1.0  # stop if the probe's mean |log-prob diff| (nats) is above this;
+                                        # -1 = 1e-3 in fp32, 0.5 in bf16
     # evaluation (through the same server, on prompts training never sees)
     eval_steps: int = -1  # -1 = before training and at the end, if there is a held-out set (below); N = also
                           # every N steps; 0 = never
@@ -231,27 +249,29 @@ class Config:
     eval_split: str = "test"  # split of the hub dataset to evaluate on
     eval_num_prompts: int = 64  # the first N prompts of the evaluation set, the same ones every time
     num_generations_eval: int = 4  # completions per evaluation prompt (n of pass@k; TRL: --num_generations)
-    eval_pass_k: str = "1,4"  # comma-separated k of pass@k (unbiased estimator); correct = first reward function >= 1
+    eval_pass_k: str = "1,4"  # comma-separated k of pass@k (unbiased estimator); a completion is correct
+                              # where its task's first reward function gives >= 1
     # output
     output_dir: str = "out"  # metrics.jsonl and the final model folder go here
-    save_model: bool = True  # save at the end: output_dir/model (a Hugging Face folder), or output_dir/adapter
-                             # with LoRA
-    save_steps: int = 0  # write output_dir/checkpoint-N every N steps and at the end (model, optimizer, RNG...);
-                         # 0 = never
+    save_model: bool = True  # save at the end: output_dir/model (a Hugging Face folder), or
+                             # output_dir/adapter with LoRA
+    save_steps: int = 0  # write output_dir/checkpoint-N every N steps and at the end (model, optimizer,
+                         # RNG...); 0 = never
     save_total_limit: int = 2  # keep the newest N checkpoints; 0 = keep all
     resume_from_checkpoint: str = ""  # continue a run exactly: a checkpoint folder, or "latest" in output_dir
     report_to: str = "none"  # none | wandb
     wandb_project: str = "nanogrpo"  # with --report_to wandb
     run_name: str = ""  # wandb run name; "" = wandb's default
-    dry_run: bool = False  # check in about a minute what would fail at step 1 or hang (server, template, rewards,
-                           # a push with the probe, a step's peak memory), then stop; nothing is trained or saved
+    dry_run: bool = False  # check in about a minute what would fail at step 1 or hang (server, template,
+                           # rewards, a push with the probe, a step's peak memory), then stop; nothing is
+                           # trained or saved
     # (not a flag) the flags given on the command line, set by parse_config; None in a Config made in code
     given: typing.ClassVar[frozenset | None] = None
 
     def gives(self, name: str) -> bool:
-        """Whether flag `name` was given on the command line (an embedded task's own value was not), or, in a Config
-        made in code, differs from its default (so --reward_funcs accuracy,format, the default's value, given to
-        tasks with rewards of their own is refused, not ignored)."""
+        """Whether flag `name` was given on the command line (an embedded task's own value was not), or, in a
+        Config made in code, differs from its default (so --reward_funcs accuracy,format, the default's value,
+        given to tasks with rewards of their own is refused, not ignored)."""
         return name in self.given if self.given is not None else getattr(self, name) != getattr(Config, name)
 
     @property
@@ -268,14 +288,14 @@ class Config:
                     structured_outputs_regex=self.vllm_structured_outputs_regex)
 
     def probe_tolerance(self, exact: bool) -> float:
-        """--sync_check_tolerance, or its default: 1e-3 where both sides compute in fp32 (`exact`), else 0.5."""
+        """--sync_check_tolerance, or by default 1e-3 where both sides compute in fp32 (`exact`), else 0.5."""
         return self.sync_check_tolerance if self.sync_check_tolerance >= 0 else (1e-3 if exact else 0.5)
 
     def kv_cache_bytes(self, model_dir: str, dtype_bytes: int, max_model_len: int, block: int = 128) -> int | None:
-        """The server's KV cache for what a step samples at once: every sequence at its longest (the prompt bound +
-        a full completion, in blocks of `block` tokens), --max_staleness batches with --async_generation, and one
-        sequence of `max_model_len` at least; an evaluation larger than that runs in waves. From the model's
-        config.json (a VLM's text model); None if it does not say."""
+        """The server's KV cache for what a step samples at once: every sequence at its longest (the prompt
+        bound + a full completion, in blocks of `block` tokens), --max_staleness batches with
+        --async_generation, and one sequence of `max_model_len` at least; an evaluation larger than that runs
+        in waves. From the model's config.json (a VLM's text model); None if it does not say."""
         try:
             with open(os.path.join(model_dir, "config.json")) as f:
                 c = json.load(f)
@@ -295,9 +315,10 @@ class Config:
 
     def evaluates(self) -> bool:
         """Whether the run evaluates: --eval_steps N > 0, or -1 (the default) where a held-out set is at hand
-        without asking (the embedded task's, or --eval_dataset); a hub dataset's split is loaded only when asked."""
+        without asking (the embedded task's, or --eval_dataset); a hub dataset's split is loaded only when
+        asked."""
         at_hand = self.dataset in (DEFAULT_DATASET, NO_DATASET, *EMBEDDED_TASKS) or bool(self.eval_dataset)
-        if is_mixture_spec(self.dataset) or "=" in self.env:  # each task's own (mixture.load_mixture)
+        if is_mixture_spec(self.dataset) or "=" in self.env:  # each task has its own (mixture.load_mixture)
             return self.eval_steps != 0
         return self.eval_steps > 0 or (self.eval_steps == -1 and at_hand)
 
@@ -306,23 +327,24 @@ class Config:
         return self.eval_steps if self.eval_steps > 0 else self.max_steps
 
     def drops_zero_std_groups(self) -> bool:
-        """--drop_zero_std_groups, auto resolved: on where it changes nothing in the gradient. A group whose rewards
-        agree has zero advantages, so its policy term is 0; but not its KL term (beta > 0) or entropy bonus, and
-        bnpo normalises per micro-batch, which dropping rows reshapes."""
+        """--drop_zero_std_groups, auto resolved: on where it changes nothing in the gradient. A group whose
+        rewards agree has zero advantages, so its policy term is 0; but not its KL term (beta > 0) or entropy
+        bonus, and bnpo normalises per micro-batch, which dropping rows reshapes."""
         if self.drop_zero_std_groups == "auto":
             return (self.beta == 0 and self.entropy_coef == 0 and not self.use_adaptive_entropy
                     and loss_types()[self.loss_type].aggregation != "bnpo")
         return self.drop_zero_std_groups
 
     def collective_timeout(self) -> float:
-        """Seconds a collective may wait for a rank (gloo's default is 30 min): longer than a rank can spend on one
-        call to the server while the others wait for it (--vllm_server_timeout for a lost server, one request)."""
+        """Seconds a collective may wait for a rank (gloo's default is 30 min): longer than a rank can spend
+        on one call to the server while the others wait for it (--vllm_server_timeout for a lost server, one
+        request)."""
         return max(1800.0, self.vllm_server_timeout + 300, self.vllm_request_timeout + 300)
 
     def reward_options(self) -> dict:
         """The settings of built-in reward functions, by name (bound as keyword arguments)."""
         longest = self.overlong_max_length or self.max_completion_length
-        buffer = self.overlong_buffer_length or longest // 5  # DAPO: 4096 of 20480
+        buffer = self.overlong_buffer_length or longest // 5  # DAPO's ratio: 4096 of 20480 tokens
         return {"overlong_penalty": {"max_length": longest, "buffer_length": buffer}}
 
     def reward_weight_list(self) -> list[float]:
@@ -425,11 +447,12 @@ class Config:
         if self.max_staleness < 1 or self.max_staleness > 1 and not self.async_generation:
             errors.append(f"--max_staleness {self.max_staleness}: the batches sampled ahead, at least 1; above 1 it "
                           "needs --async_generation")
-        if self.vllm_importance_sampling_cap >= 0:  # TRL's old name: still taken, and said
+        if self.vllm_importance_sampling_cap >= 0:  # TRL's old name is still taken, with a warning
             if int(os.environ.get("RANK", 0)) == 0:
                 print("warning: --vllm_importance_sampling_cap is deprecated (as in TRL): use "
                       "--vllm_importance_sampling_clip_max", file=sys.stderr, flush=True)
-            self.vllm_importance_sampling_clip_max, self.vllm_importance_sampling_cap = self.vllm_importance_sampling_cap, -1
+            self.vllm_importance_sampling_clip_max, self.vllm_importance_sampling_cap = (
+                self.vllm_importance_sampling_cap, -1)
         if not 0 <= self.vllm_importance_sampling_clip_min < 1 < self.vllm_importance_sampling_clip_max:
             errors.append(f"--vllm_importance_sampling_clip_min {self.vllm_importance_sampling_clip_min:g} and "
                           f"--vllm_importance_sampling_clip_max {self.vllm_importance_sampling_clip_max:g}: the bounds "
@@ -450,8 +473,8 @@ class Config:
         if not self.reward_names() and not self.env and not is_mixture_spec(self.dataset):
             errors.append("--reward_funcs is empty: name at least one reward function (see rewards.py)")
         if NO_DATASET in (self.dataset, self.eval_dataset) and not self.env:
-            errors.append(f"--dataset {NO_DATASET}: only an --env makes its own prompts (its reset(**row) gets a seed and "
-                          "returns the prompt); name a dataset, or the environment")
+            errors.append(f"--dataset {NO_DATASET}: only an --env makes its own prompts (its reset(**row) gets a seed "
+                          "and returns the prompt); name a dataset, or the environment")
         if self.rollout and (self.tools or self.env):
             errors.append("--rollout replaces the rollout that runs --tools and --env: give one or the other")
         if self.max_tool_calling_iterations < 0 or self.tool_timeout <= 0:
@@ -510,9 +533,9 @@ class Config:
 
 @functools.lru_cache(maxsize=8)  # read once at start (validate, evaluates and mixture.py all ask)
 def is_mixture_spec(dataset: str) -> bool:
-    """Whether --dataset names a mixture of tasks (mixture.py): a mixture file (.yaml/.yml, or a .json that holds
-    one object with `tasks`), or, when it is no file or folder, sources with a comma, a weight (source:0.5) or a
-    name (name=source)."""
+    """Whether --dataset names a mixture of tasks (mixture.py): a mixture file (.yaml/.yml, or a .json that
+    holds one object with `tasks`), or, when it is no file or folder, sources with a comma, a weight
+    (source:0.5) or a name (name=source)."""
     if dataset.endswith((".yaml", ".yml")):
         return True
     if os.path.exists(dataset):
@@ -524,7 +547,7 @@ def is_mixture_spec(dataset: str) -> bool:
             f.seek(0)
             try:
                 spec = json.load(f)
-            except ValueError:  # JSON lines
+            except ValueError:  # not one JSON document: JSON lines
                 return False
         return isinstance(spec, dict) and isinstance(spec.get("tasks"), list) and all(
             isinstance(task, dict) for task in spec["tasks"])
@@ -532,7 +555,7 @@ def is_mixture_spec(dataset: str) -> bool:
 
 
 def split_weight(spec: str) -> tuple[str, str | None]:
-    """"source:0.5" -> ("source", "0.5"); ("source", None) if the part after the last colon is not a number."""
+    """"source:0.5" -> ("source", "0.5"); ("source", None) if what follows the last colon is no number."""
     source, colon, weight = spec.rpartition(":")
     try:
         float(weight)
@@ -572,7 +595,7 @@ def _field_comments() -> dict[str, str]:
             field = name if name.isidentifier() and "  # " in rest else None
             if field:
                 comments[field] = rest.split("  # ", 1)[1]
-    return {name: help.replace("%", "%%") for name, help in comments.items()}  # argparse formats help with %
+    return {name: help.replace("%", "%%") for name, help in comments.items()}  # argparse %-formats help texts
 
 
 TUNED = ("tuned*: these defaults were tuned for the embedded run (bash run.sh: SmolLM2-135M on the embedded "
@@ -581,16 +604,17 @@ TUNED = ("tuned*: these defaults were tuned for the embedded run (bash run.sh: S
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
-    """Config from the command line: `--name value` for every field; bools take `--bf16 false` or `--no_bf16`."""
+    """Config from the command line: `--name value` for every field; bools take `--bf16 false` or
+    `--no_bf16`."""
     argv = sys.argv[1:] if argv is None else argv
     args = vars(_parser().parse_args(argv))
-    given = vars(_parser(defaults=False).parse_args(argv))  # (abbreviated too, as argparse takes them)
+    given = vars(_parser(defaults=False).parse_args(argv))  # abbreviated flags too, as argparse takes them
     flags = {}  # an embedded environment's or task's flags, where they are not given
-    if args["env"] in EMBEDDED_ENVIRONMENTS:  # its factory, and the flags it runs with
+    if args["env"] in EMBEDDED_ENVIRONMENTS:  # an embedded environment: its factory and flags
         args["env"], flags = EMBEDDED_ENVIRONMENTS[args["env"]]
-    if not args["env"]:  # an environment makes its own conversation
+    if not args["env"]:  # a task's flags only without an --env, which makes its own conversation
         flags = flags | EMBEDDED_TASKS.get(args["dataset"], {})
-    if "reward_funcs" in given:  # a preset's weights are for its own functions
+    if "reward_funcs" in given:  # your functions: a preset's weights were for its own, so they are dropped
         flags = {name: value for name, value in flags.items() if name != "reward_weights"}
     args |= {name: value for name, value in flags.items() if name not in given}
     cfg = Config(**args)
@@ -620,10 +644,10 @@ def _parser(defaults: bool = True) -> argparse.ArgumentParser:
 # The embedded environments (embedded.py; README: Environments and tools): --env NAME runs the factory with
 # these flags, unless they are given.
 EMBEDDED_ENVIRONMENTS = {
-    # both on the embedded tool model, which writes its calls (embedded.build_tool_model), 10 short steps (README:
-    # Environments and tools). The calculator's reward is the answer's accuracy alone: with format's point for a
-    # boxed answer, a wrong answer written at once scored above a call that went wrong, and the first step taught
-    # the model to stop calling
+    # Both run on the embedded tool model, which writes its calls (embedded.build_tool_model), for 10 short
+    # steps (README: Environments and tools). The calculator's reward is the answer's accuracy alone: with
+    # format's point for a boxed answer, a wrong answer written at once scored above a call that went wrong,
+    # and the first step taught the model to stop calling.
     "calculator": ("embedded:Calculator", {"model": TOOL_MODEL, "dataset": "three_digit", "reward_funcs": "accuracy",
                                            "learning_rate": 3e-5, "prompts_per_step": 4, "max_steps": 10,
                                            "max_completion_length": 128, "eval_num_prompts": 32}),
@@ -632,22 +656,23 @@ EMBEDDED_ENVIRONMENTS = {
                                  "eval_num_prompts": 32}),
 }
 
-# The embedded tasks: --dataset NAME runs with these flags, unless they are given (not with an --env, which makes
-# its own conversation and is scored by its own rewards).
+# The embedded tasks: --dataset NAME runs with these flags, unless they are given (not with an --env, which
+# makes its own conversation and is scored by its own rewards).
 EMBEDDED_TASKS = {
-    # sums (embedded.arithmetic_problems), in \boxed{} after the sum is written out, as the system prompt shows (the
-    # model adds far better after "13 + 14 = " than right after "\boxed{"). A right answer earns 1, and 1 more in the
-    # box; a wrong one, boxed or not, earns nothing; format is reported beside them. A learning rate that decays to 0
-    # keeps what the first steps learn (README: The default run)
+    # Sums (embedded.arithmetic_problems), answered in \boxed{} after the sum is written out, as the system
+    # prompt shows (the model adds far better after "13 + 14 = " than right after "\boxed{"). A right answer
+    # earns 1, and 1 more in the box; a wrong one, boxed or not, earns nothing; format is reported beside
+    # them. A learning rate that decays to 0 keeps what the first steps learn (README: The default run).
     DEFAULT_DATASET: {"system_prompt": "Write the sum first, then the answer in \\boxed{}, like this: 12 + 9 = 21, so "
                                        "the answer is \\boxed{21}.",
                       "reward_funcs": "boxed_accuracy,format,accuracy", "reward_weights": "1,0,1",
                       "learning_rate": 7e-5, "lr_scheduler_type": "linear"},
-    # is a number even or odd (embedded.parity_problems), scored by the first of the two words the answer says
+    # Is a number even or odd (embedded.parity_problems)? The first of the two words in the answer is scored.
     "parity": {"reward_funcs": "choice"},
-    # sums of three-digit numbers (embedded.three_digit_problems): the calculator's task (--env calculator)
+    # Sums of three-digit numbers (embedded.three_digit_problems): the calculator's task (--env calculator).
     "three_digit": {},
-    # the embedded vision task (embedded.shape_problems): a small VLM learns to name the colour of a shape in a picture
+    # The embedded vision task (embedded.shape_problems): a small VLM learns to name the colour of a shape in
+    # a picture.
     "shapes": {"model": EMBEDDED_VLM, "reward_funcs": "embedded:named_colour", "max_completion_length": 12,
                "max_steps": 30, "num_arithmetic_problems": 1000, "freeze_vision_tower": False},
 }
