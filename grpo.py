@@ -1,12 +1,13 @@
 """
-The math of GRPO as pure functions of tensors: advantages from rewards, each token's weight in the loss, the loss
-itself and its masks and importance weights. No collectives, no I/O and no config: train.py calls them with its
-step's tensors, the counts it summed over the ranks and the loss's numbers (LossParams); tests/test_math.py calls
-them with hand-made tensors against loops over tokens, bench/loss_parity.py against TRL's own code.
+The math of GRPO as pure functions of tensors: advantages from rewards, each token's weight in the loss, the
+loss itself and its masks and importance weights. No collectives, no I/O and no config: train.py calls them
+with its step's tensors, the counts it summed over the ranks and the loss's numbers (LossParams);
+tests/test_math.py calls them with hand-made tensors against loops over tokens, bench/loss_parity.py against
+TRL's own code.
 
-A --loss_type is one row of LOSSES: an objective (the per-token term, a function) and an aggregation (how a step's
-terms become one number, token_weights). A new loss is one function and one row (docs/your_own.md: Add a loss).
-README: "Loss choices" has the formulas, docs/loss_choices.md why each default is what it is.
+A --loss_type is one row of LOSSES: an objective (the per-token term, a function) and an aggregation (how a
+step's terms become one number, token_weights). A new loss is one function and one row (docs/your_own.md: Add
+a loss). README: "Loss choices" has the formulas, docs/loss_choices.md why each default is what it is.
 """
 import dataclasses
 import math
@@ -17,8 +18,9 @@ import torch
 
 
 def group_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(N,) rewards of N / G consecutive groups (NaN = not scored) -> (N/G,) each group's unbiased std over its
-    scored completions (as TRL), 0 for a group with fewer than two; NaN for a group with an infinite reward."""
+    """(N,) rewards of N / G consecutive groups (NaN = not scored) -> (N/G,) each group's unbiased std over
+    its scored completions (as TRL), 0 for a group with fewer than two; NaN for a group with an infinite
+    reward."""
     grouped = rewards.view(-1, group_size)  # (N/G, G)
     scored = ~grouped.isnan()
     squares = (grouped - grouped.nanmean(dim=1, keepdim=True)).where(scored, 0.0).pow(2).sum(dim=1)
@@ -26,9 +28,10 @@ def group_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def without_signal(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(N/G,) whether each group's rewards all agree (their advantages are 0): of (N,) rewards, or of every column
-    of an (N, k) reward matrix (GDPO normalizes each function's rewards in the group). A group with an infinite reward
-    has a NaN std: it is not one of them, so it reaches the loss, and the loss's non-finite check stops the run."""
+    """(N/G,) whether each group's rewards all agree (their advantages are 0): of (N,) rewards, or of every
+    column of an (N, k) reward matrix (GDPO normalizes each function's rewards in the group). A group with an
+    infinite reward has a NaN std: it is not one of them, so it reaches the loss, and the loss's non-finite
+    check stops the run."""
     columns = (rewards if rewards.dim() == 2 else rewards.unsqueeze(1)).T  # (k, N)
     return torch.stack([group_std(column, group_size) < 1e-6 for column in columns]).all(dim=0)
 
@@ -49,10 +52,11 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
 
 
 def group_normalized(matrix: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
-    """GDPO's first step (--multi_objective_aggregation normalize_then_sum): (N, k) rewards of k functions (NaN =
-    not scored) -> (N, k), each function's rewards minus their group's mean, over their group's std + eps (a group
-    with one scored completion: 0), so that no function's scale drowns the others before they are weighted and
-    summed. NaN stays NaN (adds nothing to the weighted sum); an infinite reward stays infinite (loud downstream)."""
+    """GDPO's first step (--multi_objective_aggregation normalize_then_sum): (N, k) rewards of k functions
+    (NaN = not scored) -> (N, k), each function's rewards minus their group's mean, over their group's std +
+    eps (a group with one scored completion: 0), so that no function's scale drowns the others before they are
+    weighted and summed. NaN stays NaN (adds nothing to the weighted sum); an infinite reward stays infinite
+    (loud downstream)."""
     mean = matrix.view(-1, group_size, matrix.shape[1]).nanmean(dim=1)  # (N/G, k)
     std = torch.stack([group_std(column, group_size) for column in matrix.T], dim=1)  # (N/G, k)
     normalized = (matrix - mean.repeat_interleave(group_size, dim=0)) / (std.repeat_interleave(group_size, dim=0) + eps)
@@ -61,23 +65,24 @@ def group_normalized(matrix: torch.Tensor, group_size: int, eps: float = 1e-4) -
 
 def batch_advantages(rewards: torch.Tensor, mean: float, std: float, eps: float = 1e-4) -> torch.Tensor:
     """GDPO's last step: (N,) summed group-normalized rewards -> (N,) advantages (r - mean) / (std + eps), the
-    batch's mean and std over all ranks; 0 where not scored (NaN). An infinite reward stays non-finite (the loss's
-    check stops the run), as in group_advantages."""
+    batch's mean and std over all ranks; 0 where not scored (NaN). An infinite reward stays non-finite (the
+    loss's check stops the run), as in group_advantages."""
     return ((rewards - mean) / (std + eps)).where(~rewards.isnan(), 0.0)
 
 
 class EntropyBonus:
-    """The entropy bonus's coefficient, step by step: --entropy_coef; or, with --use_adaptive_entropy, Skywork-OR1's
-    adaptive control as TRL has it. The coefficient starts at --entropy_coef and after every optimizer step moves by
-    --entropy_coef_delta, up while the step's mean entropy of its trained tokens (over all ranks) is at or below
-    --entropy_target, down while above, within [--entropy_coef_min, --entropy_coef_max]. A step applies it only if
-    the step before measured an entropy at or below the target (none before the first). Checkpoints keep the state."""
+    """The entropy bonus's coefficient, step by step: --entropy_coef; or, with --use_adaptive_entropy,
+    Skywork-OR1's adaptive control as TRL has it. The coefficient starts at --entropy_coef and after every
+    optimizer step moves by --entropy_coef_delta, up while the step's mean entropy of its trained tokens (over
+    all ranks) is at or below --entropy_target, down while above, within [--entropy_coef_min,
+    --entropy_coef_max]. A step applies it only if the step before measured an entropy at or below the target
+    (none before the first). Checkpoints keep the state."""
 
     def __init__(self, cfg, state: dict | None = None):
         self.adaptive, self.fixed, self.target = cfg.use_adaptive_entropy, cfg.entropy_coef, cfg.entropy_target
         self.delta, self.low, self.high = cfg.entropy_coef_delta, cfg.entropy_coef_min, cfg.entropy_coef_max
         self.coef, self.last_entropy = cfg.entropy_coef, math.inf
-        if state and self.adaptive:  # (a constant coefficient is the flag's, also on resume)
+        if state and self.adaptive:  # a constant coefficient is the flag's, also on resume
             self.coef, self.last_entropy = state["coef"], state["last_entropy"]
 
     def applied(self) -> float:
@@ -101,15 +106,16 @@ class EntropyBonus:
 
 
 # -----------------------------------------------------------------------------
-# The loss of one micro-batch: sum over its tokens of weight * per-token term. A --loss_type is an objective (the
-# per-token term) and an aggregation (each token's weight: how the step's terms become one number), one row of LOSSES.
+# The loss of one micro-batch: sum over its tokens of weight * per-token term. A --loss_type is an objective
+# (the per-token term) and an aggregation (each token's weight: how the step's terms become one number), one
+# row of LOSSES.
 
 @dataclass(frozen=True)
 class LossParams:
     """The numbers the loss uses, each the flag of the same name (config.py says what each does)."""
     loss_type: str = "dapo"
     epsilon: float = 0.2  # the ratio is clipped to [1 - epsilon, 1 + epsilon_high]
-    epsilon_high: float = 0.2  # (the flag's -1, "same as epsilon", is resolved)
+    epsilon_high: float = 0.2  # resolved: the flag's -1 ("same as epsilon") arrives as epsilon
     delta: float = 0.0
     beta: float = 0.0
     importance_sampling_level: str = "token"
@@ -122,7 +128,7 @@ class LossParams:
     vespo_lambda_pos: float = 3.0
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
-    entropy_coef: float = 0.0  # the entropy bonus's coefficient for this optimizer step (EntropyBonus.applied)
+    entropy_coef: float = 0.0  # this optimizer step's entropy bonus coefficient (EntropyBonus.applied)
     max_completion_length: int = 256  # dr_grpo divides by it
 
     @classmethod
@@ -137,20 +143,21 @@ class StepCounts:
     sequences: float  # completions in this optimizer step
     tokens: float  # loss tokens in this optimizer step
     micro_batches: float  # micro-batches in this optimizer step (bnpo)
-    ranks: int = 1  # DDP and FSDP average the gradients over ranks: each rank's weights are this many times larger
+    # DDP and FSDP average gradients over ranks, so each rank's weights are this many times larger.
+    ranks: int = 1
     round_tokens: float | None = None  # loss tokens in the whole generation round (dapo); None: this step's
-    steps_per_generation: int = 1  # optimizer steps per round (dapo divides the round's tokens among them, as TRL)
+    steps_per_generation: int = 1  # optimizer steps per round, which share the round's tokens in dapo (as TRL)
 
 
 def token_weights(mask: torch.Tensor, aggregation: str, n: StepCounts, max_completion_length: int) -> torch.Tensor:
-    """(B, C) weight of each completion token of a micro-batch in the loss of one optimizer step. Summing weight *
-    per-token term over every micro-batch of every rank, and averaging over the ranks as DDP does, gives the step's
-    loss; this is the whole normalisation, ranks and micro-batches included:
+    """(B, C) weight of each completion token of a micro-batch in the loss of one optimizer step. Summing
+    weight * per-token term over every micro-batch of every rank, and averaging over the ranks as DDP does,
+    gives the step's loss; this is the whole normalisation, ranks and micro-batches included:
       grpo     (1/N) sum_i (1/|o_i|) sum_t     mean over sequences of each sequence's token mean
       bnpo     mean over micro-batches of each micro-batch's token mean (depends on the split)
       dr_grpo  1/(N * max_completion_length) sum_i sum_t   (Dr. GRPO: no length bias)
-      dapo     1/(sum_i |o_i|) sum_i sum_t                 (DAPO: every token of the step alike; the round's tokens
-                                                             / steps_per_generation, as TRL)
+      dapo     1/(sum_i |o_i|) sum_i sum_t                 (DAPO: every token of the step alike; the round's
+                                                             tokens / steps_per_generation, as TRL)
       luspo    (1/N) sum_i sum_t                           (LUSPO: each sequence by its length)"""
     mask = mask.to(torch.float64)
     if aggregation == "luspo":
@@ -174,11 +181,13 @@ def clipped_objective(logp, ratio, adv, t: dict, p: LossParams):
     unclipped rho at delta (INTELLECT-2)."""
     unclipped = torch.clamp(ratio, max=p.delta) if p.delta > 0 else ratio
     per_token = -torch.min(unclipped * adv, torch.clamp(ratio, 1 - p.epsilon, 1 + p.epsilon_high) * adv)
-    return per_token, (ratio < 1 - p.epsilon) & (adv < 0), (ratio > 1 + p.epsilon_high) & (adv > 0)  # where it clips
+    # The per-token term, and the tokens where the clip acts, low and high.
+    return per_token, (ratio < 1 - p.epsilon) & (adv < 0), (ratio > 1 + p.epsilon_high) & (adv > 0)
 
 
 def cispo_objective(logp, ratio, adv, t: dict, p: LossParams):
-    """CISPO (MiniMax-M1): -sg(min(rho, eps_high)) A logp: the importance weight is clipped, not the update."""
+    """CISPO (MiniMax-M1): -sg(min(rho, eps_high)) A logp: the importance weight is clipped, not the
+    update."""
     return -torch.clamp(ratio, max=p.epsilon_high).detach() * adv * logp, None, ratio > p.epsilon_high
 
 
@@ -189,16 +198,18 @@ def sapo_objective(logp, ratio, adv, t: dict, p: LossParams):
 
 
 def vespo_objective(logp, ratio, adv, t: dict, p: LossParams):
-    """VESPO: -sg(phi(w)) A logp, phi(w) = e^lam w^k e^(-lam w) of the sequence ratio w = pi / pi_vLLM (k, lam by
-    the sign of A). The sampler correction is inside w, so LOSSES's row says the loss must not apply it again."""
+    """VESPO: -sg(phi(w)) A logp, phi(w) = e^lam w^k e^(-lam w) of the sequence ratio w = pi / pi_vLLM (k, lam
+    by the sign of A). The sampler correction is inside w, so LOSSES's row says the loss must not apply it
+    again."""
     w = vespo_weights((logp - t["old_logp"]).detach(), adv, t["loss_mask"], t.get("is_weight"), p)
     return -w * adv * logp, None, None
 
 
 @dataclass(frozen=True)
 class Loss:
-    objective: Callable  # (logp, ratio, adv, t, p) -> per-token term (B, C), where it clipped low, high (or None)
-    aggregation: str  # token_weights's: grpo | bnpo | dr_grpo | dapo | luspo
+    # (logp, ratio, adv, t, p) -> the per-token term (B, C), and where it clipped low and high (each or None).
+    objective: Callable
+    aggregation: str  # how token_weights normalises: grpo | bnpo | dr_grpo | dapo | luspo
     own_sampler_weight: bool = False  # the objective applies the sampler correction itself (t["is_weight"])
 
 
@@ -207,7 +218,7 @@ LOSSES = {  # --loss_type: its objective and its aggregation, as TRL pairs them
     "bnpo": Loss(clipped_objective, "bnpo"),
     "dr_grpo": Loss(clipped_objective, "dr_grpo"),
     "dapo": Loss(clipped_objective, "dapo"),
-    "luspo": Loss(clipped_objective, "luspo"),  # GSPO's sequence ratio (validated), each sequence by its length
+    "luspo": Loss(clipped_objective, "luspo"),  # GSPO's sequence ratio (config checks it), weighed by length
     "cispo": Loss(cispo_objective, "dapo"),
     "sapo": Loss(sapo_objective, "grpo"),
     "vespo": Loss(vespo_objective, "dapo", own_sampler_weight=True),
@@ -216,7 +227,8 @@ LOSSES = {  # --loss_type: its objective and its aggregation, as TRL pairs them
 
 def loss_mask_of(sampled: torch.Tensor, truncated: torch.Tensor, mask_truncated: bool) -> torch.Tensor:
     """(N, C) tokens that carry loss: every token the policy sampled, or, with mask_truncated (DAPO's overlong
-    filtering), none of a completion cut at max_completion_length, whose reward judged an unfinished answer."""
+    filtering), none of a completion cut at max_completion_length, whose reward judged an unfinished
+    answer."""
     return sampled * ~truncated.unsqueeze(1) if mask_truncated else sampled
 
 
@@ -224,22 +236,22 @@ def grpo_loss(logp, t: dict, weights, p: LossParams, entropy=None, entropy_weigh
     """The policy loss with a k3 KL penalty and an entropy bonus: sum over tokens of weights * per-token loss
     (README: Loss choices). Returns the loss (a scalar to backpropagate) and a dict of masked sums.
 
-    logp, weights, entropy, entropy_weights: (B, C) per completion token. `t` holds the micro-batch's other inputs:
-    advantages (B,); loss_mask and, each (B, C) or None, old_logp (None: on-policy, pi_old = pi), ref_logp (beta > 0),
-    sampler_logp, is_weight (the sampler correction pi_old / pi_vLLM), entropy_mask (--top_entropy_quantile).
-    The ratio rho = pi / pi_old is per token, or with importance_sampling_level "sequence" (GSPO) one per sequence:
-    exp of the mean of its tokens' log-ratios. The per-token term is LOSSES[p.loss_type]'s objective.
-    is_weight multiplies the policy term, and the KL term only with vllm_importance_sampling_kl;
-    use_bias_correction_kl multiplies the KL term by rho (DeepSeek-V3.2, TRL's default). Masks on the policy term
-    only: off_policy_mask_threshold drops sequences with A < 0 whose mean log(pi_vLLM / pi) is above it
-    (DeepSeek-V3.2), entropy_mask keeps the high-entropy tokens. entropy_coef subtracts coef * sum of
-    entropy_weights * entropy."""
+    logp, weights, entropy, entropy_weights: (B, C) per completion token. `t` holds the micro-batch's other
+    inputs: advantages (B,); loss_mask and, each (B, C) or None, old_logp (None: on-policy, pi_old = pi),
+    ref_logp (beta > 0), sampler_logp, is_weight (the sampler correction pi_old / pi_vLLM), entropy_mask
+    (--top_entropy_quantile). The ratio rho = pi / pi_old is per token, or with importance_sampling_level
+    "sequence" (GSPO) one per sequence: exp of the mean of its tokens' log-ratios. The per-token term is
+    LOSSES[p.loss_type]'s objective. is_weight multiplies the policy term, and the KL term only with
+    vllm_importance_sampling_kl; use_bias_correction_kl multiplies the KL term by rho (DeepSeek-V3.2, TRL's
+    default). Masks on the policy term only: off_policy_mask_threshold drops sequences with A < 0 whose mean
+    log(pi_vLLM / pi) is above it (DeepSeek-V3.2), entropy_mask keeps the high-entropy tokens. entropy_coef
+    subtracts coef * sum of entropy_weights * entropy."""
     loss_fn, mask, is_weight = LOSSES[p.loss_type], t["loss_mask"], t.get("is_weight")
     t = {**t, "old_logp": logp.detach() if t.get("old_logp") is None else t["old_logp"]}
     log_ratio = logp - t["old_logp"]  # (B, C)
     if p.importance_sampling_level == "sequence":
         m = mask.to(logp.dtype)
-        log_ratio = (log_ratio * m).sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
+        log_ratio = (log_ratio * m).sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1)
     ratio = torch.exp(log_ratio)  # (B, C), or (B, 1)
     adv = t["advantages"].unsqueeze(1)  # (B, 1)
     per_token, low, high = loss_fn.objective(logp, ratio, adv, t, p)
@@ -288,7 +300,9 @@ def vespo_weights(token_log_ratio, adv, mask, is_weight, p: LossParams) -> torch
     `is_weight` (pi_old / pi_vLLM, token modes), in log space, clamped to [1e-8, e^20] as TRL does."""
     m = mask.to(token_log_ratio.dtype)
     log_w = (token_log_ratio.clamp(-20, 20) * m).sum(dim=1, keepdim=True)
-    if is_weight is not None:  # 0 where masked (log: its lower clamp), 1 where the sampler's log-prob is unknown
+    # is_weight is 0 where a mask mode dropped the token (its log becomes the lower clamp), and 1 where the
+    # sampler's log-prob is unknown.
+    if is_weight is not None:
         log_w = log_w + (is_weight.log().clamp(math.log(1e-8), 20) * m).sum(dim=1, keepdim=True)
     log_w = log_w.clamp(math.log(1e-8), 20)
     positive = adv >= 0
