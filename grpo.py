@@ -146,7 +146,7 @@ class StepCounts:
     # DDP and FSDP average gradients over ranks, so each rank's weights are this many times larger.
     ranks: int = 1
     round_tokens: float | None = None  # loss tokens in the whole generation round (dapo); None: this step's
-    steps_per_generation: int = 1  # optimizer steps per round, which share the round's tokens in dapo (as TRL)
+    steps_per_generation: int = 1  # optimizer steps per round; in dapo they share its tokens (as TRL)
 
 
 def token_weights(mask: torch.Tensor, aggregation: str, n: StepCounts, max_completion_length: int) -> torch.Tensor:
