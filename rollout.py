@@ -48,19 +48,21 @@ class Episode:
     row: dict  # the dataset row it came from (every column)
     prompt_ids: list[int]  # the prompt as the model sees it (chat template applied)
     completion_ids: list[int]  # every token after the prompt
-    sampled: list[bool]  # per completion token: sampled by the policy (gets loss, importance weight, sync check)
+    sampled: list[bool]  # per completion token: whether the policy sampled it; only those get loss, an
+                         # importance weight and the sync check
     logprobs: list[float]  # per completion token: the sampler's log-prob; NaN = not known (meaningless where
                            # not sampled)
     finish_reason: str  # "stop" or "length" (cut at max_tokens)
-    model_inputs: dict = field(default_factory=dict)  # extra inputs of the model for this prompt; none for text
-    messages: list | None = None  # the completion as chat messages (assistant and tool turns), for the rewards
-                                  # (None: one assistant message, its decoded text)
-    extra: dict = field(default_factory=dict)  # values for the reward functions: each key reaches them as a keyword
-                                               # list, beside the row's columns (TRL's rollout_func fields); JSON
-    info: dict = field(default_factory=dict)  # what a multi-turn rollout records for the trainer, not the reward
-                                              # functions: tool_calls, environment_reward (its column; None: not
-                                              # applicable), environment_error (no reward at all), earlier_samples
-                                              # (training_samples), ...; JSON
+    model_inputs: dict = field(default_factory=dict)  # the model's extra inputs for this prompt (images)
+    messages: list | None = None  # the completion as chat messages (assistant and tool turns), for the
+                                  # rewards (None: one assistant message, its decoded text)
+    extra: dict = field(default_factory=dict)  # values for the reward functions: each key reaches them as a
+                                               # keyword list, beside the row's columns (TRL's rollout_func
+                                               # fields); JSON-serialisable, as checkpoints keep it
+    info: dict = field(default_factory=dict)  # what a multi-turn rollout records for the trainer, not the
+                                              # reward functions: tool_calls, environment_reward (its column;
+                                              # None: not applicable), environment_error (no reward at all),
+                                              # earlier_samples (training_samples), ...; JSON-serialisable
 
 
 @dataclass
@@ -68,7 +70,7 @@ class RolloutContext:
     client: object  # vllm_client.VLLMClient
     tokenizer: object
     num_generations: int  # G: episodes per row
-    sampling: dict  # max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, structured_outputs_regex
+    sampling: dict  # the requests' sampling parameters (Config.sampling: max_tokens, temperature, ...)
     seed: int  # the seed of this call's sampling
     system_prompt: str = ""
     processor: object = None  # a vision-language model's processor (vision.py), else None
@@ -79,13 +81,14 @@ class RolloutContext:
         return encode_prompt(self.tokenizer, prompt, self.system_prompt)
 
 
-SEED_LIMIT = 2 ** 62  # request seeds stay below int64's limit, with room for vLLM's seed + j of a request's n samples
+# Request seeds stay below int64's limit, with room for the seed + j vLLM gives a request's j-th sample.
+SEED_LIMIT = 2 ** 62
 
 
 def slot_seed(seed: int, *place) -> int:
-    """The seed of one sample slot of a call (e.g. trajectory i's turn t: slot_seed(ctx.seed, t, i)), in range: a hash
-    of the call's seed and the place, so no two slots share a random stream (vLLM gives every prompt of a request
-    its seed, so prompts with streams of their own go in requests of their own)."""
+    """The seed of one sample slot of a call (e.g. trajectory i's turn t: slot_seed(ctx.seed, t, i)), in
+    range: a hash of the call's seed and the place, so no two slots share a random stream (vLLM gives every
+    prompt of a request its seed, so prompts with streams of their own go in requests of their own)."""
     digest = hashlib.blake2b(repr((seed, *place)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % SEED_LIMIT
 
@@ -99,10 +102,10 @@ def sampled_episode(row: dict, prompt_ids: list[int], completion_ids: list[int],
 
 
 def generate(rows: list[dict], ctx: RolloutContext) -> list[Episode]:
-    """The default rollout: G completions of each row's prompt, a request per prompt, all sent at once (the server
-    batches them). vLLM gives the j-th sample of a request its seed + j: one request for all prompts would give the
-    j-th samples of every group one random stream; a request per prompt, seeded by its place (slot_seed), gives
-    every sample of the call its own (bench/sample_streams.py: as fast as one request)."""
+    """The default rollout: G completions of each row's prompt, a request per prompt, all sent at once (the
+    server batches them). vLLM gives the j-th sample of a request its seed + j: one request for all prompts
+    would give the j-th samples of every group one random stream; a request per prompt, seeded by its place
+    (slot_seed), gives every sample of the call its own (bench/sample_streams.py: as fast as one request)."""
     prompts, G = [ctx.encode(row["prompt"]) for row in rows], ctx.num_generations
     calls = [InThread(ctx.client.generate, [prompt], n=G, seed=slot_seed(ctx.seed, i), **ctx.sampling)
              for i, prompt in enumerate(prompts)]
@@ -125,13 +128,15 @@ def load_rollout(name: str):
 
 
 def run_rollout(fn, rows: list[dict], ctx: RolloutContext) -> list[Episode]:
-    """fn(rows, ctx), checked against the contract: ValueError saying which part it breaks. Every request of the call
-    samples the policy of the moment it starts (the client pinned: VLLMClient.pinned), however long it runs. It runs
-    on a thread of its own, so that a stop signal ends the wait for it at once, whatever it waits for
-    (config.Interrupted: the server's samples, a slow tool or environment, an agent, a user's rollout); it is then
-    abandoned."""
-    name, pin = getattr(fn, "__name__", repr(fn)), getattr(ctx.client, "pinned", None)  # (a test's stand-in: as is)
-    ctx = dataclasses.replace(ctx, client=pin()) if pin else ctx  # the policy of now, for every request of this call
+    """fn(rows, ctx), checked against the contract: ValueError saying which part it breaks. Every request of
+    the call samples the policy of the moment it starts (the client pinned: VLLMClient.pinned), however long
+    it runs. It runs on a thread of its own, so that a stop signal ends the wait for it at once, whatever it
+    waits for (config.Interrupted: the server's samples, a slow tool or environment, an agent, a user's
+    rollout); it is then abandoned."""
+    # Every request of this call samples the policy of now: the client pinned (a test's stand-in client, which
+    # has no pinned(), is used as it is).
+    name, pin = getattr(fn, "__name__", repr(fn)), getattr(ctx.client, "pinned", None)
+    ctx = dataclasses.replace(ctx, client=pin()) if pin else ctx
     episodes, G = unless_stopped(InThread(fn, rows, ctx), f"the rollout {name}"), ctx.num_generations
     if not isinstance(episodes, list) or len(episodes) != len(rows) * G:
         raise ValueError(f"rollout {name} returned {len(episodes) if hasattr(episodes, '__len__') else episodes!r} "
@@ -155,8 +160,8 @@ def run_rollout(fn, rows: list[dict], ctx: RolloutContext) -> list[Episode]:
 
 def training_samples(episodes: list[Episode]) -> tuple[list[Episode], torch.Tensor]:
     """What trains: each episode, after the samples its trajectory made before it (info["earlier_samples"]: an
-    agent's calls before an edited history, agents.py), which train with the episode's advantage. (the samples,
-    (S,) the episode of each)."""
+    agent's calls before an edited history, agents.py), which train with the episode's advantage. (the
+    samples, (S,) the episode of each)."""
     samples, of = [], []
     for i, e in enumerate(episodes):
         for earlier in e.info.get("earlier_samples", ()):
@@ -201,7 +206,7 @@ def presampled_from_json(lines: list[str] | None, rows: list[dict], first: int, 
     saved = [json.loads(line) for line in lines or []]
     if not saved or not saved[0]:
         return None
-    parts = [part for _, part in saved]  # "same_as" counts within one rank's part
+    parts = [part for _, part in saved]  # a record's "same_as" index counts within its rank's part
     records = [(r, part) for part in parts for r in part][first * G:(first + len(rows)) * G]
     inputs = {}  # id of a saved record -> its model inputs, made once
     for r, part in records:
@@ -235,12 +240,13 @@ def collate(episodes: list[Episode], pad_id: int) -> tuple[dict, dict]:
 
 
 def stack_model_inputs(episodes: list[Episode]) -> dict:
-    """The episodes' extra model inputs as one batch, a row per episode (logprobs.PerPrompt: episodes that share an
-    input, the G of a group, share its one copy). Each is a tensor of one row for its prompt (leading dimension
-    1), such as Idefics3's pixel_values (1, images, 3, H, W). Rows of unequal shape are padded with zeros to the
-    largest (Idefics3 skips all-zero images, as its own processor pads a batch), and an episode without an input
-    gets zeros of its shape (a prompt without an image, beside ones with). ValueError for an input that is not
-    one row per prompt (e.g. Qwen2-VL's flattened patches) or one per token (token_type_ids)."""
+    """The episodes' extra model inputs as one batch, a row per episode (logprobs.PerPrompt: episodes that
+    share an input, the G of a group, share its one copy). Each is a tensor of one row for its prompt (leading
+    dimension 1), such as Idefics3's pixel_values (1, images, 3, H, W). Rows of unequal shape are padded with
+    zeros to the largest (Idefics3 skips all-zero images, as its own processor pads a batch), and an episode
+    without an input gets zeros of its shape (a prompt without an image, beside ones with). ValueError for an
+    input that is not one row per prompt (e.g. Qwen2-VL's flattened patches) or one per token
+    (token_type_ids)."""
     keys = list(dict.fromkeys(k for e in episodes for k in e.model_inputs))
     out = {}
     for k in keys:
@@ -256,22 +262,24 @@ def stack_model_inputs(episodes: list[Episode]) -> dict:
             raise ValueError(f"model input {k!r} has tensors of {sorted({v.dim() for v in present})} dimensions "
                              "across episodes; give every episode the same layout")
         shape = [max(v.shape[d] for v in present) for d in range(present[0].dim())]
-        unique = present[0].new_zeros([len(present) + 1, *shape[1:]])  # the last row: zeros, for the episodes
-        for u, v in enumerate(present):                                # without this input
+        # A row per distinct tensor, and a last row of zeros for the episodes without this input.
+        unique = present[0].new_zeros([len(present) + 1, *shape[1:]])
+        for u, v in enumerate(present):
             unique[(u, *(slice(0, n) for n in v.shape[1:]))] = v[0]
         row = {id(v): u for u, v in enumerate(present)}
         out[k] = PerPrompt(unique, torch.tensor([len(present) if v is None else row[id(v)] for v in values]))
     return out
 
 
-PER_TOKEN_INPUTS = ("token_type_ids", "mm_token_type_ids")  # would need the padding of input_ids: not supported
+# Inputs with a value per token would need the padding of input_ids, so they are not supported.
+PER_TOKEN_INPUTS = ("token_type_ids", "mm_token_type_ids")
 
 
 def ahead_from_json(lines: list[str] | None, step: int, rows_of, first: int, G: int) -> dict[int, tuple]:
     """A checkpoint's batches sampled ahead, as every rank saved them (one JSON line per rank, in rank order:
     {step: [policy version, its episodes]}; a checkpoint of one batch ahead: [version, episodes] of `step`) ->
-    {step: (version, this rank's episodes)}: `rows_of(step)` are this rank's rows of the step, from `first` on (so
-    any number of processes can resume them). A step that not every rank saved is left out."""
+    {step: (version, this rank's episodes)}: `rows_of(step)` are this rank's rows of the step, from `first` on
+    (so any number of processes can resume them). A step that not every rank saved is left out."""
     saved = [json.loads(line) for line in lines or []]
     saved = [{str(step): s} if isinstance(s, list) else s or {} for s in saved]
     steps = set.intersection(*map(set, saved)) if saved else set()
@@ -280,15 +288,15 @@ def ahead_from_json(lines: list[str] | None, step: int, rows_of, first: int, G: 
 
 class SampledAhead:
     """The batches the server samples while the trainer trains (--async_generation), K steps ahead at most
-    (--max_staleness; K = 0: none, each batch is sampled when its step starts). `launch(step)` starts the requests of
-    steps step+1 .. step+K not under way yet, each with the policy version of now; `take(step)` returns the step's
-    (version, episodes), sampled ahead or now. K = 1: `settle(step)` waits for the batch ahead before each push, so
-    that one policy samples it; K > 1: pushes land while batches are sampled (the server pauses their requests), and a
-    batch's version is that of its start. A batch more than K rounds old (a checkpoint's, resumed with a smaller K) is
-    dropped and sampled again, said and counted. `sample(step)` makes the call that samples the step's batch,
-    `guard` runs it (a server lost meanwhile: sampled again, with the weights of then), `version()` is the policy
-    version (optimizer steps), `per_round` optimizer steps per round. `probe_alone`: the server has LoRA on (see
-    before_probe)."""
+    (--max_staleness; K = 0: none, each batch is sampled when its step starts). `launch(step)` starts the
+    requests of steps step+1 .. step+K not under way yet, each with the policy version of now; `take(step)`
+    returns the step's (version, episodes), sampled ahead or now. K = 1: `settle(step)` waits for the batch
+    ahead before each push, so that one policy samples it; K > 1: pushes land while batches are sampled (the
+    server pauses their requests), and a batch's version is that of its start. A batch more than K rounds old
+    (a checkpoint's, resumed with a smaller K) is dropped and sampled again, said and counted. `sample(step)`
+    makes the call that samples the step's batch, `guard` runs it (a server lost meanwhile: sampled again,
+    with the weights of then), `version()` is the policy version (optimizer steps), `per_round` optimizer
+    steps per round. `probe_alone`: the server has LoRA on (see before_probe)."""
 
     def __init__(self, K: int, sample, guard, version, per_round: int, restored: dict | None = None,
                  probe_alone: bool = False):
@@ -325,38 +333,40 @@ class SampledAhead:
             self.batches[step + 1] = self._done(step + 1)
 
     def before_probe(self):
-        """K > 1 on a server with LoRA on: wait for the batches under way. vLLM's CPU LoRA layer fails on prompt
-        log-probs (the sync probe's) computed next to other requests (an einsum over mismatched rows kills the
-        engine); without LoRA on, the probe runs beside them."""
+        """K > 1 on a server with LoRA on: wait for the batches under way. vLLM's CPU LoRA layer fails on
+        prompt log-probs (the sync probe's) computed next to other requests (an einsum over mismatched rows
+        kills the engine); without LoRA on, the probe runs beside them."""
         if self.probe_alone and self.K > 1:
             self.finished(wait=True)
 
     def finished(self, wait: bool) -> dict[int, tuple]:
-        """{step: (version, episodes)} of the batches sampled ahead (for a checkpoint): every one, waited for, or
-        (not `wait`: a stop, the server maybe gone) those whose requests have ended."""
+        """{step: (version, episodes)} of the batches sampled ahead (for a checkpoint): every one, waited for,
+        or (not `wait`: a stop, the server maybe gone) those whose requests have ended."""
         for step, (version, batch) in list(self.batches.items()):
-            if wait and isinstance(batch, InThread):  # every rank, the same steps: a collective
+            if wait and isinstance(batch, InThread):  # every rank waits for the same steps: a collective
                 self.batches[step] = self._done(step)
-            elif isinstance(batch, InThread) and batch.wait(0) and batch.error is None:  # this rank's alone
+            # Not waiting: the batches this rank has finished.
+            elif isinstance(batch, InThread) and batch.wait(0) and batch.error is None:
                 self.batches[step] = version, batch.result()
         return {step: b for step, b in sorted(self.batches.items()) if not isinstance(b[1], InThread)}
 
     def to_json(self, step: int, wait: bool) -> str:
-        """This rank's share of the batches sampled ahead for steps `step` on (finished(wait)), as a checkpoint keeps
-        it: {step: [version, episodes]} (ahead_from_json reads it)."""
+        """This rank's share of the batches sampled ahead for steps `step` on (finished(wait)), as a
+        checkpoint keeps it: {step: [version, episodes]} (ahead_from_json reads it)."""
         return json.dumps({j: (v, episodes_to_json(e)) for j, (v, e) in self.finished(wait).items() if j >= step})
 
     def metrics(self) -> dict:
         return {"staleness": self.staleness, "stale_batches_dropped": self.dropped} if self.K else {}
 
     def _done(self, step: int) -> tuple[int, list]:
-        """The step's batch with its requests ended; sampled again with the weights of now if the server was lost. A
-        batch that lost the server which the guard has found again since it was launched is sampled again at once,
-        without another reconnect (one restart: one reconnect and push, whatever number of batches it cut short)."""
+        """The step's batch with its requests ended; sampled again with the weights of now if the server was
+        lost. A batch that lost the server which the guard has found again since it was launched is sampled
+        again at once, without another reconnect (one restart: one reconnect and push, whatever number of
+        batches it cut short)."""
         version, batch = self.batches[step]
         if isinstance(batch, InThread):
             reconnects = self.guard.reconnects
-            batch.wait(None)  # (its rollout ends at a stop signal too: config.Interrupted)
+            batch.wait(None)  # a stop signal ends its rollout too (config.Interrupted)
             found_again = reconnects > self.launched_at.get(step, reconnects) and isinstance(batch.error, ServerLost)
             batch = self.guard.run(self.sample(step) if found_again else batch.result)
             version = version if self.guard.reconnects == reconnects and not found_again else self.version()
@@ -364,33 +374,37 @@ class SampledAhead:
 
 
 class StepRollouts:
-    """Which rows this rank samples at each step, and the calls that sample them: the same rows and seeds on a resume,
-    with any number of processes, and repeatable (the server guard runs a call again after a reconnect). `ctx`: the
-    rollout's context, its seed replaced by each call's."""
+    """Which rows this rank samples at each step, and the calls that sample them: the same rows and seeds on a
+    resume, with any number of processes, and repeatable (the server guard runs a call again after a
+    reconnect). `ctx`: the rollout's context, its seed replaced by each call's."""
 
     def __init__(self, mixture, ctx: RolloutContext, cfg, rank: int, world_size: int):
         self.mixture, self.ctx, self.rank, self.world_size = mixture, ctx, rank, world_size
-        self.seed, self.prompts_per_step, self.per_rank = cfg.seed, cfg.prompts_per_step, cfg.prompts_per_step // world_size
+        self.seed, self.prompts_per_step, self.per_rank = (cfg.seed, cfg.prompts_per_step,
+                                                           cfg.prompts_per_step // world_size)
         self.num_generations_eval = cfg.num_generations_eval
 
     def rows_of(self, step: int, extra_round: int = 0) -> list[int]:
         """This rank's rows (indices) of `step`, or of its extra sampling round (--dynamic_sampling)."""
-        indices = self.mixture.step_rows(step, self.prompts_per_step, self.seed + 1_000_003 * extra_round)  # by task
+        # The step's rows over all ranks, drawn task by task (mixture.step_rows); this rank takes its slice.
+        indices = self.mixture.step_rows(step, self.prompts_per_step, self.seed + 1_000_003 * extra_round)
         return indices[self.rank * self.per_rank:(self.rank + 1) * self.per_rank]
 
     def call(self, step: int, extra_round: int = 0):
         """The call that samples this rank's episodes of `step` (G per row, row by row)."""
-        seed = ((self.seed * 1_000_000 + step) * 1000 + self.rank + extra_round * 10 ** 15) % SEED_LIMIT  # in int64
+        # One seed per step, rank and extra round, within int64 (SEED_LIMIT).
+        seed = ((self.seed * 1_000_000 + step) * 1000 + self.rank + extra_round * 10 ** 15) % SEED_LIMIT
         rows = [self.mixture.rows[i] for i in self.rows_of(step, extra_round)]
         return functools.partial(run_rollout, self.mixture.rollout, rows, dataclasses.replace(self.ctx, seed=seed))
 
     def evaluation(self) -> tuple[list[int], functools.partial]:
-        """This rank's share of the evaluation rows (indices) and the call that samples them, with the same seeds
-        every time (two evaluations differ only by the weights)."""
+        """This rank's share of the evaluation rows (indices) and the call that samples them, with the same
+        seeds every time (two evaluations differ only by the weights)."""
         mine = list(range(self.rank, len(self.mixture.eval_rows), self.world_size))
         seed = ((self.seed * 1_000_000 + 999_999) * 1000 + self.rank) % SEED_LIMIT
         ctx = dataclasses.replace(self.ctx, num_generations=self.num_generations_eval, seed=seed)
-        return mine, functools.partial(run_rollout, self.mixture.rollout, [self.mixture.eval_rows[i] for i in mine], ctx)
+        return mine, functools.partial(run_rollout, self.mixture.rollout,
+                                       [self.mixture.eval_rows[i] for i in mine], ctx)
 
     def first_of_each_task(self):
         """--dry_run's rollout: the call that samples G episodes of each task's first row (rank 0 alone)."""
