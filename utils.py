@@ -1,8 +1,8 @@
-"""What the trainer and the tools around it share and that has no subject of its own: the process group and its
-collectives (sum_over_ranks, print0, ...), free ports, the processes a test or script starts, the lock on the output
-folder, a call on a thread of its own (InThread). Not here: the models and their wrappers (models.py), log-probs
-(logprobs.py), checkpoints (checkpoints.py), the data (data.py), what a run reports (metrics.py), the weights on
-their way to the server (weight_sync.py).
+"""What the trainer and the tools around it share and that has no subject of its own: the process group and
+its collectives (sum_over_ranks, print0, ...), free ports, the processes a test or script starts, the lock on
+the output folder, a call on a thread of its own (InThread). Not here: the models and their wrappers
+(models.py), log-probs (logprobs.py), checkpoints (checkpoints.py), the data (data.py), what a run reports
+(metrics.py), the weights on their way to the server (weight_sync.py).
 """
 import ctypes
 import datetime
@@ -31,15 +31,16 @@ from config import STOP, Interrupted, UsageError, run_main
 # distributed: the process group, its collectives, rank 0's prints
 
 def setup_distributed(timeout_s: float = 1800):
-    """Returns rank, local_rank, world_size, device, is_main. Works under torchrun and plain python. A collective
-    waits up to `timeout_s` for the other ranks."""
+    """Returns rank, local_rank, world_size, device, is_main. Works under torchrun and plain python. A
+    collective waits up to `timeout_s` for the other ranks."""
     if "RANK" not in os.environ:  # plain `python train.py`
         return 0, 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu"), True
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device,  # small CPU tensors (metrics) go over gloo
+        # Small CPU tensors (the metrics' sums) go over gloo, the GPU's over NCCL.
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     else:
         device = torch.device("cpu")
@@ -52,28 +53,32 @@ def teardown_distributed():
         dist.destroy_process_group()
 
 
-CLOSE_AT_EXIT: list = []  # what a run must close however it ends (its metrics logger: wandb's run), by run_and_exit
+# What a run must close however it ends (its metrics logger: wandb's run); run_and_exit closes them.
+CLOSE_AT_EXIT: list = []
 
 
 def run_and_exit(main, *args):
     """config.run_main(main, *args) (a start-up mistake: one line, exit code 2), then the process groups are
     destroyed and the process ends without Python's interpreter shutdown. gloo's worker threads outlive
-    destroy_process_group while FSDP2's DTensors still reference their group, and a worker that frees a finished
-    collective (whose tensors are Python objects) takes the GIL: during interpreter shutdown that aborts the
-    process (SIGABRT, "terminate called without an active exception"), after a run that saved everything. An
-    unforeseen error keeps its traceback and Python's usual exit."""
+    destroy_process_group while FSDP2's DTensors still reference their group, and a worker that frees a
+    finished collective (whose tensors are Python objects) takes the GIL: during interpreter shutdown that
+    aborts the process (SIGABRT, "terminate called without an active exception"), after a run that saved
+    everything. An unforeseen error keeps its traceback and Python's usual exit."""
     try:
         run_main(main, *args)
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     finally:
-        for close in reversed(CLOSE_AT_EXIT):  # however main ended: a stop by a signal or a foreseen one included
+        # However main ended, a stop by a signal or a foreseen one included.
+        for close in reversed(CLOSE_AT_EXIT):
             with suppress(Exception):
                 close()
         release_locks()  # the output folder is free for the next run (after kill -9, its lock goes stale)
-        gc.collect()  # main()'s objects that an exception's frames hold in a cycle end now, with their finalizers
-        teardown_distributed()  # (the reward scorer's process pool); os._exit below runs none
+        # main()'s objects that an exception's frames hold in a cycle end now, with their finalizers (the
+        # reward scorer's process pool): os._exit below runs none.
+        gc.collect()
+        teardown_distributed()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -106,11 +111,11 @@ def extremes_over_ranks(values: dict) -> dict[str, float]:
 
 
 def quantile_over_ranks(values: torch.Tensor, q: float) -> float:
-    """The q-quantile of the 1-D CPU tensors `values` of all ranks together, on every rank; nan if there are none.
-    Computed as torch.quantile computes it in float32 (TRL's high-entropy threshold), without its limit of 2^24
-    values (past it the float32 position is within a value or two of exact): the position q (n - 1) is a float32
-    product, so where it is whole in exact arithmetic (q = 0.3, 21 values) it lands on a value, where float64 would
-    land a hair past it and leave that value out."""
+    """The q-quantile of the 1-D CPU tensors `values` of all ranks together, on every rank; nan if there are
+    none. Computed as torch.quantile computes it in float32 (TRL's high-entropy threshold), without its limit
+    of 2^24 values (past it the float32 position is within a value or two of exact): the position q (n - 1) is
+    a float32 product, so where it is whole in exact arithmetic (q = 0.3, 21 values) it lands on a value,
+    where float64 would land a hair past it and leave that value out."""
     values = values.detach().float().flatten()
     if dist.is_initialized():
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
@@ -122,13 +127,14 @@ def quantile_over_ranks(values: torch.Tensor, q: float) -> float:
     if not len(values):
         return math.nan
     v, position = values.sort().values, torch.tensor(q, dtype=torch.float32) * (len(values) - 1)
-    low = min(int(position), len(v) - 1)  # past 2^24 values the float32 position can round past the last
+    low = min(int(position), len(v) - 1)  # past 2^24 values, the float32 position can round past the end
     return float(torch.lerp(v[low], v[min(low + 1, len(v) - 1)], position - low))
 
 
 def moments_over_ranks(values: torch.Tensor) -> tuple[float, float]:
-    """The mean and unbiased std of `values` over all ranks, NaN entries left out (--scale_rewards batch, GDPO), in
-    float64 and in two passes (the std from the deviations from the mean: no cancellation for large rewards)."""
+    """The mean and unbiased std of `values` over all ranks, NaN entries left out (--scale_rewards batch,
+    GDPO), in float64 and in two passes (the std from the deviations from the mean: no cancellation for large
+    rewards)."""
     values = values.double()
     t = sum_over_ranks({"n": (~values.isnan()).sum(), "sum": values.nansum()})
     mean = t["sum"] / max(t["n"], 1)
@@ -159,8 +165,8 @@ def text_of_rank0(text: str) -> str:
 
 
 def gather_lines(lines: list[str]) -> list[str]:
-    """Every rank's lines, in rank order, on rank 0 (the other ranks get []): the lengths go to every rank, the
-    text only to rank 0. As byte tensors, which gloo and the CPU side of "cpu:gloo,cuda:nccl" carry."""
+    """Every rank's lines, in rank order, on rank 0 (the other ranks get []): the lengths go to every rank,
+    the text only to rank 0. As byte tensors, which gloo and the CPU side of "cpu:gloo,cuda:nccl" carry."""
     if not dist.is_initialized():
         return lines
     text = bytearray("".join(line + "\n" for line in lines).encode())
@@ -181,8 +187,9 @@ def gather_lines(lines: list[str]) -> list[str]:
 # processes: free ports, stopping what a test or script started, the output folder's lock
 
 def free_ports(n: int = 1, host: str = "127.0.0.1") -> list[int]:
-    """`n` distinct ports free on `host` now, drawn below the kernel's ephemeral range: one drawn there stays free
-    until it is used, as no socket bound to port 0 (gloo's, vLLM's, any client's) is given it meanwhile."""
+    """`n` distinct ports free on `host` now, drawn below the kernel's ephemeral range: one drawn there stays
+    free until it is used, as no socket bound to port 0 (gloo's, vLLM's, any client's) is given it
+    meanwhile."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             low = int(f.read().split()[0])
@@ -257,22 +264,23 @@ def cpu_seconds_of_group(pgid: int) -> float:
 
 
 class OutputLock:
-    """output_dir/.lock while a run uses the folder: a second run into it stops, on this node or another, and a
-    requeue is not stopped by the lock of its own run that died. The file names the run (pid and host); it is
-    written under a name of our own and put in place by link(2), which fails if a lock is there, so two starts
-    cannot both take it, also where flock is missing. The run holds flock(2) on it, which the kernel frees the
-    moment the process ends, however it ends, and renews its time every RENEW_S s. A start that finds a lock:
+    """output_dir/.lock while a run uses the folder: a second run into it stops, on this node or another, and
+    a requeue is not stopped by the lock of its own run that died. The file names the run (pid and host); it
+    is written under a name of our own and put in place by link(2), which fails if a lock is there, so two
+    starts cannot both take it, also where flock is missing. The run holds flock(2) on it, which the kernel
+    frees the moment the process ends, however it ends, and renews its time every RENEW_S s. A start that
+    finds a lock:
     - of this node, flocked: a live process, the start stops at once;
     - of this node and free (flock says so, or without flock its process is gone): takes it over at once;
-    - else (another node's: its flock may not reach here, as with Lustre localflock, or may outlive its run, as NFS
-      keeps a lost node's lock on the server until its lease ends; or any lock on a filesystem without flock, NFSv3
-      without lockd: ENOLCK, Lustre noflock: ENOSYS): watches it, one line said, for WATCH_RENEWALS periods at least
-      (clocks of two nodes may differ: a renewal seen needs none) and until STALE_RENEWALS have passed since its last
-      renewal (a minute), and while its flock is held, until it is freed, for up to that minute and NFS_LEASE_S more.
-      Renewed or replaced meanwhile: a live run, the start stops (exit 2); not: its run is gone (kill -9, a node
-      lost), and it is taken over; its flock still held at the bound: the start stops and says how to free it.
-      A requeue on another node right after its run's end waits instead of exiting 2, which a scheduler does not
-      requeue.
+    - else (another node's: its flock may not reach here, as with Lustre localflock, or may outlive its run,
+      as NFS keeps a lost node's lock on the server until its lease ends; or any lock on a filesystem without
+      flock, NFSv3 without lockd: ENOLCK, Lustre noflock: ENOSYS): watches it, one line said, for
+      WATCH_RENEWALS periods at least (clocks of two nodes may differ: a renewal seen needs none) and until
+      STALE_RENEWALS have passed since its last renewal (a minute), and while its flock is held, until it is
+      freed, for up to that minute and NFS_LEASE_S more. Renewed or replaced meanwhile: a live run, the start
+      stops (exit 2); not: its run is gone (kill -9, a node lost), and it is taken over; its flock still held
+      at the bound: the start stops and says how to free it. A requeue on another node right after its run's
+      end waits instead of exiting 2, which a scheduler does not requeue.
     The lock is registered (held) before it is put in place, so that a stop signal while it starts
     (config.SignalStop) leaves none behind. close() (or release_locks(), as the process ends) removes it."""
 
@@ -283,9 +291,10 @@ class OutputLock:
     def __init__(self, output_dir: str):
         self.output_dir, self.path = output_dir, os.path.join(output_dir, ".lock")
         self.me, self.said_no_flock = f"pid {os.getpid()} on {socket.gethostname()}", False
-        self.mine = f"{self.path}.{self.me.replace(' ', '-')}"  # our lock before it is put in place
+        self.mine = f"{self.path}.{self.me.replace(' ', '-')}"  # our lock, before it is renamed into place
         self.stop, self.file = threading.Event(), None
-        OutputLock.held.append(self)  # before our lock is in place: however this start ends, close() removes it
+        # Listed before our lock is in place, so that however this start ends, close() removes it.
+        OutputLock.held.append(self)
         try:
             self.file = open(self.mine, "w+")
             self._flock(self.file)
@@ -313,15 +322,16 @@ class OutputLock:
                              "which its lock needs: choose another --output_dir") from None
 
     def _ours_in_place(self) -> bool:
-        """Whether the lock in place is our file. Over NFS, a call the server did can still fail: its reply is lost
-        and the client's retransmission finds it done (link: EEXIST; rename: ENOENT). The open(2) man page's
-        recipe for link checks that our file gained the link; the same file in place says it for both calls."""
+        """Whether the lock in place is our file. Over NFS, a call the server did can still fail: its reply is
+        lost and the client's retransmission finds it done (link: EEXIST; rename: ENOENT). The open(2) man
+        page's recipe for link checks that our file gained the link; the same file in place says it for both
+        calls."""
         there = self._look()
         return there is not None and os.path.samestat(there[1], os.fstat(self.file.fileno()))
 
     def _flock(self, f) -> str:
-        """flock(2) on `f`, not waiting: "ours", "held" (by another open file: a live run's, or a lost node's that
-        its NFS server still keeps) or "missing" (the filesystem has none: said once)."""
+        """flock(2) on `f`, not waiting: "ours", "held" (by another open file: a live run's, or a lost node's
+        that its NFS server still keeps) or "missing" (the filesystem has none: said once)."""
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return "ours"
@@ -335,10 +345,10 @@ class OutputLock:
             return "missing"
 
     def _look(self, probe_flock: bool = False) -> tuple[str, os.stat_result, str | None] | None:
-        """(owner, stat, flock) of the lock in place, None if there is none; `flock` as _flock says (probe_flock:
-        ours only for the look, the file is closed at once), else None. Opened, not stat(2)'ed: NFS revalidates a
-        file's attributes on open, while a stat may answer from its cache for up to a minute. Opened for writing
-        to probe: NFS emulates flock with a write lock."""
+        """(owner, stat, flock) of the lock in place, None if there is none; `flock` as _flock says
+        (probe_flock: ours only for the look, the file is closed at once), else None. Opened, not stat(2)'ed:
+        NFS revalidates a file's attributes on open, while a stat may answer from its cache for up to a
+        minute. Opened for writing to probe: NFS emulates flock with a write lock."""
         try:
             f = open(self.path, "r+" if probe_flock else "r")
         except FileNotFoundError:
@@ -348,8 +358,8 @@ class OutputLock:
             return _owner(f), os.fstat(f.fileno()), flock
 
     def _judge_the_lock_there(self) -> bool:
-        """One look at the lock in place, not ours: stop, take it over (True), or watch it until one of those is
-        due. False: look again (it was removed, or taken over by another start meanwhile)."""
+        """One look at the lock in place, not ours: stop, take it over (True), or watch it until one of those
+        is due. False: look again (it was removed, or taken over by another start meanwhile)."""
         there = self._look(probe_flock=True)
         if there is None:  # its run has just ended
             return False
@@ -371,12 +381,14 @@ class OutputLock:
 
     def _went_stale(self, owner: str, seen: os.stat_result, flocked: bool) -> bool:
         """Watch the lock `seen` (as first opened) for WATCH_RENEWALS periods at least and until it has gone
-        unrenewed for STALE_RENEWALS by its time (a time ahead of our clock: a whole stale window, no more), and while
-        its flock is held (`flocked`), until that is freed: True then. False if it was removed (its run ended).
-        UsageError if it was renewed or replaced (a live run), or its flock outlived the bound (a lost node's)."""
+        unrenewed for STALE_RENEWALS by its time (a time ahead of our clock: a whole stale window, no more),
+        and while its flock is held (`flocked`), until that is freed: True then. False if it was removed (its
+        run ended). UsageError if it was renewed or replaced (a live run), or its flock outlived the bound (a
+        lost node's)."""
         stale_s, age = self.RENEW_S * self.STALE_RENEWALS, time.time() - seen.st_mtime
-        # The clocks of two nodes can differ (ours 2 minutes ahead made a lock renewed just now look stale, and it was
-        # taken over from its live run); a renewal seen needs no clock, so some are watched for whatever the age.
+        # The clocks of two nodes can differ (ours 2 minutes ahead made a lock renewed just now look stale,
+        # and it was taken over from its live run); a renewal seen needs no clock, so some are watched for
+        # whatever the age.
         wait = min(stale_s, max(self.RENEW_S * self.WATCH_RENEWALS, stale_s - age))
         bound = stale_s + self.NFS_LEASE_S
         print(self._watching(owner, age, bound if flocked else wait, flocked), flush=True)
@@ -412,10 +424,10 @@ class OutputLock:
                 f"run is frozen. If no run uses the folder, delete {self.path}")
 
     def _take_over(self, owner: str, seen: os.stat_result) -> bool:
-        """Replace the lock judged a gone run's by ours, if it is still that very file (same inode, not renewed
-        since). One start alone may: it claims that file first, by an exclusive create named after it; a start that
-        finds the claim made stops, as the claimant will run. rename(2) replaces the lock whole: never a moment
-        without one, in which a third start could put its own in place."""
+        """Replace the lock judged a gone run's by ours, if it is still that very file (same inode, not
+        renewed since). One start alone may: it claims that file first, by an exclusive create named after it;
+        a start that finds the claim made stops, as the claimant will run. rename(2) replaces the lock whole:
+        never a moment without one, in which a third start could put its own in place."""
         claim = f"{self.path}.{seen.st_ino}-{seen.st_mtime_ns}"
         try:
             os.close(os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
@@ -425,7 +437,8 @@ class OutputLock:
                              f"folder, delete {claim}") from None
         try:
             now = self._look()
-            if now is None or not _same_file(now[1], seen):  # removed, renewed or replaced meanwhile: look again
+            # Removed, renewed or replaced meanwhile: look again.
+            if now is None or not _same_file(now[1], seen):
                 return False
             try:
                 os.rename(self.mine, self.path)
@@ -442,8 +455,8 @@ class OutputLock:
                 os.utime(self.file.fileno())
 
     def close(self):
-        """The folder is free: the file goes if it is ours (not taken over meanwhile, and put in place: a start
-        stopped before that leaves the lock there as it was), then the flock."""
+        """The folder is free: the file goes if it is ours (not taken over meanwhile, and put in place: a
+        start stopped before that leaves the lock there as it was), then the flock."""
         if self in OutputLock.held:
             OutputLock.held.remove(self)
             self.stop.set()
@@ -456,7 +469,8 @@ class OutputLock:
 
 
 def _owner(f) -> str:
-    """Who a lock file names ("pid 4242 on host"); an empty one (written by hand, or by older code) a start."""
+    """Who a lock file names ("pid 4242 on host"); an empty one (written by hand, or by older code) a
+    start."""
     f.seek(0)
     return f.read().strip() or "a run starting"
 
@@ -472,9 +486,9 @@ def release_locks():
 
 
 def set_malloc_thresholds(mmap_bytes: int, trim_bytes: int) -> bool:
-    """glibc's allocator: blocks of `mmap_bytes` or more are mapped on their own (handed back to the kernel when
-    freed), and the heap is trimmed once more than `trim_bytes` at its top are free (both fixed: glibc's own
-    threshold rises to 32 MB as blocks are freed). Left alone if you chose these settings yourself
+    """glibc's allocator: blocks of `mmap_bytes` or more are mapped on their own (handed back to the kernel
+    when freed), and the heap is trimmed once more than `trim_bytes` at its top are free (both fixed: glibc's
+    own threshold rises to 32 MB as blocks are freed). Left alone if you chose these settings yourself
     (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, GLIBC_TUNABLES) or preload another allocator, and a no-op
     without glibc. Returns whether it applied."""
     chosen = ("MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ
@@ -485,7 +499,7 @@ def set_malloc_thresholds(mmap_bytes: int, trim_bytes: int) -> bool:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
         return False
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # malloc.h
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers, from malloc.h
     return bool(mallopt(M_MMAP_THRESHOLD, mmap_bytes) and mallopt(M_TRIM_THRESHOLD, trim_bytes))
 
 
@@ -509,7 +523,7 @@ class InThread:
     def wait(self, timeout: float | None) -> bool:
         """Whether the call has ended and its result is still to be taken, after waiting up to `timeout` s
         (None: until it ends)."""
-        if self.thread is None:  # taken: nothing more will come
+        if self.thread is None:  # its result was taken: nothing more will come
             time.sleep(timeout or 0)
             return False
         self.thread.join(timeout)
@@ -526,8 +540,9 @@ class InThread:
 
 
 def unless_stopped(call: InThread, what: str, poll_s: float = 0.2):
-    """call.result(), unless a stop signal arrives first (config.STOP): then Interrupted, and the call is abandoned.
-    Its thread runs on until the process ends, and its requests to the server end with the process's connections."""
+    """call.result(), unless a stop signal arrives first (config.STOP): then Interrupted, and the call is
+    abandoned. Its thread runs on until the process ends, and its requests to the server end with the
+    process's connections."""
     while not call.wait(poll_s):
         if STOP.is_set():
             raise Interrupted(f"a stop signal arrived during {what}")
