@@ -10,9 +10,10 @@ prompt. A run with one --dataset is a mixture of one task and runs as it always 
     --env calc=embedded:Calculator,guess=embedded:Guess --dataset data.jsonl
                                                   # TRL's form: each row's `environment` column picks its task
 
-Sampling: each step draws the task of each of its prompts by the weights, seeded by the step (a resumed run draws
-the same), and takes each task's next prompts from that task's own shuffled order. A group is the G completions of
-one prompt, so it never mixes tasks. Every row of a mixture carries its task's name in a `task` column.
+Sampling: each step draws the task of each of its prompts by the weights, seeded by the step (a resumed run
+draws the same), and takes each task's next prompts from that task's own shuffled order. A group is the G
+completions of one prompt, so it never mixes tasks. Every row of a mixture carries its task's name in a `task`
+column.
 
 Rewards: the reward matrix has a column for each reward function of any task (their union), then one for each
 environment's get_reward(). A function scores only the rows of its tasks; the other rows stay NaN there (not
@@ -51,7 +52,7 @@ class Task:
     dataset: str
     weight: float = 1.0  # sampling weight; the weights of a mixture need not sum to 1
     reward_funcs: str = ""  # comma-separated, as --reward_funcs ("" = --reward_funcs)
-    reward_weights: str = ""  # one per reward function ("" = all 1.0, or --reward_weights with --reward_funcs)
+    reward_weights: str = ""  # one per function ("" = all 1.0, or --reward_weights with --reward_funcs)
     rollout: str = ""  # module:function ("" = --rollout)
     env: str = ""  # module:factory or an embedded environment ("" = --env, unless a mixture names several)
     tools: str = ""  # module:function,... ("" = --tools)
@@ -62,7 +63,7 @@ class Task:
     eval_dataset: str = ""  # its held-out rows ("" = the embedded task's own, else none)
     eval_split: str = "test"
     environment: str = ""  # TRL's form: this task is the rows whose `environment` column is this
-    # filled by load_mixture
+    # The fields below are filled by load_mixture.
     rows: list = field(default_factory=list, repr=False)
     eval_rows: list = field(default_factory=list, repr=False)
     rollout_fn: object = None
@@ -75,24 +76,25 @@ TASK_KEYS = [f.name for f in dataclasses.fields(Task) if f.name not in ("rows", 
 
 
 def is_mixture(cfg) -> bool:
-    """Whether the flags name several tasks (or one in a mixture's form): --dataset with a comma, a weight or a
-    name, or a mixture file; --env with names (TRL's dict of environments)."""
+    """Whether the flags name several tasks (or one in a mixture's form): --dataset with a comma, a weight or
+    a name, or a mixture file; --env with names (TRL's dict of environments)."""
     return "=" in cfg.env or is_mixture_spec(cfg.dataset)
 
 
 def parse_tasks(cfg) -> list[Task]:
-    """The tasks the flags name, not yet loaded: UsageError naming the source for a weight that does not parse or
-    is not positive, two tasks of one name, an unknown key in a mixture file."""
+    """The tasks the flags name, not yet loaded: UsageError naming the source for a weight that does not parse
+    or is not positive, two tasks of one name, an unknown key in a mixture file."""
     globals_ = {k: getattr(cfg, k) for k in TASK_KEYS if hasattr(cfg, k)}
     if "=" in cfg.env:  # TRL's form: a dict of environments, the dataset's `environment` column picks one
-        tasks, own = [], []  # (each scored by the flags' rewards)
+        tasks, own = [], []  # each task is scored by the flags' reward functions
         for part in (p.strip() for p in cfg.env.split(",") if p.strip()):
             name, eq, factory = part.partition("=")
             if not eq or not name.strip() or not factory.strip():
                 raise UsageError(f"--env {cfg.env}: give name=module:factory,... (TRL's dict of environments), each "
                                  "name a value of the dataset's `environment` column")
+            # Weight NaN: the task is drawn by its share of the dataset's rows.
             tasks.append(Task(**{**globals_, "name": name.strip(), "env": factory.strip(),
-                                 "environment": name.strip(), "weight": math.nan}))  # weight: its share of the rows
+                                 "environment": name.strip(), "weight": math.nan}))
     elif is_mixture_spec(cfg.dataset) and cfg.dataset.endswith((".yaml", ".yml", ".json")):
         own = [{**_task_defaults(entry, cfg), **entry} for entry in _read_mixture_file(cfg.dataset)]
         tasks = [Task(**{**globals_, **entry}) for entry in own]
@@ -105,7 +107,8 @@ def parse_tasks(cfg) -> list[Task]:
             source, weight = (spec, None) if os.path.exists(spec) else split_weight(spec)
             if weight is None and ":" in spec and not os.path.exists(spec):  # a weight that is no number
                 source, _, weight = spec.rpartition(":")
-            own.append(_task_defaults({"dataset": source.strip(), "env": cfg.env}, cfg))  # with --env: no task preset
+            # With --env, an embedded task's preset does not apply.
+            own.append(_task_defaults({"dataset": source.strip(), "env": cfg.env}, cfg))
             tasks.append(Task(**{**globals_, **own[-1], "name": name.strip() or source_name(source),
                                  "dataset": source.strip(), "weight": _parse_weight(weight or "1", source.strip())}))
     else:  # one dataset (an embedded task's flags are set by config.parse_config, unless given)
@@ -122,7 +125,7 @@ def parse_tasks(cfg) -> list[Task]:
     if twice:
         raise UsageError(f"two tasks are named {twice[0]!r}: name each, e.g. --dataset easy=./a.jsonl,hard=./b.jsonl "
                          "or `name:` in a mixture file")
-    for flag in ("reward_funcs", "reward_weights"):  # given, but every task brings its own rewards
+    for flag in ("reward_funcs", "reward_weights"):  # refused where every task brings its own rewards
         if cfg.gives(flag) and own and all("reward_funcs" in o for o in own):
             raise UsageError(f"--{flag} {getattr(cfg, flag)} scores none of the tasks: each has its own "
                              f"({', '.join(f'{t.name}: {t.reward_funcs}' for t in tasks)}); to change a task's, give "
@@ -134,9 +137,10 @@ def parse_tasks(cfg) -> list[Task]:
 
 
 def _task_defaults(entry: dict, cfg) -> dict:
-    """What a mixture's task gets unless its entry says otherwise: an embedded environment's own reward functions,
-    or (without an env) an embedded task's own rewards and, unless --system_prompt is given, its system prompt
-    (config.EMBEDDED_ENVIRONMENTS, EMBEDDED_TASKS). A preset's reward weights go with its functions only."""
+    """What a mixture's task gets unless its entry says otherwise: an embedded environment's own reward
+    functions, or (without an env) an embedded task's own rewards and, unless --system_prompt is given, its
+    system prompt (config.EMBEDDED_ENVIRONMENTS, EMBEDDED_TASKS). A preset's reward weights go with its
+    functions only."""
     if entry.get("env"):
         preset = EMBEDDED_ENVIRONMENTS.get(entry["env"], ("", {}))[1]
     else:
@@ -166,7 +170,8 @@ def _parse_weight(text, source: str) -> float:
 
 
 def _read_mixture_file(path: str) -> list[dict]:
-    """The `tasks:` of a mixture file, each a dict of TASK_KEYS with `dataset` (or an `env` that makes its prompts)."""
+    """The `tasks:` of a mixture file, each a dict of TASK_KEYS with `dataset` (or an `env` that makes its
+    prompts)."""
     if not os.path.isfile(path):
         raise UsageError(f"--dataset {path}: no such mixture file")
     try:
@@ -200,12 +205,13 @@ def _read_mixture_file(path: str) -> list[dict]:
 
 
 class Mixture:
-    """The loaded tasks of a run: their rows (all of them in one list, task by task), the reward columns, and what
-    each task's rows are scored and weighted with. names: the k reward columns; own (T, k): the columns of each
-    task; weights (T, k): each task's weight of each of its columns (0 elsewhere)."""
+    """The loaded tasks of a run: their rows (all of them in one list, task by task), the reward columns, and
+    what each task's rows are scored and weighted with. names: the k reward columns; own (T, k): the columns
+    of each task; weights (T, k): each task's weight of each of its columns (0 elsewhere)."""
 
     def __init__(self, tasks: list[Task], mixed: bool):
-        self.tasks, self.mixed = tasks, mixed  # mixed: several tasks, or one in a mixture's form (task metrics)
+        # mixed: several tasks, or one in a mixture's form; such a run logs per-task metrics.
+        self.tasks, self.mixed = tasks, mixed
         self.index_of = {t.name: i for i, t in enumerate(tasks)}
         functions = list(dict.fromkeys(n for t in tasks for n in _names(t.reward_funcs)))
         self.env_names = list(dict.fromkeys(t.env_reward for t in tasks if t.env_reward))
@@ -220,7 +226,8 @@ class Mixture:
         self.rows = [row for t in tasks for row in t.rows]
         self.offsets = [sum(len(t.rows) for t in tasks[:i]) for i in range(len(tasks))]
         self.eval_rows = [row for t in tasks for row in t.eval_rows]
-        share = torch.tensor([len(t.rows) for t in tasks], dtype=torch.float64)  # TRL's form: as the dataset has them
+        # TRL's form (NaN weights): each task is drawn as often as the dataset has its rows.
+        share = torch.tensor([len(t.rows) for t in tasks], dtype=torch.float64)
         self.draw_weights = torch.tensor([share[i] if math.isnan(t.weight) else t.weight for i, t in enumerate(tasks)],
                                          dtype=torch.float64)
         self._counts = {}  # seed -> [(T,) prompts drawn of each task before step s, for s = 0, 1, ...]
@@ -241,14 +248,15 @@ class Mixture:
         return self.own[self.task_index([e.row for e in episodes])]
 
     def weighting(self, episodes: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """(N, k) each episode's task's reward weights, and (N, k) its task's columns (rewards.weighted_rewards)."""
+        """(N, k) each episode's task's reward weights, and (N, k) its task's columns
+        (rewards.weighted_rewards)."""
         tasks = self.task_index([e.row for e in episodes])
         return self.weights[tasks], self.own[tasks]
 
     def sync_probe(self, tokenizer, processor) -> Probe:
-        """The fixed trajectory the server scores after pushes, to catch a sync that silently went wrong: the first
-        task's first prompt, with its system prompt and tools (a tool call, as the multi-turn rollout renders it),
-        or its image (a vision-language model), then a fixed answer."""
+        """The fixed trajectory the server scores after pushes, to catch a sync that silently went wrong: the
+        first task's first prompt, with its system prompt and tools (a tool call, as the multi-turn rollout
+        renders it), or its image (a vision-language model), then a fixed answer."""
         first, row = self.tasks[0], self.rows[0]
         answer = " Let me think. 12 + 7 = 19, so the answer is \\boxed{19}."
         if first.schemas:
@@ -258,8 +266,8 @@ class Mixture:
         return Probe(encode_prompt(tokenizer, row["prompt"], first.system_prompt) + tokenizer(answer)["input_ids"])
 
     def describe(self) -> str:
-        """For the start line: `rewards ['accuracy', 'format'] x [1.0, 1.0]` (and the system prompt, if there is
-        one), or each task's weight and rewards."""
+        """For the start line: `rewards ['accuracy', 'format'] x [1.0, 1.0]` (and the system prompt, if there
+        is one), or each task's weight and rewards."""
         if not self.mixed:
             system = self.tasks[0].system_prompt
             return f"rewards {self.names} x {self.weights[0].tolist()}" + (f' | system "{system}"' if system else "")
@@ -268,16 +276,16 @@ class Mixture:
                                     for i, (t, p) in enumerate(zip(self.tasks, share)))
 
     def summary_names(self) -> dict[str, list[str]]:
-        """The reward functions of the run's last line (metrics.eval_summary), under their metrics' prefix: all of
-        them under eval/, or in a mixture each task's own under eval/task/<name>/."""
+        """The reward functions of the run's last line (metrics.eval_summary), under their metrics' prefix:
+        all of them under eval/, or in a mixture each task's own under eval/task/<name>/."""
         if not self.mixed:
             return {"eval": self.names}
         return {f"eval/task/{t.name}": [n for n, o in zip(self.names, self.own[i]) if o]
                 for i, t in enumerate(self.tasks) if t.eval_rows}
 
     def longest_prompt(self, tokenizer, processor, limit: int) -> int:
-        """The longest prompt in tokens of any task's rows, with its system prompt and tools (every image is read);
-        UsageError if it is over `limit` (--max_prompt_length)."""
+        """The longest prompt in tokens of any task's rows, with its system prompt and tools (every image is
+        read); UsageError if it is over `limit` (--max_prompt_length)."""
         longest = max(max(prompt_lengths(tokenizer, processor, t.rows + t.eval_rows, t.system_prompt, t.schemas))
                       for t in self.tasks)
         if longest > limit:
@@ -286,15 +294,17 @@ class Mixture:
         return longest
 
     def columns_of(self, name: str) -> list[str]:
-        """The columns of the rows that reward function `name` scores (what its signature is checked against)."""
+        """The columns of the rows that reward function `name` scores (what its signature is checked
+        against)."""
         return list(dict.fromkeys(c for i, t in enumerate(self.tasks) if self.own[i, self.names.index(name)]
                                   for c in (t.rows[0] if t.rows else {})))
 
     # ------------------------------------------------------------------ sampling
     def step_rows(self, step: int, prompts_per_step: int, seed: int) -> list[int]:
-        """The rows (indices into self.rows) of step `step` (0-based), over all ranks. Each prompt's task is drawn
-        by the weights (a generator seeded by seed and step), and each task's prompts come in its own seeded
-        order, epoch after epoch, from where the steps before left it: the rows depend only on (seed, step)."""
+        """The rows (indices into self.rows) of step `step` (0-based), over all ranks. Each prompt's task is
+        drawn by the weights (a generator seeded by seed and step), and each task's prompts come in its own
+        seeded order, epoch after epoch, from where the steps before left it: the rows depend only on (seed,
+        step)."""
         if len(self.tasks) == 1:
             return step_prompt_indices(step, len(self.rows), prompts_per_step, seed)
         drawn = self._drawn_before(step, prompts_per_step, seed).clone()  # (T,)
@@ -307,8 +317,8 @@ class Mixture:
         return out
 
     def _order(self, t: int, seed: int, epoch: int) -> list[int]:
-        """Task t's shuffled order of its rows in `epoch` (data.epoch_order), the last two of each task and seed
-        kept: a step takes prompts of every task, in turn."""
+        """Task t's shuffled order of its rows in `epoch` (data.epoch_order), the last two of each task and
+        seed kept: a step takes prompts of every task, in turn."""
         key = (t, seed)
         if epoch not in self._orders.setdefault(key, {}):
             self._orders[key] = {e: o for e, o in self._orders[key].items() if e == epoch - 1}
@@ -322,20 +332,23 @@ class Mixture:
 
     def _drawn_before(self, step: int, prompts_per_step: int, seed: int) -> torch.Tensor:
         counts = self._counts.setdefault(seed, [torch.zeros(len(self.tasks), dtype=torch.long)])
-        while len(counts) <= step:  # each step's draw once, from the first on (a resumed run draws them again)
+        # Each step's draw once, from the first step on (a resumed run draws them all again).
+        while len(counts) <= step:
             s = len(counts) - 1
             counts.append(counts[-1] + torch.bincount(self._draw(s, prompts_per_step, seed), minlength=len(self.tasks)))
         return counts[step]
 
     # ------------------------------------------------------------------ rollouts
     def rollout(self, rows: list[dict], ctx) -> list:
-        """The rollout of a batch of several tasks (rollout.py's contract): each task's rollout on its rows, with its
-        system prompt, all at once (the server batches them); the episodes in the order of the rows."""
+        """The rollout of a batch of several tasks (rollout.py's contract): each task's rollout on its rows,
+        with its system prompt, all at once (the server batches them); the episodes in the order of the
+        rows."""
         G, parts = ctx.num_generations, {}
         for i, t in enumerate(self.task_index(rows).tolist()):
             parts.setdefault(t, []).append(i)
 
-        def run(t: int, positions: list[int]) -> list:  # each task its seed: no two tasks' slots share a stream
+        # Each task gets a seed of its own, so that no two tasks' sample slots share a random stream.
+        def run(t: int, positions: list[int]) -> list:
             task = self.tasks[t]
             return run_rollout(task.rollout_fn, [rows[i] for i in positions],
                                dataclasses.replace(ctx, system_prompt=task.system_prompt, seed=slot_seed(ctx.seed, t)))
@@ -353,9 +366,9 @@ class Mixture:
     # ------------------------------------------------------------------ metrics
     def eval_metrics(self, rows: list[dict], matrix: torch.Tensor, rewards: torch.Tensor, lengths: torch.Tensor,
                      n: int, pass_k: list[int]) -> dict:
-        """An evaluation's metrics over all ranks (`rows`: this rank's, n completions each): the mean reward, each
-        function's mean over the completions of its tasks (not scored = 0), pass@k (correct: the task's first
-        reward function >= 1) and the mean length; per task too (eval/task/<name>/...) in a mixture."""
+        """An evaluation's metrics over all ranks (`rows`: this rank's, n completions each): the mean reward,
+        each function's mean over the completions of its tasks (not scored = 0), pass@k (correct: the task's
+        first reward function >= 1) and the mean length; per task too (eval/task/<name>/...) in a mixture."""
         t = self.task_index(rows)  # (prompts,)
         correct = (matrix[torch.arange(len(matrix)), self.first[t.repeat_interleave(n)]] >= 1).view(-1, n).sum(dim=1)
         values = matrix.nan_to_num(0.0)
@@ -386,7 +399,8 @@ class Mixture:
         return out
 
     def trajectory_metrics(self, episodes: list) -> dict:
-        """tools.trajectory_metrics over the trajectories of the tasks with tools or an environment; {} if none has."""
+        """tools.trajectory_metrics over the trajectories of the tasks with tools or an environment; {} if
+        none has."""
         if not any(task.tools or task.env for task in self.tasks):
             return {}
         t = self.task_index([e.row for e in episodes]).tolist()
@@ -396,8 +410,8 @@ class Mixture:
                 G: int) -> dict:
         """Over all ranks: the trajectories' metrics of the tasks with tools or an environment
         (tools.trajectory_metrics), and in a mixture per task: `task/<name>/prompts` (this step's),
-        `task/<name>/reward` (the mean over its scored completions), `task/<name>/rewards/<fn>` for each of its
-        functions (the mean over the completions it scored), `task/<name>/frac_zero_std_groups`."""
+        `task/<name>/reward` (the mean over its scored completions), `task/<name>/rewards/<fn>` for each of
+        its functions (the mean over the completions it scored), `task/<name>/frac_zero_std_groups`."""
         t = self.task_index([e.row for e in episodes])  # (N,)
         out = self.trajectory_metrics(episodes)
         if not self.mixed:
@@ -457,10 +471,10 @@ def _about(task: Task, mixed: bool):
 
 
 def load_mixture(cfg, tokenizer, processor=None) -> Mixture:
-    """The tasks the flags name, loaded: their training and held-out rows (a mixture's tagged with `task`), their
-    rollouts (multi-turn with tools or an environment), their reward functions checked against their columns. A
-    mistake is a one-line UsageError naming the task: a source that cannot be loaded, an unknown reward function,
-    a task with fewer rows than one step takes."""
+    """The tasks the flags name, loaded: their training and held-out rows (a mixture's tagged with `task`),
+    their rollouts (multi-turn with tools or an environment), their reward functions checked against their
+    columns. A mistake is a one-line UsageError naming the task: a source that cannot be loaded, an unknown
+    reward function, a task with fewer rows than one step takes."""
     tasks, mixed = parse_tasks(cfg), is_mixture(cfg)
     load = functools.cache(lambda dataset, split, prompt, answer, starts: load_rows(
         dataset, split, prompt, answer, cfg.num_arithmetic_problems, cfg.seed, num_starts=starts))
@@ -473,7 +487,8 @@ def load_mixture(cfg, tokenizer, processor=None) -> Mixture:
             if task.dataset == NO_DATASET and not task.env:
                 raise UsageError(f"dataset {NO_DATASET}: only an env makes its own prompts; name a dataset, or the env")
             loaded = load(task.dataset, task.dataset_split, task.prompt_column, task.answer_column, NO_DATASET_STARTS)
-            had_task = bool(loaded) and "task" in loaded[0]  # else a mixture's own column, which reset does not get
+            # A `task` column of the dataset's own? Else it is the mixture's column, which reset does not get.
+            had_task = bool(loaded) and "task" in loaded[0]
             task.rows = _rows_of(task, task.dataset, loaded, mixed)
             if dataclasses.replace(cfg, dataset=task.dataset, eval_dataset=task.eval_dataset, env="").evaluates():
                 if not task.eval_dataset and os.path.isfile(task.dataset):
@@ -490,20 +505,22 @@ def load_mixture(cfg, tokenizer, processor=None) -> Mixture:
             if task.env and is_agent(task.env):  # an OpenAI-client agent: it calls the server itself
                 task.rollout_fn, task.env_reward, task.schemas = agent_rollout_for(cfg, task.env, task.tools,
                                                                                    processor is not None)
-            elif task.tools or task.env:  # the multi-turn rollout: the model calls tools, an environment answers
+            # The multi-turn rollout: the model calls tools, an environment answers.
+            elif task.tools or task.env:
                 task.rollout_fn, task.env_reward, task.schemas = tool_rollout_for(
                     cfg, tokenizer, processor is not None, task.tools, task.env, _names(task.reward_funcs),
                     omit=("environment",) * bool(task.environment) + ("task",) * (mixed and not had_task))
             else:
-                task.rollout_fn = (load_rollout(task.rollout) if task.rollout else  # the user's, or one request
-                                   vision_rollout if processor else generate)  # with images, or of text
+                # The user's rollout, or one request per prompt: with images, or of text.
+                task.rollout_fn = (load_rollout(task.rollout) if task.rollout else
+                                   vision_rollout if processor else generate)
                 if not _names(task.reward_funcs):
                     raise UsageError("no reward functions: name reward_funcs (see rewards.py)")
-            _weights(task)  # they parse, one per function
+            _weights(task)  # checks that they parse, one per function
             for name in _names(task.reward_funcs):
                 if not is_reward_model(name):
                     load_reward_func(name, list(task.rows[0]), cfg.reward_options(),
-                                     rollout_fields=bool(task.rollout))  # a custom rollout's extra fields
+                                     rollout_fields=bool(task.rollout))  # a custom rollout may add fields
     if "=" in cfg.env:  # TRL's form: every row (held out too) names one of the environments
         known = [t.environment for t in tasks]
         evaluated = [(cfg.eval_dataset or cfg.dataset, cfg.eval_split, cfg.eval_num_prompts)] \
@@ -518,8 +535,8 @@ def load_mixture(cfg, tokenizer, processor=None) -> Mixture:
 
 
 def _rows_of(task: Task, dataset: str, rows: list[dict], mixed: bool, held_out: bool = False) -> list[dict]:
-    """A task's rows of a loaded dataset: those whose `environment` is the task's (TRL's form; held-out rows need not
-    have every environment's), each with the task's name in a `task` column (in a mixture)."""
+    """A task's rows of a loaded dataset: those whose `environment` is the task's (TRL's form; held-out rows
+    need not have every environment's), each with the task's name in a `task` column (in a mixture)."""
     if task.environment:
         rows = [row for row in rows if row.get("environment") == task.environment]
         if not rows and not held_out:
@@ -533,9 +550,9 @@ def _rows_of(task: Task, dataset: str, rows: list[dict], mixed: bool, held_out: 
 
 
 def resume_signature(cfg) -> dict:
-    """What of the data a resumed run shares with the run it continues: a mixture's tasks (a mixture file can change
-    between them), each task's name, source and weight, in order (none for one dataset: --dataset says it all); and
-    the content hash of each local dataset file (an edited file is said on resume)."""
+    """What of the data a resumed run shares with the run it continues: a mixture's tasks (a mixture file can
+    change between them), each task's name, source and weight, in order (none for one dataset: --dataset says
+    it all); and the content hash of each local dataset file (an edited file is said on resume)."""
     tasks = parse_tasks(cfg) if is_mixture(cfg) else []
     files = [path for path in [t.dataset for t in tasks] or [cfg.dataset] if os.path.isfile(path)]
     return {"dataset_files": {path: file_hash(path) for path in files}} | ({} if not tasks else {"tasks": [
