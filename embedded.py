@@ -430,7 +430,8 @@ def build_embedded_vlm(out: str, language_model: str, image_size: int = 64, seed
         tie_word_embeddings=lm.config.tie_word_embeddings, pad_token_id=lm.config.pad_token_id)
     torch.manual_seed(seed)
     model = Idefics3ForConditionalGeneration(config).eval()
-    lm.resize_token_embeddings(len(tokenizer), mean_resizing=True)  # new image tokens: the mean embedding
+    # The new image tokens start at the mean embedding.
+    lm.resize_token_embeddings(len(tokenizer), mean_resizing=True)
     model.model.text_model.load_state_dict(lm.model.state_dict())
     if not config.tie_word_embeddings:
         model.lm_head.load_state_dict(lm.lm_head.state_dict())
