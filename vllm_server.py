@@ -12,8 +12,8 @@ What this file adds to plain `vllm serve`, and nothing else:
   - a `gloo` weight-transfer backend, so weights can be pushed without CUDA (vLLM's own backends
     need it): the default without GPUs. With GPUs the default is vLLM's `nccl`; gloo works there
     too (host memory over TCP). The trainer uses whichever the server runs;
-  - POST /load_adapter (adapter_route.py): a LoRA adapter sent as bytes, served under its name; this file's flag
-    `--max-adapter-mb` (default 1024) bounds it;
+  - POST /load_adapter (adapter_route.py): a LoRA adapter sent as bytes, served under its name; this file's
+    flag `--max-adapter-mb` (default 1024) bounds it;
   - defaults for training: bound to 127.0.0.1, the sampler's log-probs after temperature
     (`--logprobs-mode processed_logprobs`), the embedded model name `smollm2-135m`;
   - on CPUs, vLLM's processes tuned to leave the cores to the work: their message queues spin 2 ms
@@ -27,10 +27,10 @@ OpenAI-client agents and evaluation tools; the rest of vLLM's dev routes answer 
 the weight-transfer routes let a key holder replace the weights, and the weight-transfer port
 (the trainer's --vllm_group_port) has no key.
 
-The server's half of a gloo weight push is register_gloo_backend: each worker receives the buckets and loads them
-through vLLM's layerwise reload. The order of the calls, the trainer's half, is in vllm_client.py's docstring;
-the trainer's client (VLLMClient) and what both sides share (the ports, INSTANCE_HEADER, bucket_plan, gloo_group)
-are in vllm_client.py.
+The server's half of a gloo weight push is register_gloo_backend: each worker receives the buckets and loads
+them through vLLM's layerwise reload. The order of the calls, the trainer's half, is in vllm_client.py's
+docstring; the trainer's client (VLLMClient) and what both sides share (the ports, INSTANCE_HEADER,
+bucket_plan, gloo_group) are in vllm_client.py.
 """
 import functools
 import hmac
@@ -145,10 +145,11 @@ TRAINING_ROUTES = {"/health", "/v1/models", "/v1/completions", "/v1/chat/complet
 
 
 async def route_guard(request, call_next):
-    """HTTP middleware of the server (vLLM's --middleware). Every other route vLLM would serve answers 404 (its
-    dev mode also opens /collective_rpc, /sleep, /pause, ...: arbitrary calls into the workers). With --api-key
-    (or VLLM_API_KEY) every route but /health wants `Authorization: Bearer <key>`; vLLM's own check covers /v1 only.
-    Every answer names this instance of the server (INSTANCE_HEADER): the trainer sees a restart at once."""
+    """HTTP middleware of the server (vLLM's --middleware). Every other route vLLM would serve answers 404
+    (its dev mode also opens /collective_rpc, /sleep, /pause, ...: arbitrary calls into the workers). With
+    --api-key (or VLLM_API_KEY) every route but /health wants `Authorization: Bearer <key>`; vLLM's own check
+    covers /v1 only. Every answer names this instance of the server (INSTANCE_HEADER): the trainer sees a
+    restart at once."""
     from starlette.responses import JSONResponse
     path, instance = request.url.path, {INSTANCE_HEADER: os.environ.get("NANOGRPO_SERVER_INSTANCE", "")}
     if path not in TRAINING_ROUTES:
@@ -169,7 +170,7 @@ class WorkerExtension:
     registers the gloo backend) before it builds its weight-transfer engine."""
 
 
-SPIN_AFTER_READ_S = 0.002  # a message-queue reader spins this long after a message before it waits (vLLM: 1 s)
+SPIN_AFTER_READ_S = 0.002  # a queue reader spins this long after a message before it waits (vLLM: 1 s)
 RECHECK_S = 0.02  # a waiting reader looks at the queue itself this often, notified or not (vLLM: 5 s)
 
 
@@ -187,10 +188,12 @@ def wait_briefly_instead_of_spinning(spin_s: float = SPIN_AFTER_READ_S, recheck_
     try:
         from vllm.distributed.device_communicators import shm_broadcast
         SpinCondition = shm_broadcast.SpinCondition
-    except (ImportError, AttributeError):  # a vLLM without them: nothing to change
+    except (ImportError, AttributeError):  # a vLLM version without them: nothing to change
         return
-    shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = max(1, round(recheck_s * 1000))  # read at every wait
-    init = getattr(SpinCondition.__init__, "__wrapped__", SpinCondition.__init__)  # vLLM's own, if patched before
+    # A waiting reader looks at the queue every recheck_s (vLLM reads this setting at every wait).
+    shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = max(1, round(recheck_s * 1000))
+    # vLLM's own __init__, also if this function patched it before.
+    init = getattr(SpinCondition.__init__, "__wrapped__", SpinCondition.__init__)
 
     @functools.wraps(init)
     def briefly_spinning_init(self, *args, **kwargs):
@@ -210,15 +213,16 @@ def keep_freed_memory(limit_bytes: int = 2**30) -> bool:
 
 
 def tune_cpu_server_process():
-    """What a CPU server's processes need beyond vLLM's defaults: little busy polling, and freed memory reused (each
-    push's buckets and the reload's new layer tensors would otherwise fault in fresh pages every time)."""
+    """What a CPU server's processes need beyond vLLM's defaults: little busy polling, and freed memory reused
+    (each push's buckets and the reload's new layer tensors would otherwise fault in fresh pages every
+    time)."""
     if os.environ.get("NANOGRPO_VLLM_POLLING") != "1":
         wait_briefly_instead_of_spinning()
     keep_freed_memory()
 
 
 if os.environ.get("NANOGRPO_CPU_SERVER") == "1":
-    # a process of a CPU server started by main(): processes that vLLM spawns re-import the server's script
+    # A process of a CPU server started by main(): processes that vLLM spawns re-import the server's script.
     tune_cpu_server_process()
 if "vllm" in sys.modules:  # imported inside a vLLM process (a worker loads it as its extension)
     register_gloo_backend()
@@ -257,17 +261,18 @@ def serve_args(argv: list[str]) -> list[str]:
 
     if not has("--model") and not (argv and not argv[0].startswith("-")):
         argv += ["--model", DEFAULT_MODEL]
-    for i, a in enumerate(argv):  # the embedded model's name -> its converted folder
+    for i, a in enumerate(argv):  # the embedded model's name becomes its converted folder
         if a == "--model" and i + 1 < len(argv):
             argv[i + 1] = resolve_model(argv[i + 1])
         elif a.startswith("--model="):
             argv[i] = "--model=" + resolve_model(a.split("=", 1)[1])
     defaults = {"--host": "127.0.0.1", "--port": str(DEFAULT_PORT), "--logprobs-mode": "processed_logprobs",
                 "--worker-extension-cls": "vllm_server.WorkerExtension",
-                # GPUs: vLLM's nccl (GPU to GPU); CPUs: our gloo
+                # On GPUs, vLLM's nccl (GPU to GPU); on CPUs, our gloo.
                 "--weight-transfer-config": json.dumps({"backend": "nccl" if torch.cuda.is_available() else "gloo"})}
     if not torch.cuda.is_available():
-        # vLLM's "auto" computes a float32 model in bf16 on every x86 CPU, also where bf16 is emulated (~100x slower)
+        # vLLM's "auto" computes a float32 model in bf16 on every x86 CPU, also where bf16 is emulated (~100x
+        # slower), so the default here follows the CPU.
         defaults["--dtype"] = "bfloat16" if native_bf16(torch.device("cpu")) else "float32"
     for flag, value in defaults.items():
         if not has(flag):
@@ -281,8 +286,8 @@ def serve_args(argv: list[str]) -> list[str]:
 
 
 def step_kv_cache_bytes(cfg, argv: list[str]) -> int | None:
-    """Config.kv_cache_bytes for the server `argv` starts (completed by serve_args): its model, dtype and maximum
-    model length (run.sh's and the benches' --kv-cache-memory-bytes)."""
+    """Config.kv_cache_bytes for the server `argv` starts (completed by serve_args): its model, dtype and
+    maximum model length (run.sh's and the benches' --kv-cache-memory-bytes)."""
     argv = serve_args(argv)
     dtype_bytes = 4 if flag_value(argv, "--dtype") in ("float32", "float") else 2
     return cfg.kv_cache_bytes(flag_value(argv, "--model"), dtype_bytes, int(flag_value(argv, "--max-model-len")))
@@ -290,10 +295,10 @@ def step_kv_cache_bytes(cfg, argv: list[str]) -> int | None:
 
 def main(argv: list[str] | None = None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    argv = take_max_adapter_mb(argv)  # this file's flag: vLLM's parser does not know it
+    argv = take_max_adapter_mb(argv)  # this file's own flag, which vLLM's parser does not know
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # enables the weight-transfer and cache routes
-    if flag_value(argv, "--kv-cache-memory-bytes") is None:  # (the variable, if set, wins over the flag)
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; unset, vLLM on CPU sizes it from all RAM
+    if flag_value(argv, "--kv-cache-memory-bytes") is None:  # the variable, if set, would win over the flag
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; unset, vLLM on CPU sizes it by all RAM
     if not torch.cuda.is_available() and num_workers_of(argv) <= os.cpu_count() <= 4:
         # vLLM's "auto" keeps one core for its front end; on a small CPU, generating on all cores is
         # ~1.4x faster (measured, 2 cores), and the trainer is idle while the server generates.
@@ -306,7 +311,7 @@ def main(argv: list[str] | None = None):
         os.environ["NANOGRPO_CPU_SERVER"] = "1"  # read by this module in every process of the server
         tune_cpu_server_process()
     here = os.path.dirname(os.path.abspath(__file__))
-    # workers import this module; no empty entry (it would put each child's working folder on its import path)
+    # The workers import this module. No empty entry: it would put each child's working folder on its path.
     paths = [here, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     sys.path.insert(0, here)
@@ -326,7 +331,8 @@ def main(argv: list[str] | None = None):
     args = parser.parse_args(argv)
     validate_parsed_serve_args(args)
     os.environ["NANOGRPO_SERVER_API_KEYS"] = "\n".join(args.api_key or [os.environ.get("VLLM_API_KEY", "")])
-    os.environ["NANOGRPO_SERVER_INSTANCE"] = f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"  # every process
+    # The server's instance, the same in every process of it: a restart shows as another one.
+    os.environ["NANOGRPO_SERVER_INSTANCE"] = f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"
     uvloop.run(run_server(args))
 
 
