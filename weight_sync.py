@@ -1,10 +1,9 @@
-"""The policy's weights on their way to the server: every weight in the server's names and dtype, LoRA merged, FSDP2
-shards gathered one tensor at a time (ServerWeights) and their push over the transport the server runs (WeightSync:
-our gloo, or vLLM's nccl), or a LoRA adapter alone (AdapterWeights) and its push over the server's /load_adapter
-(AdapterSync); which of them a run pushes (server_sync); and the probe that checks the server computes with them
-(check_sync).
-Not here: the client and the gloo sender, with the wire protocol of a push (vllm_client.py), saving to disk
-(checkpoints.py).
+"""The policy's weights on their way to the server: every weight in the server's names and dtype, LoRA merged,
+FSDP2 shards gathered one tensor at a time (ServerWeights) and their push over the transport the server runs
+(WeightSync: our gloo, or vLLM's nccl), or a LoRA adapter alone (AdapterWeights) and its push over the
+server's /load_adapter (AdapterSync); which of them a run pushes (server_sync); and the probe that checks the
+server computes with them (check_sync). Not here: the client and the gloo sender, with the wire protocol of a
+push (vllm_client.py), saving to disk (checkpoints.py).
 """
 import collections
 import contextlib
@@ -50,27 +49,30 @@ class ServerWeights:
 
     def __init__(self, model, dtype: torch.dtype, merge_lora: bool = True):
         self.model, self.dtype, self.merge_lora = hf_model(model), dtype, merge_lora
-        skip = os.environ.get("NANOGRPO_FAULT_SKIP_WEIGHT")  # fault injection for the sync-check test: push without it
+        # Fault injection for the sync-check test: the push leaves this weight out.
+        skip = os.environ.get("NANOGRPO_FAULT_SKIP_WEIGHT")
         sharded_parameters(getattr(model, "module", model))
-        # named_parameters lists a tied lm_head once, under the embedding's name, as the server expects
+        # named_parameters lists a tied lm_head once, under the embedding's name, as the server expects.
         self.params = [(name, p) for name, p in self.model.named_parameters()
                        if "lora_" not in name and name.replace(".base_layer", "") != skip]
         self.changing = [(name, p) for name, p in self.params
                          if merge_lora and (p.requires_grad or name.endswith(".base_layer.weight"))]
-        self.pushed = False  # after the first push, only the weights that can change
+        self.pushed = False  # once True, a push sends only the weights that can change
 
     def _sent(self) -> list[tuple[str, torch.nn.Parameter]]:
         return self.changing if self.pushed else self.params
 
     def send_all_next(self):
-        """The next push sends every weight again (to a server that was restarted, or that may hold others)."""
+        """The next push sends every weight again (to a server that was restarted, or that may hold
+        others)."""
         self.pushed = False
 
     def metadata(self) -> list[WeightMeta]:
         return [WeightMeta(name.replace(".base_layer", ""), self.dtype, tuple(p.shape)) for name, p in self._sent()]
 
     def __iter__(self):
-        params, self.pushed = self._sent(), True  # when reading begins: rank 0 does not read to the end
+        # Marked pushed when reading begins, since rank 0 may not read to the end.
+        params, self.pushed = self._sent(), True
         for name, p in params:
             weight = full_tensor(p.detach())
             if self.merge_lora and name.endswith(".base_layer.weight"):  # a LoRA layer: W + B A * alpha / r
@@ -91,9 +93,10 @@ class WeightSync:
         self.connect()
 
     def connect(self):
-        """Join the server's weight transfer (rank 0); again after the server restarted. The next push sends every
-        weight, also those that do not change (on every rank: FSDP2 gathers each one). Every rank calls it, and it
-        fails on every rank or on none (raise_on_every_rank): a rank that went on would push alone."""
+        """Join the server's weight transfer (rank 0); again after the server restarted. The next push sends
+        every weight, also those that do not change (on every rank: FSDP2 gathers each one). Every rank calls
+        it, and it fails on every rank or on none (raise_on_every_rank): a rank that went on would push
+        alone."""
         getattr(self.source.source, "send_all_next", lambda: None)()
         error = None
         if self.rank == 0:
@@ -105,7 +108,7 @@ class WeightSync:
 
     def _join(self):
         """Rank 0's part of connect(): the transfer the server's config names (our gloo, or vLLM's nccl)."""
-        self.engine = None  # a previous group, with its rendezvous store, goes first: the port is reused
+        self.engine = None  # a previous group, with its rendezvous store, goes first, as the port is reused
         gc.collect()
         check_port_free("", self.group_port, "--vllm_group_port")  # rank 0 hosts the rendezvous there
         config = self.client.server_config()
@@ -128,26 +131,29 @@ class WeightSync:
                              "(GPUs)")
 
     def push(self):
-        """Make the server compute with the current weights. Every rank calls it, and it fails on every rank or on
-        none (raise_on_every_rank). Rank 0 sends; the other ranks read the weights (FSDP2: gathers) in the same
-        order. If the push fails on rank 0 (ServerLost, or any error), before reading the weights or halfway,
-        rank 0 still reads the rest of them, so that every rank has taken part in the same gathers."""
+        """Make the server compute with the current weights. Every rank calls it, and it fails on every rank
+        or on none (raise_on_every_rank). Rank 0 sends; the other ranks read the weights (FSDP2: gathers) in
+        the same order. If the push fails on rank 0 (ServerLost, or any error), before reading the weights or
+        halfway, rank 0 still reads the rest of them, so that every rank has taken part in the same
+        gathers."""
         self.source.begin()
         error = None
         if self.engine is not None:
             try:
-                self.client.pause()  # requests under way (--max_staleness above 1) wait: no step sees half the weights
+                # Requests under way (--max_staleness above 1) wait, so that no step sees half the weights.
+                self.client.pause()
                 self.engine.send_weights()
                 self.client.reset_prefix_cache()  # cached KV of the old weights is stale
-                self.client.reset_encoder_cache()  # and so are images encoded by the old vision tower (VLMs)
+                self.client.reset_encoder_cache()  # as are images encoded by the old vision tower (VLMs)
                 self.client.resume()
             except Exception as e:
                 error = e
-                with contextlib.suppress(Exception):  # a server still there goes on; the error says what went wrong
+                # A server still there goes on with its requests; the error says what went wrong.
+                with contextlib.suppress(Exception):
                     self.client.resume()
         elif self.rank == 0:
             error = ServerLost("the weight transfer is not joined")
-        self.source.finish()  # what this push has not read: all of it on the other ranks
+        self.source.finish()  # reads what this push has not: on the other ranks, all of it
         raise_on_every_rank(error, "the weight push")
 
 
@@ -175,13 +181,14 @@ class _Resumable:
 
 
 class AdapterWeights:
-    """The LoRA adapter alone, as peft saves it and vLLM loads it: its tensors under peft's names, in `dtype` (the
-    server's), FSDP2 shards gathered (a collective: every rank calls payload(); the base weights are never read), and
-    its adapter_config.json."""
+    """The LoRA adapter alone, as peft saves it and vLLM loads it: its tensors under peft's names, in `dtype`
+    (the server's), FSDP2 shards gathered (a collective: every rank calls payload(); the base weights are
+    never read), and its adapter_config.json."""
 
     def __init__(self, model, dtype: torch.dtype = torch.float32):
         self.model, self.dtype = getattr(model, "module", model), dtype  # the peft model
-        self.skip = os.environ.get("NANOGRPO_FAULT_SKIP_WEIGHT", "").removesuffix(".weight")  # as ServerWeights'
+        # The sync-check test's fault injection, as in ServerWeights.
+        self.skip = os.environ.get("NANOGRPO_FAULT_SKIP_WEIGHT", "").removesuffix(".weight")
 
     def payload(self, is_main: bool) -> bytes | None:
         """Rank 0: the adapter as safetensors bytes, its config in the metadata; other ranks: None."""
@@ -197,18 +204,20 @@ class AdapterWeights:
 
 
 class AdapterSync:
-    """Pushes the LoRA adapter alone (--lora_sync adapter) to a server with vLLM's LoRA on, named after its series and
-    the policy version (`version()`: optimizer steps): policy-3. Every rank calls push() (FSDP2 gathers the adapter,
-    never the base), and it fails on every rank or on none; rank 0 sends it (source: AdapterWeights) and
-    every rank's client names it in its requests. The server keeps the newest `keep` of the series and never touches
-    another series (a dry run's has a name of its own). The first push after connecting also sends the base weights
-    through `base` (a WeightSync): another run may have changed them."""
+    """Pushes the LoRA adapter alone (--lora_sync adapter) to a server with vLLM's LoRA on, named after its
+    series and the policy version (`version()`: optimizer steps): policy-3. Every rank calls push() (FSDP2
+    gathers the adapter, never the base), and it fails on every rank or on none; rank 0 sends it (source:
+    AdapterWeights) and every rank's client names it in its requests. The server keeps the newest `keep` of
+    the series and never touches another series (a dry run's has a name of its own). The first push after
+    connecting also sends the base weights through `base` (a WeightSync): another run may have changed
+    them."""
 
     def __init__(self, client: VLLMClient, source, rank: int, version, base: WeightSync, keep: int = 1,
                  series: str = "policy"):
         self.client, self.source, self.rank, self.version, self.base, self.base_sent = (client, source, rank, version,
                                                                                         base, False)
-        self.keep = keep  # adapters the server keeps: batches sampled ahead (--max_staleness) may still use them
+        # The adapters the server keeps: batches sampled ahead (--max_staleness) may still use older ones.
+        self.keep = keep
         self.series = series
 
     def connect(self):
@@ -221,7 +230,7 @@ class AdapterSync:
             self.base_sent = True
         name, error = f"{self.series}-{self.version()}", None
         try:
-            adapter = self.source.payload(self.rank == 0)  # every rank: FSDP2 gathers the adapter
+            adapter = self.source.payload(self.rank == 0)  # every rank takes part: FSDP2 gathers the adapter
             if self.rank == 0:
                 self.client.load_adapter(name, adapter, self.keep)
                 self.client.reset_prefix_cache()
@@ -235,14 +244,16 @@ def server_sync(cfg, client, model, server_dtype: torch.dtype, rank: int, versio
     """How the weights reach the server, and a phrase that says it: with --use_peft the adapter alone
     (AdapterSync) where --lora_sync and the server allow it, else every weight, LoRA merged in
     (WeightSync: gloo or NCCL broadcasts). --lora_sync adapter that cannot be stops the run at start.
-    A dry run's adapters get a series of their own (dry-run-<8 hex digits>-N, drawn by rank 0): the server may be
-    another run's, whose adapters (policy-N) stay as they are (a push unloads only older ones of its own series)."""
+    A dry run's adapters get a series of their own (dry-run-<8 hex digits>-N, drawn by rank 0): the server may
+    be another run's, whose adapters (policy-N) stay as they are (a push unloads only older ones of its own
+    series)."""
     if cfg.use_peft and cfg.lora_sync != "merged":
         why = adapter_refused(cfg, client.server_config().get("lora_config"), model)
         if not why:
             base = WeightSync(client, ServerWeights(model, server_dtype, merge_lora=False), rank, cfg.vllm_group_host,
                               cfg.vllm_group_port, cfg.weight_sync_bucket_mb)
-            series = text_of_rank0(f"dry-run-{secrets.token_hex(4)}") if cfg.dry_run else "policy"  # every rank's
+            # Rank 0 draws a dry run's series, and every rank uses it.
+            series = text_of_rank0(f"dry-run-{secrets.token_hex(4)}") if cfg.dry_run else "policy"
             return (AdapterSync(client, AdapterWeights(model, server_dtype), rank, version, base,
                                 keep=cfg.max_staleness + 1, series=series),
                     "the LoRA adapter alone" + (f", as {series}-N" if cfg.dry_run else ""))
@@ -254,15 +265,16 @@ def server_sync(cfg, client, model, server_dtype: torch.dtype, rank: int, versio
 
 
 def weight_bytes(model, dtype: torch.dtype, adapter: bool = False) -> int:
-    """The bytes of a push of every weight of the server's model (ServerWeights' first push), or of the LoRA adapter
-    alone, in `dtype`."""
+    """The bytes of a push of every weight of the server's model (ServerWeights' first push), or of the LoRA
+    adapter alone, in `dtype`."""
     if adapter:
         return sum(p.numel() for name, p in hf_model(model).named_parameters() if "lora_" in name) * dtype.itemsize
     return sum(math.prod(meta.shape) for meta in ServerWeights(model, dtype).metadata()) * dtype.itemsize
 
 
 def adapter_refused(cfg, lora: dict | None, model) -> str:
-    """Why the adapter alone cannot be pushed to a server with this LoRA config (None: without LoRA), or ""."""
+    """Why the adapter alone cannot be pushed to a server with this LoRA config (None: without LoRA), or
+    ""."""
     others = [name for name, p in hf_model(model).named_parameters() if p.requires_grad and "lora_" not in name]
     if not lora:
         return f"the server runs without LoRA: start it with --enable-lora --max-lora-rank {cfg.lora_r}"
@@ -277,8 +289,9 @@ def adapter_refused(cfg, lora: dict | None, model) -> str:
 
 @dataclasses.dataclass
 class Probe:
-    """A fixed token sequence that the server and the trainer both score (check_sync). A vision-language model's
-    also has its pixel inputs, and its messages with the images, which the server renders itself (chat route)."""
+    """A fixed token sequence that the server and the trainer both score (check_sync). A vision-language
+    model's also has its pixel inputs, and its messages with the images, which the server renders itself (chat
+    route)."""
     ids: list[int]
     model_inputs: dict = dataclasses.field(default_factory=dict)  # tensors with a leading dimension of 1
     messages: list | None = None
@@ -287,7 +300,8 @@ class Probe:
 def check_sync(client, model, probe: Probe, autocast, is_main: bool, tolerance: float, step: int) -> dict:
     """The mean and max |log-prob difference| between the server and `model` on a fixed token sequence,
     on every rank: a deterministic check that the server computes with the weights we pushed. Every rank
-    runs the forward (FSDP2 gathers); rank 0 asks the server. Stops the run if the mean is above `tolerance`."""
+    runs the forward (FSDP2 gathers); rank 0 asks the server. Stops the run if the mean is above
+    `tolerance`."""
     ids = torch.tensor([probe.ids])
     ours = no_grad_logprobs(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), **probe.model_inputs},
                             len(probe.ids) - 1, 1.0, 1, autocast)[0][0]  # (P - 1,) log-probs of the one row
@@ -297,9 +311,11 @@ def check_sync(client, model, probe: Probe, autocast, is_main: bool, tolerance: 
             theirs = (client.prompt_logprobs(probe.ids) if probe.messages is None
                       else client.chat_prompt_logprobs(probe.messages, probe.ids))
             diff = (ours - torch.tensor(theirs)).abs()
-        except Exception as e:  # e.g. the server was lost: the other ranks are in the sum below, so join it first
+        # The server lost, say: the other ranks wait in the sum below, so this rank joins it before raising.
+        except Exception as e:
             error = e
-    probe = sum_over_ranks({"sync_probe_diff_mean": diff.mean(), "sync_probe_diff_max": diff.max()})  # rank 0's
+    # Rank 0's numbers, on every rank (the others add zeros).
+    probe = sum_over_ranks({"sync_probe_diff_mean": diff.mean(), "sync_probe_diff_max": diff.max()})
     if error:
         raise error
     if probe["sync_probe_diff_mean"] > tolerance:
