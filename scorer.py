@@ -1,5 +1,6 @@
-"""The scorer: RewardScorer calls the reward functions (rewards.py) on a batch of completions and returns their
-scores, one list per function, NaN where a function did not score. Also the process they run in and its signals.
+"""The scorer: RewardScorer calls the reward functions (rewards.py) on a batch of completions and returns
+their scores, one list per function, NaN where a function did not score. Also the process they run in and its
+signals.
 
 Functions run in a separate process, so that one that hangs (math-verify on pathological input) cannot
 hang training: a call that outlives its time-out is abandoned and its samples are not scored. A call
@@ -7,8 +8,9 @@ that raises is retried one completion at a time; the completions that still rais
 Either way the lost scores are counted (`scorer_failures`) and the first traceback of each function is
 printed; a function that fails on every completion of its first batch stops the run with its error.
 
-The process is spawned, in a session of its own, with the trainer's secrets out of its environment; it ends with
-the trainer, and takes what it started along (_scorer_process). Reward models (a folder) run in the trainer.
+The process is spawned, in a session of its own, with the trainer's secrets out of its environment; it ends
+with the trainer, and takes what it started along (_scorer_process). Reward models (a folder) run in the
+trainer.
 """
 import asyncio
 import contextlib
@@ -29,10 +31,11 @@ from rewards import EXTRA_ARGUMENTS, RewardModel, get_reward_func, is_reward_mod
 
 
 def as_completion(prompt, completion):
-    """A completion as the reward functions get it: text for a text prompt, messages for a chat prompt (a text one as
-    one assistant message) or a multi-turn one; no message at all (a trajectory whose environment failed before
-    the model's first turn, which gets no reward anyway: tools.environment_rewards) as one empty assistant message,
-    a valid empty answer, so that no function fails on it (TRL's examples read completion[0]["content"])."""
+    """A completion as the reward functions get it: text for a text prompt, messages for a chat prompt (a text
+    one as one assistant message) or a multi-turn one; no message at all (a trajectory whose environment
+    failed before the model's first turn, which gets no reward anyway: tools.environment_rewards) as one empty
+    assistant message, a valid empty answer, so that no function fails on it (TRL's examples read
+    completion[0]["content"])."""
     if isinstance(completion, list):
         return completion or [{"role": "assistant", "content": ""}]
     return completion if isinstance(prompt, str) else [{"role": "assistant", "content": completion}]
@@ -70,7 +73,8 @@ async def _score_one(fn, batch: dict, n: int) -> dict:
     cannot be rewards is BadOutput, in either case."""
     lists, metrics = {k: v for k, v in batch.items() if k != "trainer_state"}, {}
     named = named_parameters(fn)
-    if named is not None:  # without **kwargs: the columns and a rollout's extra fields that it names, no others
+    # A function without **kwargs gets only the columns and rollout fields it names.
+    if named is not None:
         lists = {k: v for k, v in lists.items() if k in named}
 
     async def scored(kwargs: dict, k: int) -> tuple[list[float], dict]:
@@ -132,11 +136,11 @@ SECRETS = ("VLLM_API_KEY", "WANDB_API_KEY")  # the trainer's; reward functions a
 
 @contextlib.contextmanager
 def _ctrl_c_held_back_from_children():
-    """Processes started inside are born with SIGINT blocked (a thread's signal mask survives fork and exec), until
-    they leave the trainer's session (_scorer_process). Only this thread blocks it: the trainer's own Ctrl-C still
-    reaches its handler, through another thread or when the block ends. (Ignoring SIGINT instead, which also
-    survives exec, is process-wide: a Ctrl-C meanwhile was lost.) The resource tracker unblocks SIGINT when it
-    starts, so it starts first."""
+    """Processes started inside are born with SIGINT blocked (a thread's signal mask survives fork and exec),
+    until they leave the trainer's session (_scorer_process). Only this thread blocks it: the trainer's own
+    Ctrl-C still reaches its handler, through another thread or when the block ends. (Ignoring SIGINT instead,
+    which also survives exec, is process-wide: a Ctrl-C meanwhile was lost.) The resource tracker unblocks
+    SIGINT when it starts, so it starts first."""
     resource_tracker.ensure_running()
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
     try:
@@ -161,9 +165,10 @@ def _main_module_not_inherited():
 
 def _scorer_process():
     """Set-up of the scorer process, which runs the user's reward functions:
-    - a session of its own: Ctrl-C in the terminal and torchrun's SIGTERM (sent to each worker's group) are for
-      the trainer, which finishes scoring, saves and stops; and the trainer stops the scorer together with what a
-      reward function started (a code sandbox, a judge's client) by signalling that group (RewardScorer.stop);
+    - a session of its own: Ctrl-C in the terminal and torchrun's SIGTERM (sent to each worker's group) are
+      for the trainer, which finishes scoring, saves and stops; and the trainer stops the scorer together with
+      what a reward function started (a code sandbox, a judge's client) by signalling that group
+      (RewardScorer.stop);
     - it ends with the trainer even when the trainer is killed (SIGKILL) mid-call (Linux: the parent's death
       signals it, and it takes its group along); an idle scorer also ends when its task pipe closes;
     - the trainer's secrets are not in its environment (nor in what it starts).
@@ -178,16 +183,17 @@ def _scorer_process():
         os.environ.pop(name, None)
     signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        # PR_SET_PDEATHSIG: the kernel sends this process SIGTERM when the trainer dies.
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
     if os.getppid() == 1:  # the trainer died before the line above
         os.killpg(0, signal.SIGKILL)
 
 
 class RewardScorer:
-    """scorer(rows, completions, completion_ids, step, own) -> k lists (one per function) of N floats, NaN = not
-    scored. rows[i] is the dataset row of completion i; own (N, k), if given, says which functions score which
-    completions (a mixture's tasks each have their own; the others stay NaN). `columns`, the rows' columns (or
-    each function's), are checked against every function's signature at start."""
+    """scorer(rows, completions, completion_ids, step, own) -> k lists (one per function) of N floats, NaN =
+    not scored. rows[i] is the dataset row of completion i; own (N, k), if given, says which functions score
+    which completions (a mixture's tasks each have their own; the others stay NaN). `columns`, the rows'
+    columns (or each function's), are checked against every function's signature at start."""
 
     def __init__(self, names: list[str], columns: list[str] | dict[str, list[str]], device="cpu", max_steps: int = 0,
                  timeout: float = 60.0, options: dict | None = None):
@@ -201,23 +207,23 @@ class RewardScorer:
         self.models = {name: RewardModel(name, device) for name in names if is_reward_model(name)}
         self.is_async = {name: inspect.iscoroutinefunction(load_reward_func(name, columns[name], self.options,
                                                                             rollout_fields=True))
-                         for name in names if name not in self.models}  # (mixture.load_mixture checked them)
-        self.failures = 0  # (function, completion) scores lost: the function raised, or hung
-        self.failed = dict.fromkeys(names, 0)  # the same, of each function in the last call
-        self.attempted = dict.fromkeys(names, 0)  # the completions each function was to score in the last call
+                         for name in names if name not in self.models}  # mixture.load_mixture checked them
+        self.failures = 0  # (function, completion) scores lost because the function raised or hung
+        self.failed = dict.fromkeys(names, 0)  # the same count, per function, in the last call
+        self.attempted = dict.fromkeys(names, 0)  # the completions each function was to score last call
         self.calls, self.reported = dict.fromkeys(names, 0), set()
-        self.metrics, self.extra = {}, {}  # what functions logged with log_metric / log_extra in the last call
+        self.metrics, self.extra = {}, {}  # what the functions logged (log_metric, log_extra) last call
         self.seconds = {}  # each function's time in the last call that ran it (async ones: their joint call)
         self._pool = None
 
     def start(self):
-        """Start the scorer process now, without waiting for it (its imports overlap the trainer's start-up); else
-        the first call starts it. Nothing to start if no function runs in it (reward models run here)."""
+        """Start the scorer process now, without waiting for it (its imports overlap the trainer's start-up);
+        else the first call starts it. Nothing to start if no function runs in it (reward models run here)."""
         if self._pool is None and any(name not in self.models for name in self.names):
-            # spawn, not fork: math-verify's timeouts use signals, which work in a process's main thread
+            # Spawned, not forked: math-verify's timeouts use signals, which work only in a main thread.
             with _ctrl_c_held_back_from_children(), _main_module_not_inherited():
                 self._pool = mp.get_context("spawn").Pool(1, initializer=_scorer_process)
-            self._pid_of = self._pool.apply_async(os.getpid)  # also its process group's id
+            self._pid_of = self._pool.apply_async(os.getpid)  # also the id of its process group
 
     def stop(self, busy: bool = False):
         """End the scorer process and everything it started (its process group). A `busy` one (hung in a
@@ -226,8 +232,8 @@ class RewardScorer:
         if self._pool is None:
             return
         try:
-            group = self._pid_of.get(timeout=120)  # at once, unless the process is still starting
-        except Exception:  # it died starting: the pool's end below is all there is to do
+            group = self._pid_of.get(timeout=120)  # known at once, unless the process is still starting
+        except Exception:  # it died while starting: ending the pool below is all there is to do
             group = None
         if busy and group:
             with contextlib.suppress(ProcessLookupError):
@@ -245,15 +251,17 @@ class RewardScorer:
         except Interrupted:  # a stop signal: the functions' work is abandoned with their process
             self.stop(busy=True)
             raise
-        except Exception as e:  # hung, or the process died: these functions' batches are unscored; a fresh process
+        # Hung, or the process died: these functions' batches are unscored; the next call starts a new
+        # process.
+        except Exception as e:
             self.stop(busy=True)
             why = (f"did not finish within {self.timeout:g} s" if isinstance(e, mp.TimeoutError)
                    else f"crashed the scorer process ({type(e).__name__}: {e})")
             return [_unscored(len(batch["completions"]), f"{why}\n") for _, batch in jobs]
 
     def _answer(self, result):
-        """The scorer process's answer, waited for up to --reward_timeout (mp.TimeoutError), or until a stop signal
-        (config.Interrupted)."""
+        """The scorer process's answer, waited for up to --reward_timeout (mp.TimeoutError), or until a stop
+        signal (config.Interrupted)."""
         deadline = time.monotonic() + self.timeout
         while not result.ready():
             if STOP.is_set():
@@ -279,7 +287,8 @@ class RewardScorer:
                     **{k: [r.get(k) for r in rs] for k in dict.fromkeys(k for r in rs for k in r) if k != "prompt"},
                     "trainer_state": SimpleNamespace(global_step=step, max_steps=self.max_steps)}
         results = {}
-        called = [name for name in self.names if which[name]]  # none for a rank without prompts, or not its task's
+        # Only the functions with completions to score: none on a rank without prompts, or of another task.
+        called = [name for name in self.names if which[name]]
         sync = [name for name in called if name not in self.models and not self.is_async[name]]
         for names in [[name] for name in sync] + [[name for name in called if self.is_async.get(name)]]:
             if names:
@@ -299,7 +308,8 @@ class RewardScorer:
                 self._account(name, results[name], len(which[name]))
                 for i, score in zip(which[name], results[name]["scores"]):
                     scores[i] = score
-                for column, values in results[name]["extra"].items():  # log_extra: None where it did not score
+                # Each log_extra column holds None where this function did not score.
+                for column, values in results[name]["extra"].items():
                     full = self.extra.setdefault(column, [None] * n)
                     for i, value in zip(which[name], values):
                         full[i] = value
@@ -314,7 +324,8 @@ class RewardScorer:
             return _unscored(len(batch["completions"]), traceback.format_exc())
 
     def _account(self, name: str, result: dict, n: int):
-        """Count and report a function's failures; stop on a bug (bad output, or nothing scored in its first batch)."""
+        """Count and report a function's failures; stop on a bug (bad output, or nothing scored in its first
+        batch)."""
         if "error" in result:
             raise RunStopped(result["error"])
         self.calls[name] += 1
@@ -333,6 +344,7 @@ class RewardScorer:
     def close(self):
         self.stop()
 
-    def __del__(self):  # a run stopped by an error ends its scorer process too (run_and_exit collects main's objects)
-        if hasattr(self, "_pool"):  # (not if __init__ stopped first)
+    # A run stopped by an error ends its scorer process too (run_and_exit collects main's objects).
+    def __del__(self):
+        if hasattr(self, "_pool"):  # absent if __init__ stopped first
             self.stop()
