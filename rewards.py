@@ -17,9 +17,9 @@ reward). `async def` functions run concurrently.
 the working folder), or a reward model as the path of a local Hugging Face sequence-classification
 folder, written with a slash (./my_rm; RewardModel): it scores prompt + completion as TRL does.
 
-scorer.py calls them, in a process of their own, so that one that hangs or raises cannot hang or stop training.
-Their scores make a matrix (N completions x k functions): postprocess_rewards (or --reward_postprocess) may reshape
-it, and weighted_rewards sums each row with --reward_weights.
+scorer.py calls them, in a process of their own, so that one that hangs or raises cannot hang or stop
+training. Their scores make a matrix (N completions x k functions): postprocess_rewards (or
+--reward_postprocess) may reshape it, and weighted_rewards sums each row with --reward_weights.
 """
 import functools
 import importlib
@@ -31,12 +31,14 @@ import re
 from config import RunStopped, UsageError
 
 MATH_TIMEOUT = 2  # seconds math-verify may spend parsing or comparing one completion (pathological input)
-BOXED_NUMBER = re.compile(r"\\boxed\{\s*-?[\d,]*\.?\d+\.?\s*\}")  # a full stop after it too, as accuracy reads it
+# A number in \boxed{}, with a full stop after it too, as accuracy reads it.
+BOXED_NUMBER = re.compile(r"\\boxed\{\s*-?[\d,]*\.?\d+\.?\s*\}")
 
 
 def completion_text(completion) -> str:
-    """A completion's text: the completion itself, or its last message's content (chat datasets); "" for no message
-    (a trajectory whose environment failed before the model's first turn) or a message without content."""
+    """A completion's text: the completion itself, or its last message's content (chat datasets); "" for no
+    message (a trajectory whose environment failed before the model's first turn) or a message without
+    content."""
     if isinstance(completion, str):
         return completion
     return (completion[-1].get("content") or "") if completion else ""
@@ -83,10 +85,10 @@ def accuracy(completions, answer, **kwargs) -> list[float]:
 
 
 def boxed_accuracy(completions, answer, **kwargs) -> list[float]:
-    """accuracy, counted only for an answer given in one \\boxed{} (a plain last number, or the answer boxed twice,
-    earns nothing): the reward of a task whose prompt asks for the box (the embedded one), so that answering
-    plainly, or writing the box again and again, is never worth learning. Unlike accuracy + format, it never
-    rewards a wrong answer for its box (README: The default run)."""
+    """accuracy, counted only for an answer given in one \\boxed{} (a plain last number, or the answer boxed
+    twice, earns nothing): the reward of a task whose prompt asks for the box (the embedded one), so that
+    answering plainly, or writing the box again and again, is never worth learning. Unlike accuracy + format,
+    it never rewards a wrong answer for its box (README: The default run)."""
     return [score if completion_text(completion).count("\\boxed{") == 1 else 0.0
             for score, completion in zip(accuracy(completions, answer), completions)]
 
@@ -107,9 +109,9 @@ def _matches(text: str, ref: str) -> bool:
         try:
             if verify(g, t, timeout_seconds=MATH_TIMEOUT, raise_on_error=True):
                 return True
-        except TimeoutException:  # (its alarm fires only after the arithmetic running then, e.g. a huge power)
+        except TimeoutException:  # its alarm fires only after the arithmetic running then (a huge power, say)
             return False
-        except Exception:  # this pair cannot be compared: as math-verify, not equal
+        except Exception:  # this pair cannot be compared: not equal, as math-verify says
             continue
     return False
 
@@ -120,21 +122,21 @@ def _tower_height(expr) -> int:
     more, where 2 is at most 2.5 s): it is not compared."""
     from sympy import Basic, Pow
     if not isinstance(expr, Basic):
-        return 0  # math-verify's string form
+        return 0  # math-verify's string form of an answer: no tower
     below = max((_tower_height(a) for a in expr.args), default=0)
     return max(below, 1 + _tower_height(expr.exp)) if isinstance(expr, Pow) and expr.is_number else below
 
 
 def format(completions, **kwargs) -> list[float]:  # noqa: A001 - TRL's name for it
-    """1.0 if the completion gives a number in \\boxed{} exactly once ("\\boxed{12}"; "\\boxed{12.}" too, which
-    accuracy reads as 12)."""
+    """1.0 if the completion gives a number in \\boxed{} exactly once ("\\boxed{12}"; "\\boxed{12.}" too,
+    which accuracy reads as 12)."""
     return [float(len(BOXED_NUMBER.findall(completion_text(c))) == 1) for c in completions]
 
 
 def choice(completions, answer, choices, **kwargs) -> list[float]:
     """1.0 if the completion chooses the row's `answer` among its `choices` (a list of words or phrases): the
-    content of its last \\boxed{} if it has one, else the choice it names first (a whole word, any case); 0.0 if
-    it names none. For classification and multiple-choice tasks (the embedded parity task)."""
+    content of its last \\boxed{} if it has one, else the choice it names first (a whole word, any case); 0.0
+    if it names none. For classification and multiple-choice tasks (the embedded parity task)."""
     out = []
     for completion, ref, options in zip(completions, answer, choices):
         text = completion_text(completion)
@@ -156,18 +158,18 @@ def tag_count(completions, **kwargs) -> list[float]:
 
 
 def overlong_penalty(completion_ids, max_length: int, buffer_length: int, **kwargs) -> list[float]:
-    """DAPO's soft overlong punishment (arXiv:2503.14476): 0 for a completion of up to max_length - buffer_length
-    tokens, then down linearly to -1 at max_length, -1 beyond (TRL: get_soft_overlong_punishment). The lengths
-    are --overlong_max_length and --overlong_buffer_length."""
+    """DAPO's soft overlong punishment (arXiv:2503.14476): 0 for a completion of up to max_length -
+    buffer_length tokens, then down linearly to -1 at max_length, -1 beyond (TRL:
+    get_soft_overlong_punishment). The lengths are --overlong_max_length and --overlong_buffer_length."""
     start = max_length - buffer_length
     return [0.0 if len(ids) <= start else max(-1.0, (start - len(ids)) / buffer_length) for ids in completion_ids]
 
 
 def weighted_rewards(matrix, weights, own=None):
-    """(N, k) rewards of k functions (NaN = not scored), their weights ((k,), or (N, k): each row's task's), and
-    own (N, k) (None: all), the columns that are each row's (its task's) -> (N,) weighted sums of each row's own
-    columns that scored it; NaN for a completion none of them scored (it has no reward: the advantages leave it
-    out of its group's statistics and give it 0, as TRL does)."""
+    """(N, k) rewards of k functions (NaN = not scored), their weights ((k,), or (N, k): each row's task's),
+    and own (N, k) (None: all), the columns that are each row's (its task's) -> (N,) weighted sums of each
+    row's own columns that scored it; NaN for a completion none of them scored (it has no reward: the
+    advantages leave it out of its group's statistics and give it 0, as TRL does)."""
     if own is not None:
         matrix = matrix.where(own, float("nan"))  # another task's column adds nothing, whatever it holds
     scored = ~matrix.isnan()
@@ -209,9 +211,9 @@ def load_postprocess(spec: str):
 
 
 def postprocessed(hook, matrix, names: list[str], tasks: list[str]):
-    """hook(matrix, names, tasks) (postprocess_rewards, or --reward_postprocess), checked: RunStopped if it raises or
-    returns other than a float tensor of the matrix's shape. A batch without rows (a rank with nothing to score)
-    is not shown to it."""
+    """hook(matrix, names, tasks) (postprocess_rewards, or --reward_postprocess), checked: RunStopped if it
+    raises or returns other than a float tensor of the matrix's shape. A batch without rows (a rank with
+    nothing to score) is not shown to it."""
     if not len(matrix):
         return matrix
     try:
@@ -237,8 +239,9 @@ def is_reward_model(name: str) -> bool:
 
 
 def get_reward_func(name: str, options: dict | None = None):
-    """A function from REWARD_FUNCS, or your own as "module:function" (importable from the working folder), with
-    the keyword arguments `options[name]` bound if there are any (a built-in's settings from the command line)."""
+    """A function from REWARD_FUNCS, or your own as "module:function" (importable from the working folder),
+    with the keyword arguments `options[name]` bound if there are any (a built-in's settings from the command
+    line)."""
     if ":" in name:
         module, fn = name.split(":", 1)
         fn = getattr(importlib.import_module(module), fn)
@@ -248,9 +251,9 @@ def get_reward_func(name: str, options: dict | None = None):
 
 
 def load_reward_func(name: str, columns: list[str], options: dict | None = None, rollout_fields: bool = False):
-    """The function named `name`, checked to accept what the scorer passes it; UsageError saying what to change.
-    `rollout_fields`: a custom rollout may give more (its episodes' extra), so an argument it names beyond the
-    columns is not missing."""
+    """The function named `name`, checked to accept what the scorer passes it; UsageError saying what to
+    change. `rollout_fields`: a custom rollout may give more (its episodes' extra), so an argument it names
+    beyond the columns is not missing."""
     try:
         fn = get_reward_func(name, options)
     except KeyError:
@@ -274,7 +277,8 @@ def load_reward_func(name: str, columns: list[str], options: dict | None = None,
 
 
 def named_parameters(fn) -> set[str] | None:
-    """The keyword arguments a user's function names; None if it takes **kwargs (or has no signature to read)."""
+    """The keyword arguments a user's function names; None if it takes **kwargs (or has no signature to
+    read)."""
     try:
         parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
@@ -298,7 +302,8 @@ class RewardModel:
         self.model = AutoModelForSequenceClassification.from_pretrained(path).to(device).eval()
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model.config.pad_token_id = self.tokenizer.pad_token_id  # it scores each text at its last real token
+        # The model scores each text at its last token that is not padding.
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.device, self.batch_size, self.torch = device, batch_size, torch
 
     def __call__(self, prompts, completions, **kwargs) -> list[float]:
