@@ -36,7 +36,8 @@ TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
 def load_callables(spec: str, flag: str) -> list:
-    """module:f,module:g (importable from the working folder) -> the functions; UsageError naming the one that fails."""
+    """module:f,module:g (importable from the working folder) -> the functions; UsageError naming the one that
+    fails."""
     out = []
     for name in (s.strip() for s in spec.split(",") if s.strip()):
         module, _, fn = name.partition(":")
@@ -49,8 +50,8 @@ def load_callables(spec: str, flag: str) -> list:
 
 
 def tool_schemas(tools: list) -> list[dict]:
-    """The JSON schema of each tool, as the chat template gets it; UsageError saying what a tool lacks, or naming
-    two tools of one name (the model could only ever call one of them)."""
+    """The JSON schema of each tool, as the chat template gets it; UsageError saying what a tool lacks, or
+    naming two tools of one name (the model could only ever call one of them)."""
     names = [tool.__name__ for tool in tools]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
@@ -70,8 +71,9 @@ def _schema(tool) -> dict:
 
 
 def environment_tools(instance) -> list:
-    """The public methods of an environment instance, as TRL finds them: functions of its class (inherited ones
-    too), not starting with '_', but reset and get_reward (and turn_prefix, ours: tools.start_turn); by name."""
+    """The public methods of an environment instance, as TRL finds them: functions of its class (inherited
+    ones too), not starting with '_', but reset and get_reward (and turn_prefix, ours: tools.start_turn); by
+    name."""
     return [getattr(instance, name) for name, _ in inspect.getmembers(type(instance), inspect.isfunction)
             if not name.startswith("_") and name not in ("reset", "get_reward", "turn_prefix")]
 
@@ -83,8 +85,8 @@ def render(tokenizer, messages: list[dict], tools: list[dict] | None, generation
 
 
 def check_tool_template(tokenizer, model: str):
-    """A one-line UsageError unless the model's chat template shows the model its tools (the schema), renders a
-    call in an assistant turn and a tool's result, and only appends tokens when a tool turn is added."""
+    """A one-line UsageError unless the model's chat template shows the model its tools (the schema), renders
+    a call in an assistant turn and a tool's result, and only appends tokens when a tool turn is added."""
     def probe(a: int, b: int) -> int:
         """Add two numbers.
 
@@ -116,8 +118,8 @@ def check_tool_template(tokenizer, model: str):
 
 
 def probe_trajectory(tokenizer, prompt, system_prompt: str, schemas: list[dict]) -> list[int]:
-    """A fixed multi-turn trajectory for the weight-sync probe: the prompt with the tools, a call to the first tool,
-    its answer and a last assistant turn, as the chat template renders them."""
+    """A fixed multi-turn trajectory for the weight-sync probe: the prompt with the tools, a call to the first
+    tool, its answer and a last assistant turn, as the chat template renders them."""
     name = schemas[0]["function"]["name"]
     return render(tokenizer, prompt_messages(prompt, system_prompt) + [
         {"role": "assistant", "content": "Let me check.", "tool_calls": [
@@ -127,8 +129,8 @@ def probe_trajectory(tokenizer, prompt, system_prompt: str, schemas: list[dict])
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict], list[str]]:
-    """An assistant turn's text -> (its content without the calls, the calls [{name, arguments}], and one error
-    message per call that does not parse, for the model to read as the tool's answer)."""
+    """An assistant turn's text -> (its content without the calls, the calls [{name, arguments}], and one
+    error message per call that does not parse, for the model to read as the tool's answer)."""
     calls, errors = [], []
     for body in TOOL_CALL.findall(text):
         try:
@@ -139,7 +141,8 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict], list[str]]:
             if not isinstance(arguments, dict):
                 raise ValueError("its arguments are not a JSON object")
             calls.append({"name": call["name"], "arguments": arguments})
-        except (ValueError, RecursionError) as e:  # json.JSONDecodeError is one; RecursionError: nested too deep
+        # json.JSONDecodeError is a ValueError; RecursionError: a call nested too deep.
+        except (ValueError, RecursionError) as e:
             errors.append(f"error: the tool call {body[:200]!r} could not be read ({e})")
     return TOOL_CALL.sub("", text).strip(), calls, errors
 
@@ -148,32 +151,35 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict], list[str]]:
 # running the user's code (tools, an environment's methods) so that none can hold up a step
 
 class PastDeadline(Exception):
-    """A coroutine of the user's did not finish by its deadline and was cancelled (run_together: it is late)."""
+    """A coroutine of the user's did not finish by its deadline and was cancelled (run_together: it is
+    late)."""
 
 
 class TrajectoryLoop:
-    """The event loop of one trajectory's coroutines (its async tools, reset, turn_prefix and get_reward), started at
-    the first of them in a daemon thread of its own and stopped with close() when the trajectory ends. An async
-    environment keeps one loop from its reset to its get_reward (it may hold loop-bound objects, a client, across
-    its methods). A loop per trajectory, not one for the run: a coroutine that blocks its loop (time.sleep inside
-    `async def`, which asyncio cannot interrupt) holds up its own trajectory alone, whose environment is stuck
-    anyway, while every other trajectory's async calls go on. An async --tools function runs on the loop of the
-    trajectory that calls it."""
+    """The event loop of one trajectory's coroutines (its async tools, reset, turn_prefix and get_reward),
+    started at the first of them in a daemon thread of its own and stopped with close() when the trajectory
+    ends. An async environment keeps one loop from its reset to its get_reward (it may hold loop-bound
+    objects, a client, across its methods). A loop per trajectory, not one for the run: a coroutine that
+    blocks its loop (time.sleep inside `async def`, which asyncio cannot interrupt) holds up its own
+    trajectory alone, whose environment is stuck anyway, while every other trajectory's async calls go on. An
+    async --tools function runs on the loop of the trajectory that calls it."""
 
     def __init__(self):
         self.loop, self.closed, self._lock = None, False, threading.Lock()
 
     def run(self, awaitable, deadline: float):
-        """The awaitable's value, awaited on this loop until `deadline` (time.monotonic()); PastDeadline then, when its
-        task is cancelled: an await that never returns ends there, a blocked loop at its next await. PastDeadline at
-        once after close(): a factory abandoned at its deadline that returns later starts no loop nothing stops."""
+        """The awaitable's value, awaited on this loop until `deadline` (time.monotonic()); PastDeadline then,
+        when its task is cancelled: an await that never returns ends there, a blocked loop at its next await.
+        PastDeadline at once after close(): a factory abandoned at its deadline that returns later starts no
+        loop nothing stops."""
         with self._lock:
             if self.closed:
                 raise PastDeadline
             if self.loop is None:
                 self.loop = asyncio.new_event_loop()
                 threading.Thread(target=_serve, args=(self.loop,), daemon=True).start()
-        # a coroutine as it is: cancelled before its first step, it is closed (a wrapper's would never be awaited)
+        # A coroutine runs as it is: cancelled before its first step, it is closed (inside a wrapper, it would
+        # never be awaited).
         future = asyncio.run_coroutine_threadsafe(
             awaitable if asyncio.iscoroutine(awaitable) else _awaited(awaitable), self.loop)
         concurrent.futures.wait([future], max(deadline - time.monotonic(), 0))
@@ -183,8 +189,9 @@ class TrajectoryLoop:
         return future.result()
 
     def close(self):
-        """Stop the loop, if it started: its thread then cancels what still runs on it (a call past its deadline,
-        a task the environment started) and ends, as asyncio.run ends (a blocked one once its call returns)."""
+        """Stop the loop, if it started: its thread then cancels what still runs on it (a call past its
+        deadline, a task the environment started) and ends, as asyncio.run ends (a blocked one once its call
+        returns)."""
         with self._lock:
             self.closed = True
             if self.loop is not None:
@@ -208,19 +215,19 @@ async def _awaited(awaitable):
 
 
 def call_user(fn, loop: TrajectoryLoop, deadline: float, /, *args, **kwargs):
-    """fn(*args, **kwargs), awaited on the trajectory's `loop` until `deadline` if it returns an awaitable (an async
-    tool, reset, turn_prefix or get_reward; PastDeadline after it). Positional-only: a tool's arguments take any
-    name."""
+    """fn(*args, **kwargs), awaited on the trajectory's `loop` until `deadline` if it returns an awaitable (an
+    async tool, reset, turn_prefix or get_reward; PastDeadline after it). Positional-only: a tool's arguments
+    take any name."""
     out = fn(*args, **kwargs)
     return loop.run(out, deadline) if inspect.isawaitable(out) else out
 
 
 def run_together(jobs: list, timeout: float, what: str) -> list[tuple[object, str | None]]:
-    """Each job on a daemon thread of its own, all at once, under one deadline `timeout` s from now, which each job
-    gets as its one argument (time.monotonic(): call_user cancels a coroutine then): per job (its value, None), or
-    (None, its traceback) if it raised, or (None, "`what` did not return within ...") if it had not returned by then
-    or raised PastDeadline. A job past the deadline is abandoned: its thread runs on, but nothing waits for it, not
-    even the process's exit (a pool's threads would hold it)."""
+    """Each job on a daemon thread of its own, all at once, under one deadline `timeout` s from now, which
+    each job gets as its one argument (time.monotonic(): call_user cancels a coroutine then): per job (its
+    value, None), or (None, its traceback) if it raised, or (None, "`what` did not return within ...") if it
+    had not returned by then or raised PastDeadline. A job past the deadline is abandoned: its thread runs on,
+    but nothing waits for it, not even the process's exit (a pool's threads would hold it)."""
     deadline = time.monotonic() + timeout
     futures = [concurrent.futures.Future() for _ in jobs]
     for job, future in zip(jobs, futures):
@@ -243,12 +250,13 @@ ANSWERED, FAILED, TIMED_OUT = "answered", "failed", "timed out"  # what became o
 
 
 def call_tools(turns: list[tuple[list[dict], dict, TrajectoryLoop]], timeout: float) -> list[list[tuple[str, str]]]:
-    """The tool calls of one turn of several trajectories, each (its calls, its {name: tool}, its loop): a trajectory's
-    calls one after another in the order the model wrote them (a call may use what the one before left in the
-    environment), the trajectories side by side, all under one deadline `timeout` s from now. Each call's answer is
-    (the text of a tool message, ANSWERED, FAILED or TIMED_OUT): the tool's result, or an error the model reads: a
-    tool that raises, is unknown or gets wrong arguments (FAILED), or one that has not answered by the deadline
-    (TIMED_OUT, an async one cancelled then; the calls after it are not made, and time out with it)."""
+    """The tool calls of one turn of several trajectories, each (its calls, its {name: tool}, its loop): a
+    trajectory's calls one after another in the order the model wrote them (a call may use what the one before
+    left in the environment), the trajectories side by side, all under one deadline `timeout` s from now. Each
+    call's answer is (the text of a tool message, ANSWERED, FAILED or TIMED_OUT): the tool's result, or an
+    error the model reads: a tool that raises, is unknown or gets wrong arguments (FAILED), or one that has
+    not answered by the deadline (TIMED_OUT, an async one cancelled then; the calls after it are not made, and
+    time out with it)."""
     answers, late = [[] for _ in turns], threading.Event()
 
     def in_order(calls, tools, loop, out, deadline):
@@ -259,7 +267,7 @@ def call_tools(turns: list[tuple[list[dict], dict, TrajectoryLoop]], timeout: fl
     run_together([functools.partial(in_order, calls, tools, loop, out)
                   for (calls, tools, loop), out in zip(turns, answers)], timeout, "a tool")
     late.set()
-    done = [list(out) for out in answers]  # what had answered by the deadline
+    done = [list(out) for out in answers]  # the calls that had answered by the deadline
     return [out + [(f"error: the tool {call['name']} did not answer within {timeout:g} s" if k == 0 else
                     f"error: the tool {call['name']} was not called: the call before it did not answer in time",
                     TIMED_OUT) for k, call in enumerate(calls[len(out):])] for (calls, _, _), out in zip(turns, done)]
@@ -270,16 +278,17 @@ def _answer(call: dict, tools: dict, loop: TrajectoryLoop, deadline: float) -> t
         return f"error: there is no tool {call['name']!r}; the tools are {', '.join(sorted(tools))}", FAILED
     try:
         return str(call_user(tools[call["name"]], loop, deadline, **call["arguments"])), ANSWERED
-    except PastDeadline:  # late: call_tools answers for it and the calls after it
+    except PastDeadline:  # too late: call_tools answers for this call and the ones after it
         raise
     except Exception as e:
         return f"error: {type(e).__name__}: {e}", FAILED
 
 
 def end_of_turn_id(tokenizer) -> int:
-    """The token that ends an assistant turn in the chat template, which need not be the tokenizer's eos (ChatML's
-    <|im_end|> is SmolLM2's eos; Gemma's <end_of_turn> and Llama-3's <|eot_id|> are not): the first special token
-    the template writes after an assistant message's content, as a rendering of one shows; eos if it writes none."""
+    """The token that ends an assistant turn in the chat template, which need not be the tokenizer's eos
+    (ChatML's <|im_end|> is SmolLM2's eos; Gemma's <end_of_turn> and Llama-3's <|eot_id|> are not): the first
+    special token the template writes after an assistant message's content, as a rendering of one shows; eos
+    if it writes none."""
     mark = "nanogrpo's end-of-turn probe"
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi."}, {"role": "assistant", "content": mark}],
                                          tokenize=False)
@@ -290,10 +299,10 @@ def end_of_turn_id(tokenizer) -> int:
 
 
 def appended_ids(tokenizer, messages: list[dict], new: list[dict], tools: list[dict] | None) -> list[int] | None:
-    """The token ids that follow the model's last turn (which ends with its end-of-turn token) when the messages
-    `new` are added and the next turn starts: the template's rendering of `messages + new` past that of `messages`,
-    cut after its last end-of-turn token. None if the longer rendering does not begin with the shorter (the
-    template rewrites history: the trajectory's tokens would no longer be what the model saw)."""
+    """The token ids that follow the model's last turn (which ends with its end-of-turn token) when the
+    messages `new` are added and the next turn starts: the template's rendering of `messages + new` past that
+    of `messages`, cut after its last end-of-turn token. None if the longer rendering does not begin with the
+    shorter (the template rewrites history: the trajectory's tokens would no longer be what the model saw)."""
     before = render(tokenizer, messages, tools, False)
     after = render(tokenizer, messages + new, tools, True)
     if after[:len(before)] != before:
@@ -304,11 +313,11 @@ def appended_ids(tokenizer, messages: list[dict], new: list[dict], tools: list[d
 
 
 def open_turns(runs: list[dict], tokenizer, budget: int, timeout: float):
-    """Give each live trajectory's next turn its environment's opening, if it has turn_prefix() and that returns text
-    (e.g. the start of a tool call, for a model that writes none by itself): its tokens join the trajectory as
-    given, not sampled (sampled=False), and the model continues from them. If they leave no room, what fits is the
-    last turn ("length"). A turn_prefix that raises, or has not returned within `timeout` s (one deadline for all),
-    ends its trajectory with an environment error."""
+    """Give each live trajectory's next turn its environment's opening, if it has turn_prefix() and that
+    returns text (e.g. the start of a tool call, for a model that writes none by itself): its tokens join the
+    trajectory as given, not sampled (sampled=False), and the model continues from them. If they leave no
+    room, what fits is the last turn ("length"). A turn_prefix that raises, or has not returned within
+    `timeout` s (one deadline for all), ends its trajectory with an environment error."""
     opening = [r for r in runs if r["live"] and callable(getattr(r["env"], "turn_prefix", None))]
     for r, (prefix, error) in zip(opening, run_together([functools.partial(call_user, r["env"].turn_prefix, r["loop"])
                                                          for r in opening], timeout, "turn_prefix")):
@@ -318,7 +327,7 @@ def open_turns(runs: list[dict], tokenizer, budget: int, timeout: float):
             r["live"], r["error"] = False, error
             continue
         ids = tokenizer.encode(prefix, add_special_tokens=False) if prefix else []
-        if len(r["ids"]) + len(ids) >= budget:  # what fits is the turn, as the model's own would be cut
+        if len(r["ids"]) + len(ids) >= budget:  # the prefix is cut to what fits, as the model's turn would be
             ids = ids[:budget - len(r["ids"])]
             r["messages"].append({"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)})
             r["finish"], r["live"] = "length", False
@@ -329,16 +338,17 @@ def open_turns(runs: list[dict], tokenizer, budget: int, timeout: float):
 
 def start_trajectories(rows: list[dict], ctx: RolloutContext, tools: list, env_factory, omit: tuple,
                        timeout: float) -> list[dict]:
-    """Each trajectory's start: a fresh environment (env_factory()) reset with its row's columns but `omit` (a reset
-    without **row gets those it names: `def reset(self, question, answer)` runs as it is), whose text, if any,
-    ends the prompt's last user message. The factories and resets run side by side under one deadline
-    `timeout` s from now; one that raises or misses it is the trajectory's environment error (it gets no reward).
-    Each trajectory gets its event loop (TrajectoryLoop), which tool_rollout closes when the trajectories end."""
+    """Each trajectory's start: a fresh environment (env_factory()) reset with its row's columns but `omit` (a
+    reset without **row gets those it names: `def reset(self, question, answer)` runs as it is), whose text,
+    if any, ends the prompt's last user message. The factories and resets run side by side under one deadline
+    `timeout` s from now; one that raises or misses it is the trajectory's environment error (it gets no
+    reward). Each trajectory gets its event loop (TrajectoryLoop), which tool_rollout closes when the
+    trajectories end."""
     G = ctx.num_generations
 
     def start(row, loop, deadline):
         env = env_factory()
-        named = named_parameters(env.reset)  # None: it takes **row
+        named = named_parameters(env.reset)  # None if it takes **row
         return env, call_user(env.reset, loop, deadline, **{k: v for k, v in row.items()
                                                             if k not in omit and (named is None or k in named)})
     slots, loops = range(len(rows) * G), [TrajectoryLoop() for _ in range(len(rows) * G)]
@@ -369,20 +379,22 @@ def start_trajectories(rows: list[dict], ctx: RolloutContext, tools: list, env_f
 
 def tool_rollout(rows: list[dict], ctx: RolloutContext, tools: list = (), env_factory=None, max_iterations: int = 5,
                  timeout: float = 30.0, omit: tuple = ()) -> list[Episode]:
-    """The multi-turn rollout (rollout.py's contract): G trajectories per row, advancing turn by turn together. A
-    trajectory's tokens are its prompt, then each model turn as sampled (sampled=True) and the tokens the chat
-    template adds for the tools' answers and the next turn (sampled=False: no loss, no importance weight), up to
-    max_tokens in all; a turn that would pass it is cut and marked "length". Each model turn is a request of its
-    own, with a seed of its own (rollout.slot_seed: no two turns of a step share a random stream) and the room its
-    trajectory has left; a turn's requests are sent together, so the server batches them. Each trajectory gets a
-    fresh environment (env_factory()), so a repeated call repeats. Tools, reset, turn_prefix and get_reward may be
-    async (awaited on the trajectory's own event loop, TrajectoryLoop); each of them runs under a deadline of
-    `timeout` s shared by all trajectories of that moment."""
+    """The multi-turn rollout (rollout.py's contract): G trajectories per row, advancing turn by turn
+    together. A trajectory's tokens are its prompt, then each model turn as sampled (sampled=True) and the
+    tokens the chat template adds for the tools' answers and the next turn (sampled=False: no loss, no
+    importance weight), up to max_tokens in all; a turn that would pass it is cut and marked "length". Each
+    model turn is a request of its own, with a seed of its own (rollout.slot_seed: no two turns of a step
+    share a random stream) and the room its trajectory has left; a turn's requests are sent together, so the
+    server batches them. Each trajectory gets a fresh environment (env_factory()), so a repeated call repeats.
+    Tools, reset, turn_prefix and get_reward may be async (awaited on the trajectory's own event loop,
+    TrajectoryLoop); each of them runs under a deadline of `timeout` s shared by all trajectories of that
+    moment."""
     runs = start_trajectories(rows, ctx, tools, env_factory, omit, timeout)
     try:
         take_turns(runs, ctx, max_iterations, timeout)
         rewards = environment_rewards_of(runs, timeout)
-    finally:  # the loops end with their trajectories, also when the server was lost (the rollout then runs again)
+    # The loops end with their trajectories, also when the server was lost (the rollout then runs again).
+    finally:
         for r in runs:
             r["loop"].close()
     return mark_groups_with_different_prompts([
@@ -395,8 +407,9 @@ def tool_rollout(rows: list[dict], ctx: RolloutContext, tools: list = (), env_fa
 
 
 def take_turns(runs: list[dict], ctx: RolloutContext, max_iterations: int, timeout: float):
-    """The trajectories' turns, in place (tool_rollout): each live trajectory's model turn from the server, then its
-    calls' answers and the template's tokens for them, until no trajectory calls a tool, has room or turns left."""
+    """The trajectories' turns, in place (tool_rollout): each live trajectory's model turn from the server,
+    then its calls' answers and the template's tokens for them, until no trajectory calls a tool, has room or
+    turns left."""
     tokenizer, budget = ctx.tokenizer, ctx.sampling["max_tokens"]
     sampling = {k: v for k, v in ctx.sampling.items() if k != "max_tokens"}
     for turn in range(max_iterations + 1):
@@ -446,9 +459,10 @@ def take_turns(runs: list[dict], ctx: RolloutContext, max_iterations: int, timeo
 
 
 def environment_rewards_of(runs: list[dict], timeout: float) -> list[tuple[float | None, str | None]]:
-    """Each trajectory's get_reward(), all side by side under one deadline: (reward, None), (None, None) where the
-    environment has no get_reward, failed before or says None (not applicable: no reward in its column alone),
-    (None, the error) where it raises, misses the deadline or returns something that is not a number."""
+    """Each trajectory's get_reward(), all side by side under one deadline: (reward, None), (None, None) where
+    the environment has no get_reward, failed before or says None (not applicable: no reward in its column
+    alone), (None, the error) where it raises, misses the deadline or returns something that is not a
+    number."""
     scored = [r for r in runs if r["error"] is None and callable(getattr(r["env"], "get_reward", None))]
     results = dict(zip(map(id, scored), run_together([functools.partial(call_user, r["env"].get_reward, r["loop"])
                                                       for r in scored], timeout, "get_reward")))
@@ -456,8 +470,8 @@ def environment_rewards_of(runs: list[dict], timeout: float) -> list[tuple[float
 
 
 def reward_value(value, error: str | None, what: str) -> tuple[float | None, str | None]:
-    """What an environment's get_reward() or an agent returned, as (a reward or None, None) or (None, the error): a
-    number, or None (not applicable); anything else is an error (the trajectory gets no reward)."""
+    """What an environment's get_reward() or an agent returned, as (a reward or None, None) or (None, the
+    error): a number, or None (not applicable); anything else is an error (the trajectory gets no reward)."""
     if error is not None:
         return None, error
     if value is None:
@@ -483,10 +497,10 @@ def mark_groups_with_different_prompts(episodes: list[Episode], G: int) -> list[
 
 def tool_rollout_for(cfg, tokenizer, vision: bool, tools_spec: str, env: str, reward_funcs: list[str],
                      omit: tuple = ()):
-    """The multi-turn rollout of a task's tools (module:function,...) and environment (module:factory), its parts
-    checked at start (one-line UsageErrors): (the rollout function, the environment's reward name (its class) if it
-    has get_reward(), else None, the tools' schemas). reset(**row) gets the row's columns but `omit` (those nanogrpo
-    added). The settings of every rollout come from cfg."""
+    """The multi-turn rollout of a task's tools (module:function,...) and environment (module:factory), its
+    parts checked at start (one-line UsageErrors): (the rollout function, the environment's reward name (its
+    class) if it has get_reward(), else None, the tools' schemas). reset(**row) gets the row's columns but
+    `omit` (those nanogrpo added). The settings of every rollout come from cfg."""
     if vision:
         raise UsageError(f"{'--env' if env else '--tools'} with a vision-language model: multi-turn rollouts take "
                          "text-only models for now; train the VLM without them")
@@ -524,12 +538,12 @@ def read_chat_template(path: str) -> str:
 
 def environment_rewards(episodes: list[Episode], scores: list[list[float]], scorer, columns: list[str],
                         column_of: list[str | None]) -> list[list[float]]:
-    """The reward functions' scores (k lists) and a column per environment reward (`columns`, each named after its
-    class): each trajectory's get_reward() in its environment's column (`column_of[i]`; None: no environment
-    reward; a reward of None: not applicable, NaN there alone), NaN in the others. An episode whose environment
-    failed (its factory, reset, turn_prefix or get_reward raised or timed out; an agent anywhere) gets NaN in every
-    column, whatever its task's reward sources: no reward, like a failing reward function (counted in
-    scorer.failures and scorer.failed[its column], the first error printed once)."""
+    """The reward functions' scores (k lists) and a column per environment reward (`columns`, each named after
+    its class): each trajectory's get_reward() in its environment's column (`column_of[i]`; None: no
+    environment reward; a reward of None: not applicable, NaN there alone), NaN in the others. An episode
+    whose environment failed (its factory, reset, turn_prefix or get_reward raised or timed out; an agent
+    anywhere) gets NaN in every column, whatever its task's reward sources: no reward, like a failing reward
+    function (counted in scorer.failures and scorer.failed[its column], the first error printed once)."""
     scores = [list(column) for column in scores] + [
         [e.info.get("environment_reward") if of == name else None for e, of in zip(episodes, column_of)]
         for name in columns]
@@ -550,12 +564,12 @@ def environment_rewards(episodes: list[Episode], scores: list[list[float]], scor
 
 
 def trajectory_metrics(episodes: list[Episode]) -> dict:
-    """Over all ranks: tool calls per trajectory (each call the model wrote, read or not), those that failed (not
-    valid JSON, an unknown tool, wrong arguments, the tool raised) and those that timed out (no answer by
-    --tool_timeout: the late call and the calls after it in its turn, not made), the completion tokens the model
-    wrote and those the tools and the chat template added, trajectories ended because the template rewrote
-    history, environments that failed, groups whose prompts differ (warned once: GRPO's baseline then compares
-    answers to different prompts), agents' calls that started a new sample (an edited history)."""
+    """Over all ranks: tool calls per trajectory (each call the model wrote, read or not), those that failed
+    (not valid JSON, an unknown tool, wrong arguments, the tool raised) and those that timed out (no answer by
+    --tool_timeout: the late call and the calls after it in its turn, not made), the completion tokens the
+    model wrote and those the tools and the chat template added, trajectories ended because the template
+    rewrote history, environments that failed, groups whose prompts differ (warned once: GRPO's baseline then
+    compares answers to different prompts), agents' calls that started a new sample (an edited history)."""
     t = sum_over_ranks({"n": len(episodes), "calls": sum(e.info.get("tool_calls", 0) for e in episodes),
                         "failed_calls": sum(e.info.get("failed_tool_calls", 0) for e in episodes),
                         "timeouts": sum(e.info.get("tool_timeouts", 0) for e in episodes),
