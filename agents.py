@@ -2,16 +2,16 @@
 
     async def agent(client, row) -> float | None
 
-that calls `client.chat.completions.create(...)` as agent code does with the `openai` package, against the training
-server, and returns its reward (a column named after it; None: not applicable). Its calls make one trajectory,
-token-exact by construction: a call whose messages are the previous call's, the answer it returned and new messages
-is sent as token ids (the previous prompt, the sampled ids, the chat template's ids of the new messages) through
-the completion route, so nothing the model wrote is ever re-tokenized. A call whose history was edited (messages
-that are not what was sent and returned) starts a new sample (counted in agents/forks); each sample of a
-trajectory trains with the trajectory's reward.
+that calls `client.chat.completions.create(...)` as agent code does with the `openai` package, against the
+training server, and returns its reward (a column named after it; None: not applicable). Its calls make one
+trajectory, token-exact by construction: a call whose messages are the previous call's, the answer it returned
+and new messages is sent as token ids (the previous prompt, the sampled ids, the chat template's ids of the
+new messages) through the completion route, so nothing the model wrote is ever re-tokenized. A call whose
+history was edited (messages that are not what was sent and returned) starts a new sample (counted in
+agents/forks); each sample of a trajectory trains with the trajectory's reward.
 
-Each agent runs in a thread and an event loop of its own, so one that blocks (a synchronous SDK, `requests`) holds
-up no other; its time limit counts its own time, not the server's generation.
+Each agent runs in a thread and an event loop of its own, so one that blocks (a synchronous SDK, `requests`)
+holds up no other; its time limit counts its own time, not the server's generation.
 """
 import asyncio
 import concurrent.futures
@@ -37,8 +37,8 @@ def is_agent(env: str) -> bool:
 
 
 def agent_rollout_for(cfg, env: str, tools_spec: str, vision: bool):
-    """The rollout of the agent `env` names, as tools.tool_rollout_for returns one: (rollout, its reward column (the
-    agent's name), no schemas); one-line UsageErrors for what an agent cannot have."""
+    """The rollout of the agent `env` names, as tools.tool_rollout_for returns one: (rollout, its reward
+    column (the agent's name), no schemas); one-line UsageErrors for what an agent cannot have."""
     if tools_spec:
         raise UsageError(f"--env {env} is an agent, which calls its own tools: drop --tools")
     if vision:
@@ -53,37 +53,41 @@ def as_message(message) -> dict:
     (`messages.append(response.choices[0].message)`)."""
     if hasattr(message, "model_dump"):
         message = message.model_dump()
-    return {k: v for k, v in dict(message).items() if v is not None and v != []}  # vLLM answers "tool_calls": []
+    # vLLM answers with "tool_calls": [] where there are none.
+    return {k: v for k, v in dict(message).items() if v is not None and v != []}
 
 
+# vLLM's request fields that say how the chat route renders a prompt.
 CHAT_ONLY = ("messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template", "chat_template_kwargs",
              "add_generation_prompt", "continue_final_message", "documents", "reasoning_effort", "include_reasoning",
-             "mm_processor_kwargs", "media_io_kwargs")  # how the chat route renders a prompt (vLLM's request fields)
+             "mm_processor_kwargs", "media_io_kwargs")
+# A call with any of these is rendered by the server, and starts a new sample. So is one whose tool_choice is
+# "required" or names a tool: vLLM's chat route makes that a constraint on what is sampled.
 RENDERING = {"chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "documents",
-             "reasoning_effort"}  # a call with these is rendered by the server: a new sample (so is one whose
-# tool_choice is "required" or names a tool: vLLM's chat route makes that a constraint on what is sampled)
+             "reasoning_effort"}
 REFUSED = {"stream": "streams", "top_logprobs": "asks for top_logprobs", "stream_options": "streams",
            "prompt_logprobs": "asks for prompt_logprobs", "echo": "echoes its prompt"}
 
 
 class RecordingClient:
-    """The client an agent gets: `client.chat.completions.create(messages=..., ...)` as the `openai` package has it
-    (an openai.AsyncOpenAI underneath), against the training server, with the run's sampling settings, a seed per
-    call and the rest of --max_completion_length as max_tokens. It records the token ids and log-probs of every
-    call, in the order the calls were made (calls at once, asyncio.gather, each have their place and random stream),
-    from which the trajectory is built. Every answer must come from the server instance and the policy (model name)
-    the rollout started with: another instance (a restart), or a 404 for the policy's adapter, marks the client
-    `lost` (the trainer waits for the server and runs the rollout again), whatever the agent does with the error.
-    `client.model` is the served model's name."""
+    """The client an agent gets: `client.chat.completions.create(messages=..., ...)` as the `openai` package
+    has it (an openai.AsyncOpenAI underneath), against the training server, with the run's sampling settings,
+    a seed per call and the rest of --max_completion_length as max_tokens. It records the token ids and
+    log-probs of every call, in the order the calls were made (calls at once, asyncio.gather, each have their
+    place and random stream), from which the trajectory is built. Every answer must come from the server
+    instance and the policy (model name) the rollout started with: another instance (a restart), or a 404 for
+    the policy's adapter, marks the client `lost` (the trainer waits for the server and runs the rollout
+    again), whatever the agent does with the error. `client.model` is the served model's name."""
 
     def __init__(self, server, tokenizer, sampling: dict, seed: int, max_prompt_length: int = 0):
         self.model, self.calls, self.forks, self.lost, self.too_long = server.model_name, [], 0, None, None
         self._tokenizer, self._sampling, self._seed, self._max_prompt = tokenizer, sampling, seed, max_prompt_length
         self._instance = server.instance
-        import httpx  # ~1 s with openai: only runs with an agent pay it
+        import httpx  # with openai, ~1 s to import: only runs with an agent pay for it
         import openai
         self._openai = openai
-        self._limit = server.request_timeout or None  # --vllm_request_timeout (0: none); agent_rollout watches /health
+        # --vllm_request_timeout (0: none); agent_rollout watches /health meanwhile.
+        self._limit = server.request_timeout or None
         self._client = openai.AsyncOpenAI(
             base_url=server.base + "/v1", api_key=server.api_key or "none", max_retries=0, timeout=self._limit,
             http_client=httpx.AsyncClient(timeout=self._limit, event_hooks={"response": [self._check_answer]}))
@@ -91,13 +95,15 @@ class RecordingClient:
         self.started, self.server_seconds, self.waiting_since, self.in_flight = time.monotonic(), 0.0, None, 0
 
     def own_seconds(self) -> float:
-        """The time the agent has run, less the time its calls waited for the server (one or several at once)."""
+        """The time the agent has run, less the time its calls waited for the server (one or several at
+        once)."""
         now, since = time.monotonic(), self.waiting_since
         return now - self.started - self.server_seconds - (now - since if since is not None else 0.0)
 
     async def _check_answer(self, response):
-        """An answer from another instance of the server (restarted: it computes with the model on disk), or a 404 for
-        the policy's name (its adapter gone with a restart), is a lost server, not the agent's error."""
+        """An answer from another instance of the server (restarted: it computes with the model on disk), or a
+        404 for the policy's name (its adapter gone with a restart), is a lost server, not the agent's
+        error."""
         instance = response.headers.get(INSTANCE_HEADER, self._instance)
         if self._instance and instance != self._instance:
             self.lost = f"{response.request.url.path}: the server restarted (another instance answered an agent's call)"
@@ -113,11 +119,12 @@ class RecordingClient:
         if refused:
             raise ValueError(f"nanogrpo's agent client cannot take {refused[0]}, which training cannot use; drop it")
         messages, k = [as_message(m) for m in messages], len(self.calls)
-        self.calls.append(None)  # its place, in the order the calls are made (filled when answered)
+        self.calls.append(None)  # keeps its place in the order the calls are made; filled when answered
         by_server = RENDERING & set(kwargs) or kwargs.get("tool_choice") not in (None, "auto", "none")
         prompt_ids = None if by_server else self._continued(k, messages, tools)
         s, last = self._sampling, self.calls[k - 1] if k else None
-        used = len(prompt_ids) - last["sample_prompt"] if prompt_ids is not None else 0  # this sample's tokens so far
+        # The tokens this sample has used so far, which the rest of --max_completion_length leaves out.
+        used = len(prompt_ids) - last["sample_prompt"] if prompt_ids is not None else 0
         asked = kwargs.pop("max_completion_tokens", None) or kwargs.pop("max_tokens", None) or s["max_tokens"]
         sampling = dict(temperature=s["temperature"], top_p=s["top_p"], seed=slot_seed(self._seed, k),
                         max_tokens=min(asked, max(s["max_tokens"] - used, 1)),
@@ -126,10 +133,12 @@ class RecordingClient:
                                     "repetition_penalty": s["repetition_penalty"],
                                     **structured(s.get("structured_outputs_regex", ""))})
         for key in ("model", "temperature", "top_p", "seed", "logprobs"):
-            kwargs.pop(key, None)  # the run's settings decide (the agent may ask for fewer tokens than are left)
+            # The run's settings decide these (the agent may still ask for fewer tokens than are left).
+            kwargs.pop(key, None)
         with self._at_server():
             if prompt_ids is None:
-                self.forks += k > 0  # an edited history (or one rendered by the server): a new sample starts here
+                # An edited history (or one the server renders): a new sample starts here.
+                self.forks += k > 0
                 response = await self._client.chat.completions.create(
                     model=self.model, messages=messages, tools=tools or self._openai.NOT_GIVEN, n=1, logprobs=True,
                     **sampling, **kwargs)
@@ -138,7 +147,8 @@ class RecordingClient:
                             logprobs=[t.logprob for t in choice.logprobs.content])
                 if self._max_prompt and len(call["prompt_ids"]) > self._max_prompt:
                     raise ValueError(f"an agent's call has a prompt of {len(call['prompt_ids'])} tokens > "
-                                     f"--max_prompt_length {self._max_prompt}: raise it, or shorten the agent's messages")
+                                     f"--max_prompt_length {self._max_prompt}: raise it, or shorten the agent's "
+                                     "messages")
                 call["sample_prompt"] = len(call["prompt_ids"])
             else:
                 response, call = await self._continue(prompt_ids, sampling, kwargs)
@@ -150,17 +160,17 @@ class RecordingClient:
 
     @contextlib.contextmanager
     def _at_server(self):
-        """While one or more calls wait for the server: that time is not the agent's own. A call whose connection
-        failed or that the server answered with a 5xx marks the server lost, a call past --vllm_request_timeout the run
-        stopped, whatever the agent does with the error it then sees."""
+        """While one or more calls wait for the server: that time is not the agent's own. A call whose
+        connection failed or that the server answered with a 5xx marks the server lost, a call past
+        --vllm_request_timeout the run stopped, whatever the agent does with the error it then sees."""
         if self.in_flight == 0:
             self.waiting_since = time.monotonic()
         self.in_flight += 1
         try:
             yield
         except self._openai.APITimeoutError:
-            self.too_long = (f"an agent's call to the vLLM server took longer than --vllm_request_timeout {self._limit:g}s,"
-                             " while it still answers /health: raise it, or 0 for no limit")
+            self.too_long = (f"an agent's call to the vLLM server took longer than --vllm_request_timeout "
+                             f"{self._limit:g}s, while it still answers /health: raise it, or 0 for no limit")
             raise
         except (self._openai.APIConnectionError, self._openai.InternalServerError) as e:
             self.lost = self.lost or f"an agent's request to the server failed: {type(e).__name__}: {e}"
@@ -172,10 +182,11 @@ class RecordingClient:
                 self.waiting_since = None
 
     def _continued(self, k: int, messages: list[dict], tools: list | None) -> list[int] | None:
-        """The prompt ids of call k if it continues call k - 1 (its messages begin with that call's and the answer it
-        returned, unchanged): the ids the server saw and sampled (and the end-of-turn token, given, after an answer
-        cut at max_tokens), and the chat template's ids of what follows. None for a first call, one whose history
-        was edited, or one made while call k - 1 still waits for its answer (calls at once: each its own sample)."""
+        """The prompt ids of call k if it continues call k - 1 (its messages begin with that call's and the
+        answer it returned, unchanged): the ids the server saw and sampled (and the end-of-turn token, given,
+        after an answer cut at max_tokens), and the chat template's ids of what follows. None for a first
+        call, one whose history was edited, or one made while call k - 1 still waits for its answer (calls at
+        once: each its own sample)."""
         last, eos = self.calls[k - 1] if k else None, end_of_turn_id(self._tokenizer)
         if last is None:
             return None
@@ -187,9 +198,9 @@ class RecordingClient:
         return None if suffix is None else last["prompt_ids"] + ended + suffix
 
     async def _continue(self, prompt_ids: list[int], sampling: dict, kwargs: dict) -> tuple:
-        """A call as token ids through the completion route, answered as the chat route would answer it. Every other
-        argument the agent gave (stop, penalties, logit_bias, response_format, ...) goes as it is: vLLM's completion
-        route takes every sampling field its chat route takes."""
+        """A call as token ids through the completion route, answered as the chat route would answer it. Every
+        other argument the agent gave (stop, penalties, logit_bias, response_format, ...) goes as it is:
+        vLLM's completion route takes every sampling field its chat route takes."""
         extra = {**sampling.pop("extra_body"), **{k: v for k, v in kwargs.items() if k not in CHAT_ONLY}}
         out = await self._client.completions.create(model=self.model, prompt=prompt_ids, logprobs=0, extra_body=extra,
                                                     **sampling)
@@ -204,10 +215,11 @@ class RecordingClient:
 
 
 def agent_episode(row: dict, calls: list[dict], budget: int) -> Episode:
-    """The trajectory of an agent's recorded calls: one sample from each new sample on (the first call, or one whose
-    history was edited): that call's prompt, then each answer as sampled and the tokens the next call's prompt
-    adds (sampled=False), cut at `budget` tokens after the prompt ("length"). The episode is the last sample; the
-    ones before are its info["earlier_samples"], which train with its advantage (rollout.training_samples)."""
+    """The trajectory of an agent's recorded calls: one sample from each new sample on (the first call, or one
+    whose history was edited): that call's prompt, then each answer as sampled and the tokens the next call's
+    prompt adds (sampled=False), cut at `budget` tokens after the prompt ("length"). The episode is the last
+    sample; the ones before are its info["earlier_samples"], which train with its advantage
+    (rollout.training_samples)."""
     starts = [k for k, call in enumerate(calls) if call["new_sample"]] + [len(calls)]
     samples = [sample_of(calls[a:b], budget) for a, b in zip(starts, starts[1:])]
     episode = Episode(row, **samples[-1])
@@ -232,13 +244,14 @@ def sample_of(calls: list[dict], budget: int) -> dict:
 
 
 def agent_rollout(rows: list[dict], ctx: RolloutContext, agent=None, timeout: float = 300.0) -> list[Episode]:
-    """G runs of `agent(client, row)` per row, all at once (their requests meet in the server's batches), each in a
-    thread and event loop of its own with a RecordingClient seeded by its place, so a repeated call repeats. What
-    the agent returns is its reward. An agent that raises, returns something that is not a number or None, or runs
-    longer than `timeout` s of its own time (the server's generation not counted) gets no reward. The server is held
-    to the contract of every rollout: if any call was answered by another instance, lost its connection or found the
-    policy's name gone, or the server stops answering /health (asked every HEALTH_EVERY_S) for
-    --vllm_server_timeout, this raises ServerLost (the trainer waits for the server and runs this again)."""
+    """G runs of `agent(client, row)` per row, all at once (their requests meet in the server's batches), each
+    in a thread and event loop of its own with a RecordingClient seeded by its place, so a repeated call
+    repeats. What the agent returns is its reward. An agent that raises, returns something that is not a
+    number or None, or runs longer than `timeout` s of its own time (the server's generation not counted) gets
+    no reward. The server is held to the contract of every rollout: if any call was answered by another
+    instance, lost its connection or found the policy's name gone, or the server stops answering /health
+    (asked every HEALTH_EVERY_S) for --vllm_server_timeout, this raises ServerLost (the trainer waits for the
+    server and runs this again)."""
     G = ctx.num_generations
     clients = [RecordingClient(ctx.client, ctx.tokenizer, ctx.sampling, slot_seed(ctx.seed, i), ctx.max_prompt_length)
                for i in range(len(rows) * G)]
@@ -258,7 +271,7 @@ def agent_rollout(rows: list[dict], ctx: RolloutContext, agent=None, timeout: fl
         raise RunStopped(too_long[0])
     episodes = []
     for i, (client, future) in enumerate(zip(clients, futures)):
-        calls = [call for call in client.calls if call is not None]  # (a call that raised has no answer)
+        calls = [call for call in client.calls if call is not None]  # a call that raised has no answer
         reward, error = (None, f"the agent ran longer than {timeout:g} s of its own time (--tool_timeout x "
                                "(--max_tool_calling_iterations + 1))\n") if i in late else \
             reward_value(*future.result(), "the agent")
@@ -276,9 +289,9 @@ def agent_rollout(rows: list[dict], ctx: RolloutContext, agent=None, timeout: fl
 
 
 class HealthWatch:
-    """While agents run (their requests have no time limit: a long generation is not a lost server), the server's
-    /health every HEALTH_EVERY_S s, as VLLMClient does during its own requests: check() raises ServerLost if another
-    instance answers (restarted) or none has for --vllm_server_timeout s."""
+    """While agents run (their requests have no time limit: a long generation is not a lost server), the
+    server's /health every HEALTH_EVERY_S s, as VLLMClient does during its own requests: check() raises
+    ServerLost if another instance answers (restarted) or none has for --vllm_server_timeout s."""
 
     def __init__(self, client):
         self.client, self.asked = client, time.monotonic()
@@ -299,8 +312,8 @@ class HealthWatch:
 
 
 def _run_agent(agent, client: RecordingClient, row: dict, future: concurrent.futures.Future):
-    """One agent's run, in this thread's own event loop: (its return value, None), or (None, its traceback); a lost
-    server is the future's exception (ServerLost)."""
+    """One agent's run, in this thread's own event loop: (its return value, None), or (None, its traceback); a
+    lost server is the future's exception (ServerLost)."""
     async def run():
         try:
             return await agent(client, row), None
