@@ -20,7 +20,8 @@ def take(batch, rows):
 class PerPrompt:
     """A model input held once per prompt and read as one row per episode: row i is values[index[i]]. The G
     episodes of a group share their prompt's pixels, so a batch holds each image once; taking rows (a
-    micro-batch) copies nothing, and .to(device) makes the rows the forward needs, for that micro-batch only."""
+    micro-batch) copies nothing, and .to(device) makes the rows the forward needs, for that micro-batch
+    only."""
 
     def __init__(self, values: torch.Tensor, index: torch.Tensor):
         self.values, self.index = values, index  # (U, ...) one per prompt; (N,) the row of each episode
@@ -71,8 +72,9 @@ class SampledLogprobs(torch.autograd.Function):
     logits is ever made. The backward builds the logits' gradient the same way:
     d logp / d z = (onehot(target) - softmax(z)) / temperature, and with entropy_grad (an entropy bonus)
     d H / d z = -softmax(z) (log softmax(z) + H) / temperature; without it the entropy is a metric, no grad.
-    With `own_logits` (logits made for this call alone: the head's output, which nothing else saves) the backward
-    writes that gradient over the logits, a chunk at a time, so a micro-batch never holds two (B, T, V) tensors."""
+    With `own_logits` (logits made for this call alone: the head's output, which nothing else saves) the
+    backward writes that gradient over the logits, a chunk at a time, so a micro-batch never holds two (B, T,
+    V) tensors."""
 
     @staticmethod
     def forward(ctx, logits, targets, temperature: float, rows: int | None = None, entropy_grad: bool = False,
@@ -85,7 +87,8 @@ class SampledLogprobs(torch.autograd.Function):
                 z = logits[b, i:i + rows].to(dtype) / temperature  # (rows, V): fits in cache
                 s = torch.logsumexp(z, dim=-1)
                 logp[b, i:i + rows] = z.gather(-1, targets[b, i:i + rows, None]).squeeze(-1) - s
-                entropy[b, i:i + rows] = s - (torch.softmax(z, dim=-1) * z).sum(dim=-1)  # H = lse - sum_v p_v z_v
+                # H = lse - sum_v p_v z_v
+                entropy[b, i:i + rows] = s - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
                 lse[b, i:i + rows] = s
         ctx.save_for_backward(logits, targets, lse, entropy)
         ctx.temperature, ctx.rows, ctx.entropy_grad, ctx.own_logits = temperature, rows, entropy_grad, own_logits
@@ -100,8 +103,9 @@ class SampledLogprobs(torch.autograd.Function):
         for b in range(targets.shape[0]):
             for i in range(0, targets.shape[1], rows):
                 g = grad_logp[b, i:i + rows, None]
-                logp = logits[b, i:i + rows].to(lse.dtype) / ctx.temperature - lse[b, i:i + rows, None]  # (rows, V)
-                d = torch.exp(logp)  # p
+                # (rows, V) log-probs of every token of the vocabulary
+                logp = logits[b, i:i + rows].to(lse.dtype) / ctx.temperature - lse[b, i:i + rows, None]
+                d = torch.exp(logp)  # p, the probabilities
                 if ctx.entropy_grad:  # dH/dz = -p (log p + H)
                     d = d * (logp + entropy[b, i:i + rows, None]).mul_(-grad_entropy[b, i:i + rows, None]) - d * g
                 else:
@@ -136,13 +140,14 @@ class _LogprobHead(torch.nn.Module):
     def logits(self, hidden):  # (B, n, H) -> (B, n, V)
         if not self.fp32:
             return self.head(hidden)
-        # --cast_lm_head_to_fp32 (ScaleRL): outside autocast, fp32 hidden states times the fp32 weight (under FSDP2
-        # with bf16 the weight as gathered, in bf16)
+        # --cast_lm_head_to_fp32 (ScaleRL): outside autocast, fp32 hidden states times the fp32 weight (under
+        # FSDP2 with bf16, the weight as gathered, which is bf16).
         with torch.autocast(hidden.device.type, enabled=False):
             bias = None if self.head.bias is None else self.head.bias.float()
             return torch.nn.functional.linear(hidden.float(), self.head.weight.float(), bias)
 
-    def forward(self, hidden):  # (B, C + 1, H): the hidden states before each completion token, and the last
+    # hidden: (B, C + 1, H), the hidden states before each completion token, and the last.
+    def forward(self, hidden):
         logp, entropy = logprobs_and_entropy(lambda i, j: self.logits(hidden[:, i:j]), self.targets, self.temperature,
                                              self.chunk_size, self.entropy_grad, own_logits=True)
         return torch.stack([logp, entropy], dim=-1)
@@ -160,7 +165,7 @@ def has_plain_lm_head(model) -> bool:
         vocab = hf.config.get_text_config().vocab_size
         ids = torch.arange(4, device=next(model.parameters()).device).unsqueeze(0) % vocab  # (1, 4)
         training = model.training
-        model.eval()  # no dropout: the probe draws no random numbers (a resumed run's RNG stays in step)
+        model.eval()  # no dropout, so the probe draws no random numbers (a resumed run's RNG stays in step)
         try:
             with torch.no_grad():
                 logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
@@ -179,10 +184,10 @@ def positions(inputs: dict) -> torch.Tensor:
 
 
 def with_idle_image(hf, inputs: dict) -> dict:
-    """A vision-language model's inputs without a real image (no pixel_values, or only the zero images that pad
-    them), with one blank image that no token shows: the vision tower then runs in every forward, so under FSDP2
-    every rank gathers the same modules, and under DDP a trained tower gets a (zero) gradient on every rank. The
-    log-probs are those without it. Idefics3's layout: pixel_values (B, images, 3, H, W)."""
+    """A vision-language model's inputs without a real image (no pixel_values, or only the zero images that
+    pad them), with one blank image that no token shows: the vision tower then runs in every forward, so under
+    FSDP2 every rank gathers the same modules, and under DDP a trained tower gets a (zero) gradient on every
+    rank. The log-probs are those without it. Idefics3's layout: pixel_values (B, images, 3, H, W)."""
     vision = getattr(hf.config, "vision_config", None)
     if vision is None or ("pixel_values" in inputs and inputs["pixel_values"].any()):
         return inputs
@@ -203,14 +208,16 @@ def completion_logprobs(model, inputs: dict, num_completion_tokens: int, tempera
     that forward the lm_head is replaced by one that returns log-probs (see logprobs_and_entropy).
     A model that changes the logits after its head (soft-capping, scaling) returns its logits instead."""
     C, hf = num_completion_tokens, hf_model(model)
-    inputs = with_idle_image(hf, {k: v.to(v.values.device) if isinstance(v, PerPrompt) else v  # its rows
+    # A per-prompt input becomes its rows, one per episode.
+    inputs = with_idle_image(hf, {k: v.to(v.values.device) if isinstance(v, PerPrompt) else v
                                   for k, v in inputs.items()})
     targets, head = inputs["input_ids"][:, -C:], hf.get_output_embeddings()
-    plain, fp32 = has_plain_lm_head(model), getattr(hf, "fp32_lm_head", False)  # fp32: models.build_models sets it
+    plain, fp32 = has_plain_lm_head(model), getattr(hf, "fp32_lm_head", False)  # set by build_models
     if fp32 and not plain:
         raise UsageError("--cast_lm_head_to_fp32: this model changes its logits after the lm head (soft-capping or "
                          "scaling), so its head's output is not the logits; leave the flag out")
-    if fp32 and not isinstance(head, torch.nn.Linear):  # e.g. a LoRA adapter on it, which the fp32 product would skip
+    # A LoRA adapter on the head, say, which the fp32 product would skip.
+    if fp32 and not isinstance(head, torch.nn.Linear):
         raise UsageError(f"--cast_lm_head_to_fp32 computes the head as one linear layer, but it is a "
                          f"{type(head).__name__}: take lm_head out of --lora_target_modules, or leave the flag out")
     if plain:
@@ -219,7 +226,7 @@ def completion_logprobs(model, inputs: dict, num_completion_tokens: int, tempera
         out = model(**inputs, position_ids=positions(inputs), logits_to_keep=C + 1, use_cache=False).logits
     finally:
         hf.set_output_embeddings(head)
-    if plain:  # (B, C, 2)
+    if plain:  # out: (B, C, 2), the log-probs and entropies
         return out[..., 0], out[..., 1] if entropy_grad else out[..., 1].detach()
     return logprobs_and_entropy(lambda i, j: out[:, i:j], targets, temperature, chunk_size, entropy_grad)
 
