@@ -1,7 +1,7 @@
-"""What a run reports: the console line, metrics.jsonl and rollouts.jsonl (one line per step, written so a crash
-never tears them), wandb, the step's metrics built from its sums, evaluation's pass@k, and the checks that stop a run
-whose loss goes non-finite or whose reward functions stop scoring.
-Not here: the plot of a finished run (plot.py).
+"""What a run reports: the console line, metrics.jsonl and rollouts.jsonl (one line per step, written so a
+crash never tears them), wandb, the step's metrics built from its sums, evaluation's pass@k, and the checks
+that stop a run whose loss goes non-finite or whose reward functions stop scoring. Not here: the plot of a
+finished run (plot.py).
 """
 import errno
 import json
@@ -17,7 +17,7 @@ from data import columns_of
 from plot import read_jsonl
 from utils import CLOSE_AT_EXIT, extremes_over_ranks, gather_lines, print0, sum_over_ranks
 
-LOGS = ("metrics.jsonl", "rollouts.jsonl")  # the logs a run writes in its output folder, a JSON record per line
+LOGS = ("metrics.jsonl", "rollouts.jsonl")  # the logs a run writes in its output folder, a JSON record a line
 
 
 def progress(done: int, total: int, seconds: float, width: int = 20) -> str:
@@ -29,7 +29,8 @@ def progress(done: int, total: int, seconds: float, width: int = 20) -> str:
 
 
 def merge_stats(total: dict, new: dict):
-    """Add `new` into `total` in place: names ending in _max keep the maximum, _min the minimum, others add up."""
+    """Add `new` into `total` in place: names ending in _max keep the maximum, _min the minimum, others add
+    up."""
     for k, v in new.items():
         if k not in total:
             total[k] = v
@@ -44,16 +45,17 @@ def named_rewards(row: torch.Tensor, names: list[str]) -> dict:
 
 
 def mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
-    """On rank 0, each key's mean over the ranks that have it (ranks may have different keys); {} elsewhere."""
+    """On rank 0, each key's mean over the ranks that have it (ranks may have different keys); {}
+    elsewhere."""
     parts = [json.loads(line) for line in gather_lines([json.dumps(values)])]
     keys = dict.fromkeys(k for part in parts for k in part)
     return {k: sum(p[k] for p in parts if k in p) / sum(k in p for p in parts) for k in keys}
 
 
 def keep_steps_up_to(path: str, step: int, to: str | None = None) -> int:
-    """Write the records of a JSONL log up to `step` (dropping those after it, which a resumed run writes again,
-    and any line that is not whole JSON: a record cut short by a kill or a full disk) to `to` (default: in
-    place), through a copy that then takes its name. Reads a line at a time: rollouts.jsonl can be large.
+    """Write the records of a JSONL log up to `step` (dropping those after it, which a resumed run writes
+    again, and any line that is not whole JSON: a record cut short by a kill or a full disk) to `to` (default:
+    in place), through a copy that then takes its name. Reads a line at a time: rollouts.jsonl can be large.
     Returns how many cut lines were dropped."""
     to = to or path
     torn = 0
@@ -71,9 +73,9 @@ def keep_steps_up_to(path: str, step: int, to: str | None = None) -> int:
 
 
 def append_lines(f, lines: list[str]):
-    """Append whole lines to `f` (a file opened "ab" without buffering) in one write. If the write fails (a full
-    disk, a size limit), the file is cut back to where it was and the error raised: a log never ends in half a
-    record."""
+    """Append whole lines to `f` (a file opened "ab" without buffering) in one write. If the write fails (a
+    full disk, a size limit), the file is cut back to where it was and the error raised: a log never ends in
+    half a record."""
     data = "".join(line + "\n" for line in lines).encode()
     end = f.seek(0, os.SEEK_END)
     try:
@@ -97,28 +99,31 @@ def finite_json(record) -> str:
 
 
 def describe(value) -> str:
-    """A value JSON has no form for, as rollouts.jsonl shows it: an image by its size, bytes by their count."""
+    """A value JSON has no form for, as rollouts.jsonl shows it: an image by its size, bytes by their
+    count."""
     if hasattr(value, "size") and hasattr(value, "mode"):  # a PIL image
         return f"<image {value.mode} {value.size[0]}x{value.size[1]}>"
     return f"<{len(value)} bytes>" if isinstance(value, (bytes, bytearray)) else str(value)
 
 
 class MetricsLogger:
-    """metrics.jsonl (one JSON object per step), rollouts.jsonl (every completion: prompt, completion, each reward,
-    advantage, finish reason, the policy version that sampled it), and optionally wandb with a completions table.
-    Only rank 0 writes; log_rollouts is a collective (the other ranks send theirs)."""
+    """metrics.jsonl (one JSON object per step), rollouts.jsonl (every completion: prompt, completion, each
+    reward, advantage, finish reason, the policy version that sampled it), and optionally wandb with a
+    completions table. Only rank 0 writes; log_rollouts is a collective (the other ranks send theirs)."""
 
     def __init__(self, output_dir: str, is_main: bool, report_to: str = "none", config: dict | None = None,
                  project: str = "nanogrpo", run_name: str = ""):
         self.file = self.rollouts = self.wandb = None
         if not is_main:
             return
-        os.makedirs(output_dir, exist_ok=True)  # prepare_output_dir has cut a resumed run's logs back to its step
+        # prepare_output_dir has already cut a resumed run's logs back to its step: they are appended to.
+        os.makedirs(output_dir, exist_ok=True)
         self.file, self.rollouts = (open(os.path.join(output_dir, name), "ab", buffering=0) for name in LOGS)
         if report_to == "wandb":
             import wandb
             self.wandb = wandb.init(project=project, name=run_name or None, config=config)
-        CLOSE_AT_EXIT.append(self.close)  # a run that stops mid-step (a signal, the server gone) finishes wandb's run
+        # A run that stops mid-step (a signal, the server gone) still finishes wandb's run.
+        CLOSE_AT_EXIT.append(self.close)
 
     def log(self, metrics: dict):
         if self.file is not None:
@@ -147,14 +152,15 @@ class MetricsLogger:
                 f.close()
         if self.wandb is not None:
             self.wandb.finish()
-            self.wandb = None  # (once: the run's end and run_and_exit both close it)
+            self.wandb = None  # finished once, though the run's end and run_and_exit both close it
 
 
 def eval_summary(output_dir: str, groups: dict[str, list[str]], samples: int) -> str | None:
     """One line comparing the run's first and last evaluation in output_dir/metrics.jsonl (a resumed run's
     too), e.g. `held-out accuracy 0.18 -> 0.41, format 0.10 -> 0.80 (52 problems x 4 samples, steps 0 -> 12)`;
     `groups`: the reward functions to show under each metric prefix ({"eval": names}, or in a mixture
-    {"eval/task/<name>": its functions}, each shown as `<name>: ...`); None with fewer than two evaluations."""
+    {"eval/task/<name>": its functions}, each shown as `<name>: ...`); None with fewer than two
+    evaluations."""
     evals = [r for r in read_jsonl(os.path.join(output_dir, "metrics.jsonl")) if "eval/reward" in r]
     if len(evals) < 2:
         return None
@@ -198,11 +204,11 @@ def mean_and_std(total: float, squares: float, n: float) -> tuple[float, float]:
 
 def reward_metrics(rewards: torch.Tensor, reward_matrix: torch.Tensor, names: list[str], zero_std: torch.Tensor,
                    failures: int, own: torch.Tensor | None = None) -> dict:
-    """The step's rewards over all ranks: the weighted sum's mean and std over the completions that have one and
-    the share that has none (`unscored_frac`: no function scored them), each function's mean and std over the
-    completions it scored and the share it did not score (NaN) of those it was to score (`own` (N, k): in a
-    mixture, the rows of its tasks; else all), the share of groups without signal (`zero_std`, per completion),
-    and the reward functions' failures so far."""
+    """The step's rewards over all ranks: the weighted sum's mean and std over the completions that have one
+    and the share that has none (`unscored_frac`: no function scored them), each function's mean and std over
+    the completions it scored and the share it did not score (NaN) of those it was to score (`own` (N, k): in
+    a mixture, the rows of its tasks; else all), the share of groups without signal (`zero_std`, per
+    completion), and the reward functions' failures so far."""
     own = torch.ones_like(reward_matrix, dtype=torch.bool) if own is None else own
     scored = ~reward_matrix.isnan() & own
     r = reward_matrix.where(scored, 0.0)
@@ -214,7 +220,7 @@ def reward_metrics(rewards: torch.Tensor, reward_matrix: torch.Tensor, names: li
                         **{f"own/{name}": own[:, i].sum() for i, name in enumerate(names)}})
     metrics = dict(zip(("reward", "reward_std"), mean_and_std(t["reward"], t["sq"], t["scored"])))
     metrics["unscored_frac"] = 1 - t["scored"] / t["n"]
-    for name in names:  # NaN for a function none of whose tasks' rows this step has (a mixture)
+    for name in names:  # NaN for a function whose tasks have no rows in this step (a mixture)
         metrics[f"rewards/{name}"], metrics[f"rewards/{name}_std"] = mean_and_std(t[f"r/{name}"], t[f"sq/{name}"],
                                                                                    t[f"n/{name}"]) \
             if t[f"own/{name}"] else (math.nan, math.nan)
@@ -233,12 +239,13 @@ class ScoringWatch:
 
     def __init__(self, names: list[str], limit: int):
         self.limit, self.streak, self.warned = limit, dict.fromkeys([*names, self.NOTHING], 0), set()
-        self.steps = self.agreed = 0  # steps of this run; of them, the last ones in a row whose groups all agreed
+        # The steps of this run, and the last of them in a row in which every group's rewards agreed.
+        self.steps = self.agreed = 0
 
     def signal(self, frac_zero_std_groups: float, step: int, last: bool, first: int = 3):
-        """Warns once when every group's rewards agreed in each of the run's `first` steps (or in every step of a
-        shorter run): no advantage, so the policy has learned nothing from its rewards (TRL goes on without a
-        word). Not later: a run that has learned may well see steps in which every group agrees."""
+        """Warns once when every group's rewards agreed in each of the run's `first` steps (or in every step
+        of a shorter run): no advantage, so the policy has learned nothing from its rewards (TRL goes on
+        without a word). Not later: a run that has learned may well see steps in which every group agrees."""
         self.steps += 1
         self.agreed = self.agreed + 1 if frac_zero_std_groups >= 1 else 0
         if self.agreed == self.steps and (self.agreed == first or last) and "signal" not in self.warned:
@@ -284,13 +291,13 @@ def training_metrics(sums: dict, grad_norms: list[torch.Tensor], lengths: torch.
     t = sum_over_ranks({"n": len(lengths), "length": lengths.sum(), "truncated": truncated.sum(), "diff": diff.sum(),
                         "compared": compared.sum(), **sums})
     N, T, norms = t["n"], t.get("tokens", 0.0), [g.item() for g in grad_norms]
-    per_token = lambda k: t.get(k, 0.0) / T if T else math.nan  # nan: no token trained (every group dropped)
+    per_token = lambda k: t.get(k, 0.0) / T if T else math.nan  # NaN if no token trained (all dropped)
     metrics = {"completion_length": t["length"] / N, "completion_length_min": ext["length_min"],
                "completion_length_max": ext["length_max"], "truncated_frac": t["truncated"] / N,
                **({"kl": per_token("kl"), "kl_in_loss": per_token("kl_in_loss")} if kl else {}),
                "entropy": per_token("entropy"),
                **{f"clip_ratio/{k}": per_token(f"clip_{k}") for k in ("low", "high", "region")},
-               "policy_masked_frac": per_token("policy_masked"),  # off-policy and high-entropy masks
+               "policy_masked_frac": per_token("policy_masked"),  # by the off-policy and high-entropy masks
                "loss": t.get("loss", 0.0) / len(norms), "grad_norm": sum(norms) / len(norms),
                "skipped_updates": sum(not math.isfinite(g) for g in norms),
                "sampler_logprob_diff_mean": t["diff"] / t["compared"] if t["compared"] else math.nan,
@@ -333,14 +340,16 @@ def console_line(metrics: dict, names: list[str], max_steps: int) -> str:
             + " ".join(f"{name} {metrics[f'rewards/{name}']:.2f}" for name in names)
             + "".join(f"{' |' if i == 0 else ''} {t} {metrics.get(f'task/{t}/reward', math.nan):.2f}"
                       for i, t in enumerate(tasks))
-            + (f" | kl {metrics['kl']:.4f}" if "kl" in metrics else "") + f" | len {metrics['completion_length']:.0f} | "
+            + (f" | kl {metrics['kl']:.4f}" if "kl" in metrics else "")
+            + f" | len {metrics['completion_length']:.0f} | "
             + " ".join(f"{short} {metrics[f'time/{phase}']:.1f}s" for short, phase in (
                 ("gen", "generate"), ("score", "score"), ("logp", "old_ref"), ("train", "train"), ("sync", "sync"))))
 
 
 def check_finite(skipped: int, bad_steps: int, step: int, limit: int = 3) -> int:
     """Steps in a row, up to `step`, with an update skipped for a NaN/inf loss or gradient; stops the run at
-    `limit` of them (the weights have not changed since). `skipped` is the same on every rank: so is the stop."""
+    `limit` of them (the weights have not changed since). `skipped` is the same on every rank: so is the
+    stop."""
     bad_steps = bad_steps + 1 if skipped else 0
     if skipped:
         print0(f"step {step}: the loss or gradient was not finite (NaN/inf) in {skipped} update(s), skipped")
