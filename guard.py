@@ -1,7 +1,8 @@
-"""The trainer's link to the vLLM server: connect_server waits for it and checks the prompts fit, and ServerGuard makes
-the calls to it safe on every rank: it waits for a lost or restarted server, pushes the weights again and repeats the
-call; a server that does not come back, or an error on any rank, saves the run first on every rank and then stops it.
-The client is in vllm_client.py, the weight transfer it drives in weight_sync.py."""
+"""The trainer's link to the vLLM server: connect_server waits for it and checks the prompts fit, and
+ServerGuard makes the calls to it safe on every rank: it waits for a lost or restarted server, pushes the
+weights again and repeats the call; a server that does not come back, or an error on any rank, saves the run
+first on every rank and then stops it. The client is in vllm_client.py, the weight transfer it drives in
+weight_sync.py."""
 import os
 import time
 
@@ -17,15 +18,16 @@ class ServerGone(RunStopped):
 
 
 class ServerGuard:
-    """Runs the trainer's calls to the server, and its calls that may stop the run, on every rank. If the server was
-    lost on any rank (killed, restarted, its engine died: ServerLost), every rank waits for it, joins the weight
-    transfer again, pushes the current weights (a restarted server serves the model from disk: nothing is sampled
-    before), and runs the call again on every rank (it may hold collectives: FSDP2 gathers, a sync push). If it is
-    not back within `timeout` seconds, or a call fails `attempts` times in a row, or any other error is raised on
-    any rank (a RunStopped too: a foreseen stop), every rank runs `on_gone()` (saves a checkpoint) and the run
-    stops; at once if `stop_requested()` (a preempted job's server dies first, its trainer has seconds to live).
-    A stop signal on any rank (`stop_requested()`, or a wait it ended: config.Interrupted) is seen when the call
-    ends: every rank runs `on_gone(signal=True)` and the run ends with SignalStop (exit code 0)."""
+    """Runs the trainer's calls to the server, and its calls that may stop the run, on every rank. If the
+    server was lost on any rank (killed, restarted, its engine died: ServerLost), every rank waits for it,
+    joins the weight transfer again, pushes the current weights (a restarted server serves the model from
+    disk: nothing is sampled before), and runs the call again on every rank (it may hold collectives: FSDP2
+    gathers, a sync push). If it is not back within `timeout` seconds, or a call fails `attempts` times in a
+    row, or any other error is raised on any rank (a RunStopped too: a foreseen stop), every rank runs
+    `on_gone()` (saves a checkpoint) and the run stops; at once if `stop_requested()` (a preempted job's
+    server dies first, its trainer has seconds to live). A stop signal on any rank (`stop_requested()`, or a
+    wait it ended: config.Interrupted) is seen when the call ends: every rank runs `on_gone(signal=True)` and
+    the run ends with SignalStop (exit code 0)."""
 
     def __init__(self, client, sync, timeout: float, on_gone, attempts: int = 3, stop_requested=lambda: False):
         self.client, self.sync, self.timeout, self.on_gone, self.attempts = client, sync, timeout, on_gone, attempts
@@ -38,15 +40,17 @@ class ServerGuard:
             try:
                 return_value, error = fn(*args, **kwargs), None
             except ServerLost as e:
-                return_value, error = None, str(e)  # not the exception: its frames would keep the broken transfer alive
-            except Interrupted:  # a stop signal ended the wait: seen below, on every rank
+                # The message, not the exception: its frames would keep the broken transfer alive.
+                return_value, error = None, str(e)
+            except Interrupted:  # a stop signal ended the wait: every rank sees the stop below
                 return_value, error = None, None
-            except Exception as e:  # what waiting cannot mend (the server refused a request, a rollout raised, ...)
+            # What waiting cannot mend: the server refused a request, a rollout raised, ...
+            except Exception as e:
                 return_value, error, failure = None, None, e
             lost, failed, stopping = self._anywhere(error is not None, failure is not None, self.stop_requested())
             if failed:
                 self._stop_for(failure)
-            if stopping and not lost:  # (lost: the wait for the server sees the stop at once, and says so)
+            if stopping and not lost:  # if lost, the wait for the server sees the stop at once, and says so
                 raise SignalStop(f"stopped by a signal. {self._saved(signal=True)}")
             if not lost:
                 return return_value
@@ -63,14 +67,14 @@ class ServerGuard:
             saved = f"Could not save a checkpoint ({e})"
         if failure is None:
             raise RunStopped(f"another rank stopped with an error (see its message). {saved}.")
-        if isinstance(failure, RunStopped):  # foreseen: its message says why, and now what was saved
+        if isinstance(failure, RunStopped):  # a foreseen stop: its message says why, and now what was saved
             raise RunStopped(f"{str(failure).rstrip('.')}. {saved}.") from None
         print(f"[rank {os.environ.get('RANK', 0)}] stopped by an error (below). {saved}.", flush=True)
         raise failure
 
     def _saved(self, signal: bool = False) -> str:
-        path = self.on_gone(signal=True) if signal else self.on_gone()  # None: nothing done since the start (or the
-        # resume) that a checkpoint would keep
+        # None if nothing was done since the start (or the resume) that a checkpoint would keep.
+        path = self.on_gone(signal=True) if signal else self.on_gone()
         return (f"Saved {path}: continue with --resume_from_checkpoint latest" if path else
                 "No step was done since the start, nothing new to save")
 
@@ -79,10 +83,12 @@ class ServerGuard:
               f"({error or 'on another rank'}); waiting up to {self.timeout:.0f}s for it", flush=True)
         deadline = time.monotonic() + self.timeout
         while True:
-            try:  # every rank waits (each samples from it), 2 s at a time (a stop request is seen within them)
+            # Every rank waits (each samples from the server), 2 s at a time, so that a stop request is seen
+            # soon.
+            try:
                 self.client.wait_for_health(min(max(deadline - time.monotonic(), 0), 2))
                 back = True
-            except UsageError:  # not answering, or not with our key
+            except UsageError:  # the server does not answer, or not with our key
                 back = False
             waiting, late, stopping = self._anywhere(not back, time.monotonic() > deadline, self.stop_requested())
             if stopping:
@@ -129,9 +135,10 @@ class ServerGuard:
 
 
 def connect_server(cfg: Config, longest_prompt: int) -> tuple[VLLMClient, torch.dtype, int]:
-    """The client of the server at --vllm_server_host/port (waited for), the dtype it computes in and its max model
-    length. Stops at once if the longest prompt and completion do not fit it."""
-    client = VLLMClient(cfg.vllm_server_host, cfg.vllm_server_port, os.environ.get("VLLM_API_KEY"),  # its --api-key
+    """The client of the server at --vllm_server_host/port (waited for), the dtype it computes in and its max
+    model length. Stops at once if the longest prompt and completion do not fit it."""
+    # VLLM_API_KEY: the server's --api-key.
+    client = VLLMClient(cfg.vllm_server_host, cfg.vllm_server_port, os.environ.get("VLLM_API_KEY"),
                         cfg.vllm_request_timeout, cfg.vllm_server_timeout)
     client.wait_for_health(cfg.vllm_server_timeout)
     server_dtype, max_model_len = client.server_dtype_and_max_len()
