@@ -1,6 +1,6 @@
-"""The data: the rows of a dataset (a file, a folder, the hub, or an embedded task), prompts as chat messages and
-through the chat template, and the order in which a run samples them (seeded, the same on resume).
-Not here: the embedded tasks themselves (embedded.py), the batches of model inputs (logprobs.py, rollout.collate).
+"""The data: the rows of a dataset (a file, a folder, the hub, or an embedded task), prompts as chat messages
+and through the chat template, and the order in which a run samples them (seeded, the same on resume). Not
+here: the embedded tasks themselves (embedded.py), the batches of model inputs (logprobs.py, rollout.collate).
 """
 import functools
 import json
@@ -16,7 +16,8 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 def check_prompt(prompt, where: str):
-    """A prompt is text or a list of chat messages ({"role", "content"}); ValueError naming the row otherwise."""
+    """A prompt is text or a list of chat messages ({"role", "content"}); ValueError naming the row
+    otherwise."""
     if isinstance(prompt, str) and prompt:
         return
     if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and m.get("role") in CHAT_ROLES
@@ -29,11 +30,12 @@ def check_prompt(prompt, where: str):
 
 def load_rows(dataset: str, split: str, prompt_column: str, answer_column: str, num_arithmetic: int,
               seed: int, num_starts: int = 0) -> list[dict]:
-    """The rows of the embedded task, a local json/jsonl/parquet file or a hub dataset (or a local folder in its
-    layout, read the same way), every column kept as it is, with the prompt also under "prompt" (text, or a list
-    of chat messages) and the reference answer, if the dataset has one, under "answer" (the built-in accuracy
-    reads GSM8K's "... #### 42" as 42). With no dataset ("none": an environment makes the prompts), `num_starts`
-    rows {"prompt": "", "seed": k} for its reset(**row), the held-out ones ("test") with seeds no training row has."""
+    """The rows of the embedded task, a local json/jsonl/parquet file or a hub dataset (or a local folder in
+    its layout, read the same way), every column kept as it is, with the prompt also under "prompt" (text, or
+    a list of chat messages) and the reference answer, if the dataset has one, under "answer" (the built-in
+    accuracy reads GSM8K's "... #### 42" as 42). With no dataset ("none": an environment makes the prompts),
+    `num_starts` rows {"prompt": "", "seed": k} for its reset(**row), the held-out ones ("test") with seeds no
+    training row has."""
     if dataset == DEFAULT_DATASET:
         return arithmetic_problems(num_arithmetic, seed, "test" if split == "test" else "train")
     if dataset == "parity":
@@ -75,7 +77,8 @@ def load_rows(dataset: str, split: str, prompt_column: str, answer_column: str, 
     prompt_column = prompt_column or ("prompt" if "prompt" in columns else "question")
     if prompt_column not in columns:
         raise UsageError(f"dataset {dataset} has no column {prompt_column!r} (it has {columns}); set --prompt_column")
-    if answer_column and answer_column not in columns and answer_column != "answer":  # the default is optional
+    # The default answer column is optional; one named by the flag must be there.
+    if answer_column and answer_column not in columns and answer_column != "answer":
         raise UsageError(f"dataset {dataset} has no column {answer_column!r} (it has {columns}); set --answer_column, "
                          "or --answer_column '' for a dataset without reference answers")
     if answer_column not in ("", "answer") and "answer" in columns:
@@ -121,8 +124,10 @@ def encode_prompt(tokenizer, prompt, system_prompt: str = "", tools: list[dict] 
     return tokenizer((system_prompt + "\n\n" if system_prompt else "") + prompt)["input_ids"]
 
 
-def encode_prompts(tokenizer, prompts: list, system_prompt: str = "", tools: list[dict] | None = None) -> list[list[int]]:
-    """encode_prompt of each prompt, each distinct one once (the embedded task repeats a few hundred questions)."""
+def encode_prompts(tokenizer, prompts: list, system_prompt: str = "",
+                   tools: list[dict] | None = None) -> list[list[int]]:
+    """encode_prompt of each prompt, each distinct one once (the embedded task repeats a few hundred
+    questions)."""
     done = {}
     for prompt in prompts:
         key = json.dumps(prompt, sort_keys=True, default=str)
