@@ -25,8 +25,8 @@ ARCHITECTURES = ("idefics3", "smolvlm")  # pixel_values (prompts, images, 3, H, 
 
 def load_processor(model_path: str, chat_template: str = "", vision_learning_rate: float = 0.0):
     """The model's processor if it is a vision-language model's (it has an image processor), else None.
-    UsageError for a VLM of an architecture nanogrpo does not train (yet), or with a --chat_template of its own
-    (the server renders a VLM's prompts with the folder's template, which the trainer's must equal)."""
+    UsageError for a VLM of an architecture nanogrpo does not train (yet), or with a --chat_template of its
+    own (the server renders a VLM's prompts with the folder's template, which the trainer's must equal)."""
     from transformers import AutoConfig, AutoProcessor
     try:
         processor = AutoProcessor.from_pretrained(model_path)
@@ -50,8 +50,8 @@ def load_processor(model_path: str, chat_template: str = "", vision_learning_rat
 
 
 def load_tokenizer(cfg, model_path: str):
-    """The model's processor (a vision-language model's; else None) and its tokenizer, with --chat_template if given
-    (e.g. a template that renders tools, for a model whose own cannot)."""
+    """The model's processor (a vision-language model's; else None) and its tokenizer, with --chat_template if
+    given (e.g. a template that renders tools, for a model whose own cannot)."""
     from transformers import AutoTokenizer
     processor = load_processor(model_path, cfg.chat_template, cfg.vision_learning_rate)
     tokenizer = processor.tokenizer if processor else AutoTokenizer.from_pretrained(model_path)
@@ -61,17 +61,19 @@ def load_tokenizer(cfg, model_path: str):
 
 
 def longest_edge(processor) -> int | None:
-    """The longest image side the processor works at (Idefics3: size["longest_edge"]); larger images are scaled
-    down to it before either side sees them."""
-    size = getattr(getattr(processor, "image_processor", None), "size", None)  # a dict, or transformers' SizeDict
+    """The longest image side the processor works at (Idefics3: size["longest_edge"]); larger images are
+    scaled down to it before either side sees them."""
+    # A dict, or transformers' SizeDict.
+    size = getattr(getattr(processor, "image_processor", None), "size", None)
     return size.get("longest_edge") if isinstance(size, dict) else getattr(size, "longest_edge", None)
 
 
 def row_images(row: dict, longest_edge: int | None = None) -> list:
     """A row's images as RGB PIL images: its `images` column (a list) or `image` (one, or a list); each a
     PIL image, a file path, bytes, or {"bytes": ..., "path": ...} (a datasets Image not decoded). ValueError
-    saying which one cannot be read. With `longest_edge`, a larger image is scaled down to it (aspect kept), so
-    the trainer and the server get the same bounded picture (a huge one would stall the server's decoding)."""
+    saying which one cannot be read. With `longest_edge`, a larger image is scaled down to it (aspect kept),
+    so the trainer and the server get the same bounded picture (a huge one would stall the server's
+    decoding)."""
     from PIL import Image
     column = next((c for c in IMAGE_COLUMNS if row.get(c) is not None), None)
     if column is None:
@@ -123,15 +125,16 @@ def encode_vision_prompt(processor, messages: list[dict], images: list) -> tuple
 
 
 def image_token_counts(processor):
-    """A function: an image's size (width, height) -> the tokens the processor expands it to, each size counted
-    once (from the processor's own formula where it has one, as vLLM does, else by rendering a blank image)."""
+    """A function: an image's size (width, height) -> the tokens the processor expands it to, each size
+    counted once (from the processor's own formula where it has one, as vLLM does, else by rendering a blank
+    image)."""
     from PIL import Image
     counts, image_token = {}, getattr(processor, "image_token", "<image>")
     plain = len(processor.tokenizer(image_token, add_special_tokens=False)["input_ids"])
 
     def count(size):
         if size not in counts:
-            try:  # (height, width)
+            try:  # the processor takes (height, width)
                 counts[size] = processor._get_num_multimodal_tokens(image_sizes=[size[::-1]])["num_image_tokens"][0]
             except (AttributeError, KeyError, TypeError, NotImplementedError):
                 ids = processor(text=[image_token], images=[[Image.new("RGB", size)]])["input_ids"][0]
@@ -141,14 +144,14 @@ def image_token_counts(processor):
 
 
 def prompt_lengths(tokenizer, processor, rows: list[dict], system_prompt: str = "", tools=None) -> list[int]:
-    """Each row's prompt length in tokens as the model sees it, image tokens included. Every image is read now:
-    a row whose image cannot be read, or a dataset with images for a model without an image processor, is a
-    UsageError naming it (so a run does not fail on it hours in)."""
+    """Each row's prompt length in tokens as the model sees it, image tokens included. Every image is read
+    now: a row whose image cannot be read, or a dataset with images for a model without an image processor, is
+    a UsageError naming it (so a run does not fail on it hours in)."""
     sizes, prompts = [], []  # each row's image sizes, (width, height): the images themselves are not kept
     for i, row in enumerate(rows):
         try:
             sizes.append([image.size for image in row_images(row, longest_edge(processor))])
-            if processor is not None:  # its image parts, as many as its images
+            if processor is not None:  # the prompt with an image part per image
                 prompts.append(with_image_parts(prompt_messages(row["prompt"], system_prompt), len(sizes[-1])))
         except ValueError as e:
             raise UsageError(f"dataset row {i}: {e}; fix or drop that row") from None
@@ -165,15 +168,17 @@ def prompt_lengths(tokenizer, processor, rows: list[dict], system_prompt: str = 
 
 
 def probe_image():
-    """A fixed picture for the sync probe of a VLM whose first row has none: colour bands, no two pixels alike."""
+    """A fixed picture for the sync probe of a VLM whose first row has none: colour bands, no two pixels
+    alike."""
     from PIL import Image
     return Image.frombytes("RGB", (64, 64), bytes((x * 4 + c * 85 + y) % 256 for y in range(64) for x in range(64)
                                                   for c in range(3)))
 
 
 def vision_probe(processor, row: dict, system_prompt: str = "", answer: str = "") -> Probe:
-    """The sync probe of a VLM: a row's prompt with its images (or a fixed picture) and a fixed answer, which the
-    server scores through the chat route, so that a stale vision-encoder cache or a dropped image shows."""
+    """The sync probe of a VLM: a row's prompt with its images (or a fixed picture) and a fixed answer, which
+    the server scores through the chat route, so that a stale vision-encoder cache or a dropped image
+    shows."""
     images = row_images(row, longest_edge(processor)) or [probe_image()]
     messages = with_image_parts(prompt_messages(row["prompt"], system_prompt), len(images))
     messages.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
