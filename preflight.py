@@ -1,10 +1,10 @@
-"""--dry_run: the run's start-up and the parts of its first step, each a named check that prints one line with its
-result and time, in about a minute; nothing is trained or saved. train.py's main() wraps each build in
-`with checks(name):` (without --dry_run that does nothing), then, with it, runs the parts of a step on one prompt
-per task (main's `if cfg.dry_run:` block) and stops. The first check that fails stops every rank with exit code 2
-and its name; the lines go to the output folder's dry_run.txt, the only file a dry run writes there.
-What this file holds: the checks' bookkeeping (Preflight), what the rollout and rewards checks say, the memory
-check's batch and step (train.py's own passes, handed in) and its peak."""
+"""--dry_run: the run's start-up and the parts of its first step, each a named check that prints one line with
+its result and time, in about a minute; nothing is trained or saved. train.py's main() wraps each build in
+`with checks(name):` (without --dry_run that does nothing), then, with it, runs the parts of a step on one
+prompt per task (main's `if cfg.dry_run:` block) and stops. The first check that fails stops every rank with
+exit code 2 and its name; the lines go to the output folder's dry_run.txt, the only file a dry run writes
+there. What this file holds: the checks' bookkeeping (Preflight), what the rollout and rewards checks say, the
+memory check's batch and step (train.py's own passes, handed in) and its peak."""
 import contextlib
 import dataclasses
 import os
@@ -26,8 +26,8 @@ REPORT = "dry_run.txt"
 
 class Preflight:
     """checks(name) -> a context around one check: with --dry_run it is timed and printed (rank 0) as
-    `  ok    name   1.2 s  what it found` (what `say` was given inside) or `  FAIL  name ...`, and the ranks agree
-    on it (a failure anywhere stops every rank: UsageError naming the check); without, a plain block."""
+    ` ok name 1.2 s what it found` (what `say` was given inside) or ` FAIL name ...`, and the ranks agree on
+    it (a failure anywhere stops every rank: UsageError naming the check); without, a plain block."""
 
     def __init__(self, on: bool, output_dir: str, is_main: bool):
         self.on, self.output_dir, self.is_main = on, output_dir, is_main
@@ -73,7 +73,8 @@ class Preflight:
                           f"{time.perf_counter() - self.t_start:.0f} s; nothing was trained or saved")
 
     def write_report(self, last: str):
-        """The lines so far and `last` in output_dir/dry_run.txt (if the folder is there: its check may have failed)."""
+        """The lines so far and `last` in output_dir/dry_run.txt (if the folder is there: its check may have
+        failed)."""
         self._line(last)
         if self.is_main and os.path.isdir(self.output_dir):
             with contextlib.suppress(OSError), open(os.path.join(self.output_dir, REPORT), "w") as f:
@@ -81,8 +82,9 @@ class Preflight:
 
 
 def sampled(episodes: list, task_names: list[str]) -> str:
-    """What a rollout of one prompt per task made, for its line; an environment that failed stops the check."""
-    if not episodes:  # a rank but the first
+    """What a rollout of one prompt per task made, for its line; an environment that failed stops the
+    check."""
+    if not episodes:  # on a rank other than the first
         return ""
     failed = [e for e in episodes if e.info.get("environment_error")]
     if failed:
@@ -96,9 +98,9 @@ def sampled(episodes: list, task_names: list[str]) -> str:
 
 
 def scored(matrix: torch.Tensor, names: list[str], scorer) -> str:
-    """The mean of each reward column on the samples and each function's time, for its line. A function that failed
-    on any sample stops the check (its error is printed above): a run would lose those scores."""
-    if not len(matrix):  # a rank but the first
+    """The mean of each reward column on the samples and each function's time, for its line. A function that
+    failed on any sample stops the check (its error is printed above): a run would lose those scores."""
+    if not len(matrix):  # on a rank other than the first
         return ""
     for name in names:
         if scorer.failed.get(name):
@@ -111,10 +113,10 @@ def scored(matrix: torch.Tensor, names: list[str], scorer) -> str:
 
 def largest_episode(prompt_ids: list[int], model_inputs: dict, prompt_tokens: int, completion_tokens: int) -> Episode:
     """An episode of the largest shape a step can see: a prompt (its ids, a VLM's images) cut or filled to
-    `prompt_tokens` with its last token, and a completion of `completion_tokens` such tokens, every one sampled.
-    Made for the memory it takes, not for what it says."""
+    `prompt_tokens` with its last token, and a completion of `completion_tokens` such tokens, every one
+    sampled. Made for the memory it takes, not for what it says."""
     fill = prompt_ids[-1]
-    prompt = prompt_ids if model_inputs else prompt_ids[:prompt_tokens]  # (a VLM's image tokens stay whole)
+    prompt = prompt_ids if model_inputs else prompt_ids[:prompt_tokens]  # a VLM's image tokens stay whole
     prompt = prompt + [fill] * max(0, prompt_tokens - len(prompt))
     return Episode(row={}, prompt_ids=prompt, completion_ids=[fill] * completion_tokens,
                    sampled=[True] * completion_tokens, logprobs=[-1.0] * completion_tokens, finish_reason="length",
@@ -123,9 +125,10 @@ def largest_episode(prompt_ids: list[int], model_inputs: dict, prompt_tokens: in
 
 def largest_update(old_and_ref_logprobs, update, model, ref_model, optimizer, scheduler, trainable: list, probe,
                    longest: int, pad_id: int, cfg, world_size: int, autocast, off_policy: bool, device) -> str:
-    """The memory check: train.py's own passes of a step (`old_and_ref_logprobs`: pi_old and the reference where the
-    flags ask for them; `update`: one optimizer step) on --micro_batch_size copies of the largest episode a step can
-    see (the sync probe's prompt made `longest` tokens, a full completion). Returns its line: shape and peak."""
+    """The memory check: train.py's own passes of a step (`old_and_ref_logprobs`: pi_old and the reference
+    where the flags ask for them; `update`: one optimizer step) on --micro_batch_size copies of the largest
+    episode a step can see (the sync probe's prompt made `longest` tokens, a full completion). Returns its
+    line: shape and peak."""
     episode = largest_episode(probe.ids, probe.model_inputs, longest, cfg.max_completion_length)
     inputs, tokens = collate([episode] * cfg.micro_batch_size, pad_id)
     old_logp, ref_logp, entropy_mask = old_and_ref_logprobs(model, ref_model, inputs, tokens["sampled"], cfg, autocast,
@@ -134,7 +137,8 @@ def largest_update(old_and_ref_logprobs, update, model, ref_model, optimizer, sc
     data = dict(inputs=inputs, loss_mask=tokens["sampled"], advantages=torch.linspace(-1, 1, cfg.micro_batch_size),
                 old_logp=old_logp, ref_logp=ref_logp, keep=None, sampler_logp=tokens["sampler_logp"],
                 entropy_mask=entropy_mask)
-    # one optimizer step, with the entropy bonus where adaptive control may turn it on, that moves no reference
+    # One optimizer step, with the entropy bonus where adaptive control may turn it on, that moves no
+    # reference.
     coef = cfg.entropy_coef or (cfg.entropy_coef_max if cfg.use_adaptive_entropy else 0.0)
     one_step = dataclasses.replace(cfg, num_iterations=1, steps_per_generation=1, sync_ref_model=False,
                                    use_adaptive_entropy=False, entropy_coef=coef)
@@ -144,11 +148,12 @@ def largest_update(old_and_ref_logprobs, update, model, ref_model, optimizer, sc
 
 
 def peak_memory(device: torch.device) -> str:
-    """The most a rank has held so far (the largest over the ranks, a collective), of the device's total: on a GPU,
-    torch's allocations and the card's memory; on a CPU, the process's peak resident memory and the machine's."""
+    """The most a rank has held so far (the largest over the ranks, a collective), of the device's total: on a
+    GPU, torch's allocations and the card's memory; on a CPU, the process's peak resident memory and the
+    machine's."""
     if device.type == "cuda":
         peak, total = torch.cuda.max_memory_allocated(device), torch.cuda.get_device_properties(device).total_memory
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return f"peak {extremes_over_ranks({'peak': peak})['peak'] / 2**30:.2f} GiB on a rank, of {total / 2**30:.1f} GiB"
