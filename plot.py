@@ -1,5 +1,6 @@
-"""A picture of a run: reward (and the evaluation's, and each task's in a mixture), each reward function, KL and
-completion lengths over the steps, from output_dir/metrics.jsonl. train.py draws it at the end; for any run folder:
+"""A picture of a run: reward (and the evaluation's, and each task's in a mixture), each reward function, KL
+and completion lengths over the steps, from output_dir/metrics.jsonl. train.py draws it at the end; for any
+run folder:
 
     python plot.py out            # writes out/metrics.png
 """
@@ -9,8 +10,8 @@ import sys
 
 
 def read_jsonl(path: str) -> list[dict]:
-    """The records of a JSONL log, read line by line; a line that is not whole JSON (a record cut short by a kill
-    or a full disk) is skipped."""
+    """The records of a JSONL log, read line by line; a line that is not whole JSON (a record cut short by a
+    kill or a full disk) is skipped."""
     records = []
     with open(path) as f:
         for line in f:
@@ -23,14 +24,15 @@ def read_jsonl(path: str) -> list[dict]:
 
 def had_reference(train: list[dict]) -> bool:
     """Whether a run's steps had a reference model, judged from them: a KL other than 0 at some step (with a
-    reference, only the first step's is 0: the policy starts as the reference; null: no token trained that step;
-    a run without one logs no KL, or, logged by an older version, 0)."""
+    reference, only the first step's is 0: the policy starts as the reference; null: no token trained that
+    step; a run without one logs no KL, or, logged by an older version, 0)."""
     return any((r.get("kl") or 0) > 0 for r in train)
 
 
 def plot_run(output_dir: str, reference: bool | None = None) -> str | None:
     """Writes output_dir/metrics.png and returns its path; None if no step has been logged yet. `reference`:
-    whether the run had a reference model (--beta > 0); None: judged from the log (a KL of 0 at every step)."""
+    whether the run had a reference model (--beta > 0); None: judged from the log (a KL of 0 at every
+    step)."""
     fig = draw(read_jsonl(os.path.join(output_dir, "metrics.jsonl")), reference)
     if fig is None:
         return None
@@ -42,8 +44,8 @@ def plot_run(output_dir: str, reference: bool | None = None) -> str | None:
 
 
 def draw(rows: list[dict], reference: bool | None = None):
-    """The figure of a run's log records (four panels), or None if no step was logged. A matplotlib Figure of its
-    own, not pyplot's: nothing global, no display (matplotlib is imported here, by a run that draws)."""
+    """The figure of a run's log records (four panels), or None if no step was logged. A matplotlib Figure of
+    its own, not pyplot's: nothing global, no display (matplotlib is imported here, by a run that draws)."""
     from matplotlib.figure import Figure
     train, evals = [r for r in rows if "reward" in r], [r for r in rows if "eval/reward" in r]
     if not train:
@@ -59,7 +61,8 @@ def draw(rows: list[dict], reference: bool | None = None):
     if evals:
         ax.plot(*series(evals, "eval/reward"), "o-", label="held-out")
     tasks = sorted({k.split("/")[1] for r in train for k in r if k.startswith("task/") and k.endswith("/prompts")})
-    for task in tasks:  # a mixture: each task's reward (its own functions, its own weights), and its held-out one
+    # In a mixture, each task's reward (its own functions and weights), and its held-out one.
+    for task in tasks:
         line, = ax.plot(*series(train, f"task/{task}/reward"), alpha=0.7, label=task)
         if evals:
             ax.plot(*series(evals, f"eval/task/{task}/reward"), "o--", color=line.get_color(),
