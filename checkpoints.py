@@ -254,7 +254,7 @@ def rng_states() -> dict[str, torch.Tensor]:
         return {k: v.unsqueeze(0) for k, v in mine.items()}
     every = {k: [torch.empty_like(v) for _ in range(dist.get_world_size())] for k, v in mine.items()}
     for k, v in mine.items():
-        dist.all_gather(every[k], v)  # CPU tensors, so gloo
+        dist.all_gather(every[k], v)  # CPU tensors, which go over gloo
     return {k: torch.stack(v) for k, v in every.items()}
 
 
