@@ -257,7 +257,7 @@ def cpu_seconds_of_group(pgid: int) -> float:
             if os.getpgid(int(pid)) == pgid:
                 with open(f"/proc/{pid}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
-                total += int(fields[11]) + int(fields[12])  # utime, stime
+                total += int(fields[11]) + int(fields[12])  # utime + stime: user and system CPU time
         except (OSError, ValueError):  # the process ended meanwhile
             pass
     return total / os.sysconf("SC_CLK_TCK")
