@@ -367,7 +367,7 @@ def main(cfg: Config):
                                 lambda j: [mixture.rows[i] for i in rollouts.rows_of(j)], rank * rollouts.per_rank, G)
         ahead = saver.ahead = SampledAhead(cfg.max_staleness, rollouts.call, guard, lambda: scheduler.last_epoch,
                                            updates_per_round, saved,
-                                           probe_alone=bool(client.server_config().get("lora_config")))
+                                           probe_alone=bool(guard.run(client.server_config).get("lora_config")))
     parallel = "FSDP2" if cfg.fsdp else "DDP" if world_size > 1 else "single process"
     print0(f"nanogrpo | model {cfg.model} | {world_size} process(es) on {device.type} | {cfg.prompts_per_step} prompts "
            f"x G={G} = {cfg.prompts_per_step * G} completions per step ({rollouts.per_rank * G} per rank) | "

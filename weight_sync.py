@@ -22,7 +22,7 @@ from config import RunStopped, UsageError
 from logprobs import no_grad_logprobs
 from models import full_tensor, hf_model, sharded_parameters
 from utils import print0, sum_over_ranks, text_of_rank0
-from vllm_client import GlooWeightSender, ServerLost, VLLMClient, check_port_free, raise_on_every_rank
+from vllm_client import GlooWeightSender, ServerLost, VLLMClient, check_port_free, on_every_rank, raise_on_every_rank
 
 
 WeightMeta = collections.namedtuple("WeightMeta", "name dtype shape")
@@ -248,7 +248,8 @@ def server_sync(cfg, client, model, server_dtype: torch.dtype, rank: int, versio
     be another run's, whose adapters (policy-N) stay as they are (a push unloads only older ones of its own
     series)."""
     if cfg.use_peft and cfg.lora_sync != "merged":
-        why = adapter_refused(cfg, client.server_config().get("lora_config"), model)
+        config = on_every_rank(client.server_config, "reading the server's config")  # before any guard exists
+        why = adapter_refused(cfg, config.get("lora_config"), model)
         if not why:
             base = WeightSync(client, ServerWeights(model, server_dtype, merge_lora=False), rank, cfg.vllm_group_host,
                               cfg.vllm_group_port, cfg.weight_sync_bucket_mb)

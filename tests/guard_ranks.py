@@ -1,7 +1,8 @@
 """Run by tests/test_server_guard.py under torchrun (2 processes, gloo): the server is lost while rank 0
 asks it for the sync probe, and every rank must still take part in the same collectives, wait for the
 server, push and probe again. Then a call fails on rank 1 alone with an error that waiting cannot mend:
-every rank saves and stops. Rank 0 writes [what happened on each rank] as JSON to the file given."""
+every rank saves and stops. Last, the server's config read before any guard exists fails on rank 0 alone: every rank
+raises. Rank 0 writes [what happened on each rank] as JSON to the file given."""
 import json
 import os
 import sys
@@ -15,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from guard import ServerGuard  # noqa: E402
 from logprobs import completion_logprobs  # noqa: E402
 from utils import setup_distributed, teardown_distributed
-from vllm_client import ServerLost  # noqa: E402
+from vllm_client import ServerLost, on_every_rank  # noqa: E402
 from weight_sync import Probe, check_sync
 
 rank, _, world_size, _, is_main = setup_distributed()
@@ -69,6 +70,19 @@ try:
 except Exception as e:
     mine["stopped"] = f"{type(e).__name__}: {e}"
 mine["saved"] = len(saved)
+
+
+def config_lost_on_rank_0():
+    if rank == 0:
+        raise ServerLost("connection refused")
+    return {"lora_config": None}
+
+
+try:  # before the guard exists (weight_sync.server_sync): every rank raises, none goes on into a collective alone
+    on_every_rank(config_lost_on_rank_0, "reading the server's config")
+except Exception as e:
+    mine["config"] = f"{type(e).__name__}: {e}"
+dist.barrier()
 everyone = [None] * world_size
 dist.all_gather_object(everyone, mine)
 if is_main:

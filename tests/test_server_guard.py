@@ -191,6 +191,9 @@ def test_every_rank_waits_and_probes_again_when_rank_0_loses_the_server(tmp_path
     assert ranks[0]["stopped"].startswith("RunStopped: another rank stopped with an error")
     assert "Saved out/checkpoint-1" in ranks[0]["stopped"]
     assert ranks[1]["stopped"] == "RuntimeError: vLLM server /v1/completions answered 400: maximum context length is 512 tokens"
+    # the server's config, read on every rank before the guard exists, lost on rank 0 alone: every rank raises
+    assert [r.get("config") for r in ranks] == ["ServerLost: connection refused",
+                                                 "ServerLost: reading the server's config: the server was lost on another rank"]
 
 
 def test_an_error_that_waiting_cannot_mend_saves_the_run_and_raises_it(capsys):
