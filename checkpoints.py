@@ -448,7 +448,7 @@ class Saver:
         # kept in rank order (the step's prompts in order), so that a resumed run, with any number of
         # processes, trains on what an uninterrupted one would.
         extra = {**sum_over_ranks({"scorer_failures": self.scorer.failures}), "entropy_bonus": self.bonus.state_dict()}
-        if self.ahead:
+        if self.ahead is not None:
             extra["presampled"] = gather_lines([self.ahead.to_json(steps_done, wait_for_ahead)])
         path = save_checkpoint(self.cfg.output_dir, steps_done, self.model, self.optimizer, self.scheduler,
                                self.tokenizer, self.run_config, self.is_main, self.cfg.save_total_limit, extra,

@@ -160,8 +160,8 @@ class Config:
     use_bias_correction_kl: bool = True  # multiply the KL term by pi / pi_old (DeepSeek-V3.2; TRL's default)
     vllm_importance_sampling_clip_min: float = 0.0  # the sampler weight's floor: truncate modes clamp to it,
                                                     # mask modes drop tokens (sequences) below it; 0 = none
-    vllm_importance_sampling_clip_max: float = 2.0  # its ceiling: truncate modes clamp to it, mask modes
-                                                    # drop tokens (sequences) above it; inf = none
+    vllm_importance_sampling_clip_max: float = 2.0  # the sampler weight's ceiling: truncate modes clamp to it,
+                                                    # mask modes drop tokens (sequences) above it; inf = none
     vllm_importance_sampling_cap: float = -1.0  # deprecated (as in TRL): the old name of
                                                 # --vllm_importance_sampling_clip_max
     off_policy_mask_threshold: float = -1.0  # drop from the policy term sequences with negative advantage
@@ -328,11 +328,13 @@ class Config:
 
     def drops_zero_std_groups(self) -> bool:
         """--drop_zero_std_groups, auto resolved: on where it changes nothing in the gradient. A group whose
-        rewards agree has zero advantages, so its policy term is 0; but not its KL term (beta > 0) or entropy
-        bonus, and bnpo normalises per micro-batch, which dropping rows reshapes."""
+        rewards agree has zero advantages, so its policy term is 0 (for the objectives whose row in grpo.LOSSES
+        says so); but not its KL term (beta > 0) or entropy bonus, and bnpo normalises per micro-batch, which
+        dropping rows reshapes."""
         if self.drop_zero_std_groups == "auto":
+            loss = loss_types()[self.loss_type]
             return (self.beta == 0 and self.entropy_coef == 0 and not self.use_adaptive_entropy
-                    and loss_types()[self.loss_type].aggregation != "bnpo")
+                    and loss.aggregation != "bnpo" and loss.zero_without_advantage)
         return self.drop_zero_std_groups
 
     def collective_timeout(self) -> float:

@@ -1,7 +1,8 @@
 """
 The math of GRPO as pure functions of tensors: advantages from rewards, each token's weight in the loss, the
-loss itself and its masks and importance weights. No collectives, no I/O and no config: train.py calls them
-with its step's tensors, the counts it summed over the ranks and the loss's numbers (LossParams);
+loss itself and its masks and importance weights. No collectives, no I/O, and the loss never reads the config:
+train.py calls it with its step's tensors, the counts it summed over the ranks and the loss's numbers
+(LossParams; EntropyBonus alone keeps its flags from the config);
 tests/test_math.py calls them with hand-made tensors against loops over tokens, bench/loss_parity.py against
 TRL's own code.
 
@@ -152,7 +153,8 @@ class StepCounts:
 def token_weights(mask: torch.Tensor, aggregation: str, n: StepCounts, max_completion_length: int) -> torch.Tensor:
     """(B, C) weight of each completion token of a micro-batch in the loss of one optimizer step. Summing
     weight * per-token term over every micro-batch of every rank, and averaging over the ranks as DDP does,
-    gives the step's loss; this is the whole normalisation, ranks and micro-batches included:
+    gives the step's loss; this is the loss's whole normalisation, ranks and micro-batches included (the
+    entropy bonus is its own mean over the step's trained tokens, train.accumulate_gradients):
       grpo     (1/N) sum_i (1/|o_i|) sum_t     mean over sequences of each sequence's token mean
       bnpo     mean over micro-batches of each micro-batch's token mean (depends on the split)
       dr_grpo  1/(N * max_completion_length) sum_i sum_t   (Dr. GRPO: no length bias)
@@ -211,6 +213,9 @@ class Loss:
     objective: Callable
     aggregation: str  # how token_weights normalises: grpo | bnpo | dr_grpo | dapo | luspo
     own_sampler_weight: bool = False  # the objective applies the sampler correction itself (t["is_weight"])
+    # The per-token term is 0 wherever the advantage is 0, so groups without signal may be skipped (the default
+    # --drop_zero_std_groups auto does): an objective with a term of its own (a penalty) must say False.
+    zero_without_advantage: bool = True
 
 
 LOSSES = {  # --loss_type: its objective and its aggregation, as TRL pairs them

@@ -213,11 +213,9 @@ def build_models(cfg: Config, model_path: str, vlm: bool, resume: str | None, de
 
 @torch.no_grad()
 def mix_into_reference(model, ref_model, alpha: float):
-    """TR-DPO's soft update of the reference model (--sync_ref_model, as TRL): ref = alpha * policy + (1 -
-    alpha)
-    * ref, parameter by parameter. Both are sharded alike under FSDP2 (each rank mixes its shards); under DDP
-      every
-    rank mixes its full copies, which stay equal."""
+    """TR-DPO's soft update of the reference model (--sync_ref_model, as TRL): ref = alpha * policy
+    + (1 - alpha) * ref, parameter by parameter. Both are sharded alike under FSDP2 (each rank mixes its
+    shards); under DDP every rank mixes its full copies, which stay equal."""
     pairs = zip(sharded_parameters(ref_model), sharded_parameters(getattr(model, "module", model)), strict=True)
     for (_, ref), (_, p) in pairs:  # under FSDP2, the fp32 shards, not a copy a forward left gathered
         ref.mul_(1.0 - alpha).add_(p, alpha=alpha)

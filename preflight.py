@@ -123,20 +123,19 @@ def largest_episode(prompt_ids: list[int], model_inputs: dict, prompt_tokens: in
                    model_inputs=model_inputs)
 
 
-def largest_update(old_and_ref_logprobs, update, model, ref_model, optimizer, scheduler, trainable: list, probe,
-                   longest: int, pad_id: int, cfg, world_size: int, autocast, off_policy: bool, device) -> str:
+def largest_update(old_and_ref_logprobs, step_data, update, model, ref_model, optimizer, scheduler, trainable: list,
+                   probe, longest: int, pad_id: int, cfg, world_size: int, autocast, off_policy: bool, device) -> str:
     """The memory check: train.py's own passes of a step (`old_and_ref_logprobs`: pi_old and the reference
-    where the flags ask for them; `update`: one optimizer step) on --micro_batch_size copies of the largest
-    episode a step can see (the sync probe's prompt made `longest` tokens, a full completion). Returns its
-    line: shape and peak."""
+    where the flags ask for them; `step_data`: the loss's batch; `update`: one optimizer step) on
+    --micro_batch_size copies of the largest episode a step can see (the sync probe's prompt made `longest`
+    tokens, a full completion). Returns its line: shape and peak."""
     episode = largest_episode(probe.ids, probe.model_inputs, longest, cfg.max_completion_length)
     inputs, tokens = collate([episode] * cfg.micro_batch_size, pad_id)
     old_logp, ref_logp, entropy_mask = old_and_ref_logprobs(model, ref_model, inputs, tokens["sampled"], cfg, autocast,
                                                             off_policy)
     model.train()
-    data = dict(inputs=inputs, loss_mask=tokens["sampled"], advantages=torch.linspace(-1, 1, cfg.micro_batch_size),
-                old_logp=old_logp, ref_logp=ref_logp, keep=None, sampler_logp=tokens["sampler_logp"],
-                entropy_mask=entropy_mask)
+    data = step_data(inputs, tokens, tokens["sampled"], torch.linspace(-1, 1, cfg.micro_batch_size), old_logp,
+                     ref_logp, entropy_mask, keep=None)
     # One optimizer step, with the entropy bonus where adaptive control may turn it on, that moves no
     # reference.
     coef = cfg.entropy_coef or (cfg.entropy_coef_max if cfg.use_adaptive_entropy else 0.0)

@@ -131,6 +131,15 @@ def old_and_ref_logprobs(model, ref_model, inputs: dict, loss_mask: torch.Tensor
             ref_logp = no_grad_logprobs(ref, inputs, C, cfg.temperature, cfg.micro_batch_size, autocast)[0]
     return old_logp, ref_logp, entropy_mask
 
+def step_data(inputs: dict, tokens: dict, loss_mask: torch.Tensor, advantages: torch.Tensor, old_logp, ref_logp,
+              entropy_mask, keep) -> dict:
+    """What the loss and step take (update, accumulate_gradients): this rank's tensors over its S completions. A
+    loss that needs another input gets it here as one more key, per token (S, C) or per completion (S,); the
+    --dry_run's memory check builds its batch here too."""
+    return dict(inputs=inputs, loss_mask=loss_mask, advantages=advantages, old_logp=old_logp, ref_logp=ref_logp,
+                sampler_logp=tokens["sampler_logp"], entropy_mask=entropy_mask, keep=keep)
+
+
 def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autocast, round_tokens: float | None = None,
                          params: LossParams | None = None) -> tuple[dict, torch.Tensor]:
     """Backpropagate the loss of one optimizer step on this rank's share `data`, micro-batch by
@@ -147,7 +156,7 @@ def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autoca
     the policy's log-probs (N, C)."""
     device = next(model.parameters()).device
     params = params or LossParams.of(cfg)
-    loss = LOSSES[cfg.loss_type]
+    loss = LOSSES[params.loss_type]
     mask = data["loss_mask"]
     C = mask.shape[1]
     rows = torch.arange(len(mask))[data["keep"]] if data.get("keep") is not None else torch.arange(len(mask))
@@ -178,7 +187,7 @@ def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autoca
             if t.get("old_logp") is None:
                 t["old_logp"] = logp.detach()
             m = t["loss_mask"]
-            weights = token_weights(m, loss.aggregation, step_counts, cfg.max_completion_length).to(device)
+            weights = token_weights(m, loss.aggregation, step_counts, params.max_completion_length).to(device)
             bonus_weights = bonus_mask[s, :c].to(device) * (world_size * (not padding) / max(counts["bonus"], 1.0))
             extra = {}
             # Importance sampling against the sampler: each token weighted by pi_old / pi_vLLM, truncated.
@@ -203,11 +212,23 @@ def accumulate_gradients(model, data: dict, cfg: Config, world_size: int, autoca
     return sums, logps
 
 def loss_inputs(data: dict, rows: torch.Tensor, c: int, device) -> dict:
-    """The tensors of `data` the loss reads, of `rows`: per-token ones (N, C) cut to the first c completion
-    columns, per-completion ones (N,) as they are. The model's inputs and `keep` are not the loss's; None
-    stays out."""
-    return {k: (v[rows, :c] if v.dim() == 2 else v[rows]).to(device) for k, v in data.items()
-            if isinstance(v, torch.Tensor) and k != "keep"}
+    """The tensors of `data` the loss reads, of `rows`: per-token ones (N, C, ...) cut to the first c completion
+    columns, per-completion ones (N,) as they are. The model's inputs and `keep` are not the loss's; None stays
+    out. A tensor of another shape is refused with its name: cut wrongly, it would reach the loss silently."""
+    N, C = data["loss_mask"].shape
+    inputs = {}
+    for k, v in data.items():
+        if not isinstance(v, torch.Tensor) or k == "keep":
+            continue
+        if v.dim() >= 2 and tuple(v.shape[:2]) == (N, C):
+            inputs[k] = v[rows, :c].to(device)
+        elif tuple(v.shape) == (N,):
+            inputs[k] = v[rows].to(device)
+        else:
+            raise ValueError(f"the step's data[{k!r}] has shape {tuple(v.shape)}: the loss takes tensors of shape "
+                             f"({N}, {C}, ...) per token or ({N},) per completion")
+    return inputs
+
 
 def optimizer_step(optimizer, scheduler, params, max_grad_norm: float) -> torch.Tensor:
     """Clip the gradient, step (unless it is NaN/inf: the weights and optimizer state stay good), clear it.
@@ -361,13 +382,6 @@ def main(cfg: Config):
         checks.say(f"{pushed}: {weight_bytes(model, server_dtype, 'adapter' in pushed) / 2**20:,.1f} MB per push"
                    + (f" (the base, {weight_bytes(model, server_dtype) / 2**20:,.1f} MB, once per connection)"
                       if "adapter" in pushed else ""))
-    ahead = None  # --async_generation: up to --max_staleness K batches sampled ahead (a checkpoint's too)
-    if cfg.async_generation:
-        saved = ahead_from_json(state.get("presampled"), state["step"],
-                                lambda j: [mixture.rows[i] for i in rollouts.rows_of(j)], rank * rollouts.per_rank, G)
-        ahead = saver.ahead = SampledAhead(cfg.max_staleness, rollouts.call, guard, lambda: scheduler.last_epoch,
-                                           updates_per_round, saved,
-                                           probe_alone=bool(guard.run(client.server_config).get("lora_config")))
     parallel = "FSDP2" if cfg.fsdp else "DDP" if world_size > 1 else "single process"
     print0(f"nanogrpo | model {cfg.model} | {world_size} process(es) on {device.type} | {cfg.prompts_per_step} prompts "
            f"x G={G} = {cfg.prompts_per_step * G} completions per step ({rollouts.per_rank * G} per rank) | "
@@ -383,11 +397,20 @@ def main(cfg: Config):
             episodes = guard.run(rollouts.first_of_each_task())
             checks.say(sampled(episodes, [t.name for t in mixture.tasks]))
         with checks("rewards"):
-            checks.say(scored(guard.run(score_batch, episodes, [], 0).reward_matrix, names, scorer))
+            checks.say(scored(guard.run(score_batch, episodes, [], scheduler.last_epoch).reward_matrix, names, scorer))
         with checks("memory"):  # one update on --micro_batch_size completions of a step's largest shape
-            checks.say(largest_update(old_and_ref_logprobs, update, model, ref_model, optimizer, scheduler, trainable,
-                                      sync_probe, longest, pad_id, cfg, world_size, autocast, off_policy, device))
+            checks.say(largest_update(old_and_ref_logprobs, step_data, update, model, ref_model, optimizer, scheduler,
+                                      trainable, sync_probe, longest, pad_id, cfg, world_size, autocast, off_policy,
+                                      device))
         return checks.passed()  # the scorer's process ends when main's objects are freed
+
+    ahead = None  # --async_generation: up to --max_staleness K batches sampled ahead (a checkpoint's too)
+    if cfg.async_generation:
+        saved = ahead_from_json(state.get("presampled"), state["step"],
+                                lambda j: [mixture.rows[i] for i in rollouts.rows_of(j)], rank * rollouts.per_rank, G)
+        ahead = saver.ahead = SampledAhead(cfg.max_staleness, rollouts.call, guard, lambda: scheduler.last_epoch,
+                                           updates_per_round, saved,
+                                           probe_alone=bool(guard.run(client.server_config).get("lora_config")))
 
     # Evaluate the starting point, to compare with. A run resumed after its last step evaluates only if a stop
     # came before that step's evaluation.
@@ -408,7 +431,7 @@ def main(cfg: Config):
         # (optimizer steps). With --async_generation the batch was sampled during the steps before (all but
         # the first), and the server samples the next K while we train, after the last step too: the last
         # checkpoint keeps them, so that a run continued from it goes on as if never stopped.
-        if ahead:
+        if ahead is not None:
             version, episodes = ahead.take(step)
             ahead.launch(step)
         else:
@@ -445,9 +468,8 @@ def main(cfg: Config):
             saver.save(step)
             break
         model.train()
-        data = dict(inputs=inputs, loss_mask=loss_mask, advantages=advantages[of],
-                    old_logp=old_logp, ref_logp=ref_logp, keep=~zero_std[of] if cfg.drop_zero_std_groups else None,
-                    sampler_logp=tokens["sampler_logp"], entropy_mask=entropy_mask)
+        data = step_data(inputs, tokens, loss_mask, advantages[of], old_logp, ref_logp, entropy_mask,
+                         keep=~zero_std[of] if cfg.drop_zero_std_groups else None)
         sums, grad_norms, first_pass_logp = update(model, optimizer, scheduler, trainable, data, step, cfg, world_size,
                                                    autocast, timer, bonus, ref_model)
         # The server's log-probs of what it sampled vs ours for the same weights: a sync check.
@@ -462,7 +484,7 @@ def main(cfg: Config):
                    **mixture.metrics(batch.episodes, batch.rewards, batch.reward_matrix, zero_std, G),
                    **training_metrics(sums, grad_norms, tokens["mask"].sum(dim=1).float(), truncated, diff, compared,
                                       kl=cfg.beta > 0),
-                   **dynamic, **(ahead.metrics() if ahead else {}), **bonus.metrics(),
+                   **dynamic, **(ahead.metrics() if ahead is not None else {}), **bonus.metrics(),
                    "lr": scheduler.get_last_lr()[0], "optimizer_steps": scheduler.last_epoch,
                    "old_logprob_pass": int(off_policy or cfg.top_entropy_quantile < 1)}
         saver.unlogged = dict(metrics)
@@ -473,7 +495,7 @@ def main(cfg: Config):
         bad_steps = guard.run(check_finite, sum(not g.isfinite() for g in grad_norms), bad_steps, step + 1)
 
         # ---------------------------------------------------------------------- sync weights
-        if ahead:  # with K = 1 the next batch is sampled with the weights before this update: wait for it
+        if ahead is not None:  # K = 1: the next batch is sampled with the weights before this update: wait for it
             ahead.settle(step)
         timer.lap("generate")
         guard.run(sync.push)
@@ -481,7 +503,7 @@ def main(cfg: Config):
         timer.lap("sync")
         probe = {}
         if cfg.sync_check_steps and (step + 1) % cfg.sync_check_steps == 0:  # stops if the weights differ
-            if ahead:
+            if ahead is not None:
                 ahead.before_probe()
             probe = guard.run(check_sync, client, model, sync_probe, autocast, is_main, sync_tolerance, step + 1)
         timer.lap("probe")

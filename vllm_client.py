@@ -134,10 +134,9 @@ def raise_on_every_rank(error: Exception | None, what: str):
         raise RunStopped(f"{what} failed on another rank (its message says why)")
 
 
-
 def on_every_rank(fn, what: str):
-    """fn() on every rank, ending as raise_on_every_rank does: if it raised on any rank, it raises on every rank, so
-    that no rank goes on into a collective the others never reach. Returns fn's result."""
+    """fn() on every rank, ending as raise_on_every_rank does: if it raised on any rank, it raises on every
+    rank, so that no rank goes on into a collective the others never reach. Returns fn's result."""
     result, error = None, None
     try:
         result = fn()
@@ -145,6 +144,7 @@ def on_every_rank(fn, what: str):
         error = e
     raise_on_every_rank(error, what)
     return result
+
 
 # The routes a call may repeat after a reconnect: they change nothing on the server.
 REPEATABLE = ("/v1/completions", "/v1/chat/completions")

@@ -7,7 +7,7 @@
 #   bench/gpu_check.sh --call    the device call alone
 #
 # Wheels to carry: none. bench/gpu_trainer.py imports torch and transformers, and through train.py safetensors and
-# requests (vllm_client.py): all in the GPU image (/work/.library/device/KINDS.md). What the image lacks of
+# requests (vllm_client.py): all in the GPU image (torch, transformers, peft, safetensors). What it lacks of
 # requirements.txt (vllm, datasets, math_verify, wandb, gguf) train.py's modules import only inside the functions
 # that use them (the server's side, a hub dataset, the math reward, wandb, the GGUF conversion), which the bench never
 # calls; the CPU smoke run shows it, with each of them unimportable (an import of one fails there as on the device).
@@ -15,7 +15,8 @@
 # The device call, for the `run` tool of a session lent a GPU (the JSON this script prints has the exact strings):
 #   command    the bench under `timeout 450`, its log in $OUT/log.txt, its table and numbers in $OUT/gpu_trainer.md
 #              and $OUT/gpu_trainer.json (written after every run: a call cut short keeps the rows it measured);
-#              both models (Qwen2.5-0.5B and 1.5B shapes) x {checkpointing on, off, FSDP2}, 2-3 minutes on an H100
+#              both models (Qwen2.5-0.5B and 1.5B shapes) x {checkpointing on, off, FSDP2}; its time on an
+#              H100 is not measured yet (estimated 2-3 minutes; the rows are written as they finish)
 #   timeout_s  480; carry: nothing (the working tree has all it needs); kind: left out (an H100 will do)
 # Then the table of gpu_trainer.md goes to docs/performance.md ("The trainer on a GPU") with the card, the date and
 # the command, and what it finds is fixed (a CUDA-only failure, time / bare above 1.15, memory / bare above 1 with

@@ -18,9 +18,14 @@ synthetic completions (--sequences of them: a --prompt token prompt, completions
 
 Per run it prints tokens per second (every token sent, prompt and completion, no padding), the model FLOP
 utilisation, MFU = 6 x parameters (each counted once, the tied head too) x tokens / time / the card's dense bf16
-peak (the usual estimate: no attention term, no recomputation of checkpointed layers), beside it the same against this card's measured matmul peak (an 8192^3 bf16 product), the peak GPU memory
+peak (the usual estimate: no attention term, no recomputation of checkpointed layers; the tied head is counted
+for every token although it runs on completion tokens only, which overstates MFU by about 7% at 0.5B and 4% at
+1.5B), beside it the same against this card's measured matmul peak (an 8192^3 bf16 product), the peak GPU memory
 (torch's max_memory_allocated, weights and AdamW state included), and for the trainer's runs the ratios
 trainer / bare of the time per step and of the peak memory, against the bare run with the same checkpointing.
+The bare run materialises the full-vocabulary fp32 log-softmax of its micro-batch (as a plain transformers loss
+does), which the trainer's chunked head never holds: its memory is a generous limit, so read the trainer's
+memory beside the weights and AdamW state too.
 The goal (issue 60): time <= 1.15 x bare, and with checkpointing on, memory <= bare. The table is markdown (the one
 docs/performance.md takes); --out also writes it and a JSON file there, after every run (a run cut short keeps the
 rows done). A run that fails is a row that says why; the script then exits 1.

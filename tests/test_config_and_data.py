@@ -49,6 +49,16 @@ def test_zero_std_groups_are_dropped_by_default_only_where_the_gradient_stays_th
     assert drops("--beta", "0.04", "--drop_zero_std_groups") and not drops("--no_drop_zero_std_groups")
 
 
+def test_auto_keeps_groups_without_signal_for_an_objective_that_is_not_zero_there(monkeypatch):
+    """A loss whose per-token term does not vanish with the advantage (a penalty of its own) says so in its row of
+    grpo.LOSSES: auto then keeps every group, since dropping one would drop that term's gradient."""
+    import dataclasses
+    import grpo
+    monkeypatch.setitem(grpo.LOSSES, "penalized", dataclasses.replace(grpo.LOSSES["dapo"], zero_without_advantage=False))
+    assert parse_config(["--loss_type", "dapo"]).drops_zero_std_groups()
+    assert not parse_config(["--loss_type", "penalized"]).drops_zero_std_groups()
+
+
 def test_cpu_server_computes_in_bf16_only_where_the_cpu_has_it():
     """vLLM's own default would be bf16 on any x86 CPU (emulated, ~100x slower than fp32 without avx512_bf16)."""
     import torch

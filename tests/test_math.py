@@ -819,3 +819,40 @@ def test_the_worked_example_of_adding_a_loss_runs_as_written(monkeypatch):
     assert tests
     for test in tests:
         test()
+    # Through the trainer: one optimizer step of --loss_type gpg on a tiny model, micro-batches of one completion,
+    # against the same loop on the model's own log-probs (the token mean spans the micro-batches).
+    from contextlib import nullcontext
+    from transformers import LlamaConfig
+    from logprobs import completion_logprobs
+    from train import accumulate_gradients
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, head_dim=16)).double()
+    inputs, cmask = collated([[5, 6], [7], [8, 9]], [[1, 2, 3], [4], [11, 12]])
+    adv = torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64)
+    cfg = Config(loss_type="gpg", micro_batch_size=1, bf16=False)
+    data = dict(inputs=inputs, loss_mask=cmask, advantages=adv, old_logp=None, ref_logp=None, sampler_logp=None,
+                keep=None)
+    sums, _ = accumulate_gradients(model, data, cfg, 1, nullcontext())
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    logp = completion_logprobs(model, inputs, cmask.shape[1], cfg.temperature)[0]
+    naive = sum(-adv[i] * logp[i, t] for i in range(3) for t in range(cmask.shape[1]) if cmask[i, t]) / cmask.sum()
+    naive.backward()
+    assert abs(sums["loss"] - naive.item()) < 1e-12  # (PPO's surrogate has the same gradient on-policy, not value)
+    assert max((g - p.grad).abs().max().item() for g, p in zip(got, model.parameters())) < 1e-12
+    assert max(g.abs().max().item() for g in got) > 1e-4
+
+
+def test_the_loss_takes_every_per_token_and_per_completion_tensor_of_the_step_and_refuses_other_shapes():
+    """A loss's new input is one key of the step's data (train.step_data): (N, C) is cut to the micro-batch's
+    rows and columns, (N,) to its rows; a tensor of another shape would be cut wrongly, so it is refused."""
+    from train import loss_inputs
+    mask = torch.ones(4, 5)
+    data = dict(inputs={"input_ids": torch.zeros(4, 9)}, loss_mask=mask, advantages=torch.arange(4.0), keep=None,
+                my_token_input=torch.arange(20.0).view(4, 5), my_row_input=torch.arange(4.0) * 10, old_logp=None)
+    got = loss_inputs(data, torch.tensor([3, 1]), 2, "cpu")
+    assert set(got) == {"loss_mask", "advantages", "my_token_input", "my_row_input"}
+    assert got["my_token_input"].tolist() == [[15.0, 16.0], [5.0, 6.0]] and got["my_row_input"].tolist() == [30, 10]
+    with pytest.raises(ValueError, match=r"data\['per_row_features'\] has shape \(4, 3\)"):
+        loss_inputs(data | {"per_row_features": torch.zeros(4, 3)}, torch.tensor([0]), 2, "cpu")
