@@ -120,6 +120,10 @@ class Config:
                    # `environment` column picks one
     max_tool_calling_iterations: int = 5  # tool rounds per trajectory (TRL: no limit)
     tool_timeout: float = 30.0  # seconds a tool call may take; then it answers with an error
+    tool_call_parser: str = "auto"  # what reads the model's tool calls: a name `vllm serve --tool-call-parser`
+                                    # takes (hermes, llama3_json, mistral, openai, glm45, gemma4, ...), hf
+                                    # (transformers' parse_response), or auto: the one that reads back a call the
+                                    # chat template writes (README: Environments and tools)
     chat_template: str = ""  # a Jinja chat template file instead of the model's (e.g. one that renders tools)
     async_generation: bool = False  # sample step t+1 while step t trains, with older weights (1 step stale)
     max_staleness: int = 1  # with --async_generation: K, the batches sampled ahead. K = 1: each batch comes

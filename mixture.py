@@ -39,6 +39,7 @@ from data import encode_prompt, epoch_order, load_rows, step_prompt_indices
 from metrics import pass_at_k
 from rewards import is_reward_model, load_reward_func
 from rollout import generate, load_rollout, run_rollout, slot_seed
+from tool_calls import reader_for
 from tools import probe_trajectory, tool_rollout_for, trajectory_metrics
 from utils import sum_over_ranks
 from vision import prompt_lengths, vision_probe, vision_rollout
@@ -69,10 +70,11 @@ class Task:
     rollout_fn: object = None
     env_reward: str | None = None  # its environment's get_reward() column (the class's name), if it has one
     schemas: list | None = None  # its tools' JSON schemas (multi-turn), else None
+    tool_parser: str = ""  # the parser that reads its model's tool calls (Mixture.read_tool_calls), once chosen
 
 
-TASK_KEYS = [f.name for f in dataclasses.fields(Task) if f.name not in ("rows", "eval_rows", "rollout_fn",
-                                                                          "env_reward", "schemas", "environment")]
+TASK_KEYS = [f.name for f in dataclasses.fields(Task) if f.name not in ("rows", "eval_rows", "rollout_fn", "env_reward",
+                                                                          "schemas", "tool_parser", "environment")]
 
 
 def is_mixture(cfg) -> bool:
@@ -266,14 +268,36 @@ class Mixture:
         return Probe(encode_prompt(tokenizer, row["prompt"], first.system_prompt) + tokenizer(answer)["input_ids"])
 
     def describe(self) -> str:
-        """For the start line: `rewards ['accuracy', 'format'] x [1.0, 1.0]` (and the system prompt, if there
-        is one), or each task's weight and rewards."""
+        """For the start line: `rewards ['accuracy', 'format'] x [1.0, 1.0]` (and the parser of its tool calls,
+        the system prompt, if there are), or each task's weight, rewards and parser."""
         if not self.mixed:
-            system = self.tasks[0].system_prompt
-            return f"rewards {self.names} x {self.weights[0].tolist()}" + (f' | system "{system}"' if system else "")
+            system, parser = self.tasks[0].system_prompt, self.tasks[0].tool_parser
+            return (f"rewards {self.names} x {self.weights[0].tolist()}"
+                    + (f" | tool calls: {parser}" if parser else "") + (f' | system "{system}"' if system else ""))
         share = (self.draw_weights / self.draw_weights.sum()).tolist()
         return "tasks " + ", ".join(f"{t.name} {p:.2f} {[n for n, o in zip(self.names, self.own[i]) if o]}"
+                                    + (f" calls: {t.tool_parser}" if t.tool_parser else "")
                                     for i, (t, p) in enumerate(zip(self.tasks, share)))
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether a task runs the multi-turn rollout (--tools, --env), whose model calls tools in its turns."""
+        return any(t.schemas is not None for t in self.tasks)
+
+    def read_tool_calls(self, parser: str, tokenizer, model: str) -> str:
+        """Give each multi-turn task the reader of its model's tool calls: parser `parser` (--tool_call_parser), or
+        with auto the one that reads back a call the chat template writes, proven by that round trip
+        (tool_calls.reader_for: a one-line UsageError where it fails). Returns what each reads, for its check."""
+        said = []
+        for task in self.tasks:
+            if task.schemas is None:  # an agent's, a user's or the single-turn rollout: no calls to read here
+                continue
+            with _about(task, self.mixed):
+                reader = reader_for(parser, tokenizer, task.schemas, model)
+            task.rollout_fn, task.tool_parser = functools.partial(task.rollout_fn, reader=reader), reader.name
+            said.append((f"{task.name}: " if self.mixed else "") + f"{reader.name} reads back the call the chat "
+                        f"template writes as {reader.example[:80]!r}")
+        return "; ".join(said)
 
     def summary_names(self) -> dict[str, list[str]]:
         """The reward functions of the run's last line (metrics.eval_summary), under their metrics' prefix:

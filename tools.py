@@ -2,14 +2,16 @@
 
 A tool is a typed Python function with a Google-style docstring: its JSON schema (transformers'
 get_json_schema) goes to the chat template, which shows it to the model; the model calls it in the
-template's format, here Hermes / Qwen2.5's, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
-the results come back as `tool` messages. An environment is a factory of instances whose public
+template's format (Hermes' `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` for Qwen and the embedded
+model, Llama's JSON, Mistral's [TOOL_CALLS], ...), read by the parser of that format that vLLM or transformers
+ships (tool_calls.py: --tool_call_parser, chosen by a round trip through the template); the results come back as
+`tool` messages, rendered by the template. An environment is a factory of instances whose public
 methods are tools, with `reset(**row)` (which may return text for the last user message), an
 optional `get_reward()`, and (ours) an optional `turn_prefix()`: text each model turn starts with, given,
 not sampled (open_turns). Any of them may be async.
 
 What this file holds: loading tools, their schemas, the checks a chat template must pass (it renders
-tools, calls and results, and adding a turn only appends tokens), parsing calls out of a turn, running the
+tools, calls and results, and adding a turn only appends tokens), running the
 user's code under deadlines (a trajectory's calls in the order written), the token ids a new turn appends
 to a trajectory (never re-tokenizing what the model wrote), and the multi-turn rollout.
 """
@@ -18,21 +20,20 @@ import concurrent.futures
 import functools
 import importlib
 import inspect
-import json
 import math
-import re
 import sys
 import threading
 import time
 import traceback
 
+from jinja2 import TemplateError
+
 from config import UsageError
 from data import prompt_messages
 from rewards import named_parameters
 from rollout import Episode, RolloutContext, slot_seed
+from tool_calls import CallReader, reader_for
 from utils import print0, sum_over_ranks
-
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
 def load_callables(spec: str, flag: str) -> list:
@@ -97,9 +98,9 @@ def check_tool_template(tokenizer, model: str):
         return a + b
     schema = tool_schemas([probe])
     call = {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "probe", "arguments": {"a": 1729, "b": 4104}}}]}
+        {"type": "function", "id": call_id(0), "function": {"name": "probe", "arguments": {"a": 1729, "b": 4104}}}]}
     conversation = [{"role": "user", "content": "What is their sum?"}, call,
-                    {"role": "tool", "name": "probe", "content": "5833"}]
+                    {"role": "tool", "name": "probe", "tool_call_id": call_id(0), "content": "5833"}]
     try:
         text = tokenizer.apply_chat_template(conversation, tools=schema, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # a template that refuses the tool role or the tool_calls field
@@ -123,28 +124,15 @@ def probe_trajectory(tokenizer, prompt, system_prompt: str, schemas: list[dict])
     name = schemas[0]["function"]["name"]
     return render(tokenizer, prompt_messages(prompt, system_prompt) + [
         {"role": "assistant", "content": "Let me check.", "tool_calls": [
-            {"type": "function", "function": {"name": name, "arguments": {}}}]},
-        {"role": "tool", "name": name, "content": "19"},
+            {"type": "function", "id": call_id(0), "function": {"name": name, "arguments": {}}}]},
+        {"role": "tool", "name": name, "tool_call_id": call_id(0), "content": "19"},
         {"role": "assistant", "content": "So the answer is \\boxed{19}."}], schemas, False)
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[dict], list[str]]:
-    """An assistant turn's text -> (its content without the calls, the calls [{name, arguments}], and one
-    error message per call that does not parse, for the model to read as the tool's answer)."""
-    calls, errors = [], []
-    for body in TOOL_CALL.findall(text):
-        try:
-            call = json.loads(body)
-            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-                raise ValueError('it is not {"name": ..., "arguments": {...}}')
-            arguments = call.get("arguments") or {}
-            if not isinstance(arguments, dict):
-                raise ValueError("its arguments are not a JSON object")
-            calls.append({"name": call["name"], "arguments": arguments})
-        # json.JSONDecodeError is a ValueError; RecursionError: a call nested too deep.
-        except (ValueError, RecursionError) as e:
-            errors.append(f"error: the tool call {body[:200]!r} could not be read ({e})")
-    return TOOL_CALL.sub("", text).strip(), calls, errors
+def call_id(k: int) -> str:
+    """The id of a trajectory's k-th call, in its assistant message and in its answer's tool message: nine letters
+    and digits (Mistral's templates take no other), the same in every run (a template may render it)."""
+    return f"call{k:05d}"
 
 
 # -----------------------------------------------------------------------------
@@ -298,18 +286,29 @@ def end_of_turn_id(tokenizer) -> int:
     return next((i for i in after if i in special), tokenizer.eos_token_id)
 
 
-def appended_ids(tokenizer, messages: list[dict], new: list[dict], tools: list[dict] | None) -> list[int] | None:
-    """The token ids that follow the model's last turn (which ends with its end-of-turn token) when the
-    messages `new` are added and the next turn starts: the template's rendering of `messages + new` past that
-    of `messages`, cut after its last end-of-turn token. None if the longer rendering does not begin with the
-    shorter (the template rewrites history: the trajectory's tokens would no longer be what the model saw)."""
-    before = render(tokenizer, messages, tools, False)
-    after = render(tokenizer, messages + new, tools, True)
+def appended_ids(tokenizer, messages: list[dict], new: list[dict], tools: list[dict] | None,
+                 ended_with: int | None = None) -> list[int] | None:
+    """The token ids that follow the model's last turn (the last of `messages`) when the messages `new` are added
+    and the next turn starts: the template's rendering of `messages + new` past that of `messages`, cut after
+    the token the model's turn ended with: `ended_with`, the last token it sampled, where the template writes it
+    in that turn (Gemma 4 ends a call turn with <|tool_response>, gpt-oss with <|call|>), else the template's
+    end-of-turn token (tools.end_of_turn_id; ChatML's <|im_end|>, Llama 3's <|eot_id|>). A token the model ended
+    with that the template writes only as the next turn's opening (GLM's <|observation|>) is not added twice.
+    None if the longer rendering does not begin with the shorter (the template rewrites history: the
+    trajectory's tokens would no longer be what the model saw), or the template refuses the conversation
+    (Llama 3.1's takes one call per turn)."""
+    try:
+        before = render(tokenizer, messages, tools, False)
+        after = render(tokenizer, messages + new, tools, True)
+        turn = len(render(tokenizer, messages[:-1], tools, True)) if ended_with is not None else 0
+    except TemplateError:  # the template's raise_exception
+        return None
     if after[:len(before)] != before:
         return None
-    end = end_of_turn_id(tokenizer)
-    ends = [i for i, t in enumerate(before) if t == end]
-    return after[ends[-1] + 1 if ends else len(before):]
+    end = end_of_turn_id(tokenizer) if ended_with is None or ended_with not in before[turn:] else ended_with
+    ends = [i for i, t in enumerate(before) if t == end and i >= turn]
+    suffix = after[ends[-1] + 1 if ends else len(before):]
+    return suffix[1:] if not ends and ended_with is not None and suffix[:1] == [ended_with] else suffix
 
 
 def open_turns(runs: list[dict], tokenizer, budget: int, timeout: float):
@@ -378,7 +377,7 @@ def start_trajectories(rows: list[dict], ctx: RolloutContext, tools: list, env_f
 
 
 def tool_rollout(rows: list[dict], ctx: RolloutContext, tools: list = (), env_factory=None, max_iterations: int = 5,
-                 timeout: float = 30.0, omit: tuple = ()) -> list[Episode]:
+                 timeout: float = 30.0, omit: tuple = (), reader: CallReader | None = None) -> list[Episode]:
     """The multi-turn rollout (rollout.py's contract): G trajectories per row, advancing turn by turn
     together. A trajectory's tokens are its prompt, then each model turn as sampled (sampled=True) and the
     tokens the chat template adds for the tools' answers and the next turn (sampled=False: no loss, no
@@ -388,10 +387,13 @@ def tool_rollout(rows: list[dict], ctx: RolloutContext, tools: list = (), env_fa
     server batches them. Each trajectory gets a fresh environment (env_factory()), so a repeated call repeats.
     Tools, reset, turn_prefix and get_reward may be async (awaited on the trajectory's own event loop,
     TrajectoryLoop); each of them runs under a deadline of `timeout` s shared by all trajectories of that
-    moment."""
+    moment. The model's calls are read by `reader` (tool_calls.py; the run's is chosen at start, by
+    --tool_call_parser); None: the parser that reads back a call the chat template writes (auto)."""
     runs = start_trajectories(rows, ctx, tools, env_factory, omit, timeout)
     try:
-        take_turns(runs, ctx, max_iterations, timeout)
+        if reader is None and runs:
+            reader = reader_for("auto", ctx.tokenizer, runs[0]["schemas"], "the model")
+        take_turns(runs, ctx, max_iterations, timeout, reader)
         rewards = environment_rewards_of(runs, timeout)
     # The loops end with their trajectories, also when the server was lost (the rollout then runs again).
     finally:
@@ -406,10 +408,10 @@ def tool_rollout(rows: list[dict], ctx: RolloutContext, tools: list = (), env_fa
         for r, (reward, error) in zip(runs, rewards)], ctx.num_generations)
 
 
-def take_turns(runs: list[dict], ctx: RolloutContext, max_iterations: int, timeout: float):
+def take_turns(runs: list[dict], ctx: RolloutContext, max_iterations: int, timeout: float, reader: CallReader):
     """The trajectories' turns, in place (tool_rollout): each live trajectory's model turn from the server,
-    then its calls' answers and the template's tokens for them, until no trajectory calls a tool, has room or
-    turns left."""
+    its calls as `reader` reads them, then their answers and the template's tokens for them, until no trajectory
+    calls a tool, has room or turns left."""
     tokenizer, budget = ctx.tokenizer, ctx.sampling["max_tokens"]
     sampling = {k: v for k, v in ctx.sampling.items() if k != "max_tokens"}
     for turn in range(max_iterations + 1):
@@ -429,10 +431,15 @@ def take_turns(runs: list[dict], ctx: RolloutContext, max_iterations: int, timeo
             r["ids"] += ids
             r["sampled"] += [True] * len(ids)
             r["logprobs"] += s["logprobs"][:room]
-            text = tokenizer.decode(r["ids"][r["turn_start"]:], skip_special_tokens=True)
-            content, calls, errors = parse_tool_calls(text)
+            # The parser reads the turn's text to decide which tools to call, special tokens and all (formats mark
+            # calls with them); the trajectory keeps the tokens as sampled.
+            prefix = tokenizer.decode(r["prompt_ids"] + r["ids"][:r["turn_start"]], skip_special_tokens=False) \
+                if reader.needs_prefix else ""
+            turn_text = tokenizer.decode(r["ids"][r["turn_start"]:], skip_special_tokens=False)
+            content, calls, errors = reader.read(turn_text, r["schemas"], prefix)
             r["messages"].append({"role": "assistant", "content": content, **({"tool_calls": [
-                {"type": "function", "function": c} for c in calls]} if calls else {})})
+                {"type": "function", "id": call_id(r["calls"] + k), "function": c} for k, c in enumerate(calls)]}
+                if calls else {})})
             if s["finish_reason"] == "length" or len(s["token_ids"]) > room:
                 r["finish"], r["live"] = "length", False
             elif not (calls or errors) or turn == max_iterations:
@@ -441,13 +448,15 @@ def take_turns(runs: list[dict], ctx: RolloutContext, max_iterations: int, timeo
                 pending.append((r, calls, errors))
         answers = call_tools([(calls, r["tools"], r["loop"]) for r, calls, _ in pending], timeout)
         for (r, calls, errors), answered in zip(pending, answers):
-            r["calls"] += len(calls) + len(errors)
+            # Each answer names its call by id (an error's, one of its own), as templates that check ids want.
+            first, r["calls"] = r["calls"], r["calls"] + len(calls) + len(errors)
             r["failed_calls"] += len(errors) + sum(outcome == FAILED for _, outcome in answered)
             r["timeouts"] += sum(outcome == TIMED_OUT for _, outcome in answered)
-            new = ([{"role": "tool", "name": c["name"], "content": a} for c, (a, _) in zip(calls, answered)]
-                   + [{"role": "tool", "name": "error", "content": e} for e in errors])
-            suffix = appended_ids(tokenizer, r["messages"], new, r["schemas"])
-            if suffix is None:  # the template rewrote history: end the trajectory where it is exact
+            new = [{"role": "tool", "name": name, "tool_call_id": call_id(first + k), "content": a}
+                   for k, (name, a) in enumerate([(c["name"], a) for c, (a, _) in zip(calls, answered)]
+                                                 + [("error", e) for e in errors])]
+            suffix = appended_ids(tokenizer, r["messages"], new, r["schemas"], r["ids"][-1] if r["ids"] else None)
+            if suffix is None:  # the template rewrote history or refused the turn: end it where it is exact
                 r["live"], r["rewritten"] = False, True
             elif len(r["ids"]) + len(suffix) >= budget:  # no room left for the model's next turn
                 r["finish"], r["live"] = "length", False
@@ -565,11 +574,12 @@ def environment_rewards(episodes: list[Episode], scores: list[list[float]], scor
 
 def trajectory_metrics(episodes: list[Episode]) -> dict:
     """Over all ranks: tool calls per trajectory (each call the model wrote, read or not), those that failed
-    (not valid JSON, an unknown tool, wrong arguments, the tool raised) and those that timed out (no answer by
-    --tool_timeout: the late call and the calls after it in its turn, not made), the completion tokens the
-    model wrote and those the tools and the chat template added, trajectories ended because the template
-    rewrote history, environments that failed, groups whose prompts differ (warned once: GRPO's baseline then
-    compares answers to different prompts), agents' calls that started a new sample (an edited history)."""
+    (the parser could not read it, an unknown tool, wrong arguments, the tool raised) and those that timed out
+    (no answer by --tool_timeout: the late call and the calls after it in its turn, not made), the completion
+    tokens the model wrote and those the tools and the chat template added, trajectories ended because the
+    template rewrote history or refused a turn (appended_ids), environments that failed, groups whose prompts
+    differ (warned once: GRPO's baseline then compares answers to different prompts), agents' calls that started
+    a new sample (an edited history)."""
     t = sum_over_ranks({"n": len(episodes), "calls": sum(e.info.get("tool_calls", 0) for e in episodes),
                         "failed_calls": sum(e.info.get("failed_tool_calls", 0) for e in episodes),
                         "timeouts": sum(e.info.get("tool_timeouts", 0) for e in episodes),

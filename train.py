@@ -317,6 +317,9 @@ def main(cfg: Config):
         longest = mixture.longest_prompt(tokenizer, processor, cfg.max_prompt_length)
         checks.say(f"{mixture.describe()} | {len(mixture.rows)} rows, {len(mixture.eval_rows)} held out | the longest "
                    f"prompt {longest}")
+    if mixture.calls_tools:  # the parser of the model's calls reads back one its chat template writes (tool_calls.py)
+        with checks("tool calls"):
+            checks.say(mixture.read_tool_calls(cfg.tool_call_parser, tokenizer, cfg.model))
     with checks("server"):
         # Waits for the server, and checks that the longest prompt and a completion fit in its context.
         client, server_dtype, max_len = connect_server(cfg, longest)

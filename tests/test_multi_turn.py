@@ -11,7 +11,8 @@ import pytest
 
 from embedded import default_model_path
 from rollout import RolloutContext, episodes_to_json
-from tools import environment_rewards, parse_tool_calls, tool_rollout
+from tool_calls import reader_for
+from tools import environment_rewards, tool_rollout
 
 
 @pytest.fixture(scope="module")
@@ -248,17 +249,18 @@ def test_an_async_call_past_its_deadline_is_cancelled_and_one_that_blocks_holds_
     client = Scripted(tokenizer, lambda context: "done" if "<tool_response>" in context else
                       next(c for row, c in calls.items() if f"Row {row}." in context))
     ctx = RolloutContext(client, tokenizer, 2, dict(max_tokens=300, temperature=1.0), seed=1)
+    reader = reader_for("hermes", tokenizer, [], "smollm2-135m")  # chosen at start, as a run chooses it
     threads, Stuck.cancelled = set(threading.enumerate()), []
     started = time.monotonic()
     episodes = tool_rollout([{"prompt": f"Row {row}."} for row in calls], ctx, env_factory=Stuck, max_iterations=1,
-                            timeout=1.0)
+                            timeout=1.0, reader=reader)
     assert time.monotonic() - started < 3.5  # the tools' deadline, then get_reward's; not the 4 s block
     assert [tool_answers(e) for e in episodes[::2]] == [
         ["error: the tool wait did not answer within 1 s",
          "error: the tool quick was not called: the call before it did not answer in time"],
         ["error: the tool block did not answer within 1 s"],
-        ["quick", "error: the tool call '{not json' could not be read (Expecting property name enclosed in double "
-                  "quotes: line 1 column 2 (char 1))"]]
+        ["quick", "error: the tool call '<tool_call>{not json</tool_call>' could not be read; a call is written as "
+                  "'<tool_call>\\n{\"name\": \"add\", \"arguments\": {\"a\": 7, \"b\": 7}}\\n</tool_call>'"]]
     assert [prompt for prompt, _ in Stuck.cancelled] == ["Row wait."] * 2
     assert all(t - started < 1.6 for _, t in Stuck.cancelled)  # at the deadline, not when the rollout ends (2 s)
     rewards = [(e.info["environment_reward"], e.info["environment_error"]) for e in episodes]
@@ -355,8 +357,9 @@ def test_reset_text_that_makes_a_prompt_too_long_is_the_environments_error(token
             e.info["environment_error"] and e.completion_ids == []
 
 
-def test_a_deeply_nested_tool_call_is_a_malformed_call_the_model_reads():
-    content, calls, errors = parse_tool_calls("<tool_call>" + "[" * 5000 + "]" * 5000 + "</tool_call>")
+def test_a_deeply_nested_tool_call_is_a_malformed_call_the_model_reads(tokenizer):
+    reader = reader_for("hermes", tokenizer, [], "smollm2-135m")
+    content, calls, errors = reader.read("<tool_call>" + "[" * 5000 + "]" * 5000 + "</tool_call>")
     assert calls == [] and len(errors) == 1 and "could not be read" in errors[0]
 
 

@@ -243,9 +243,9 @@ def test_multi_turn_trajectories_are_token_exact(setup):
     episodes = tool_rollout(rows, ctx, tools=[add], max_iterations=2)
     assert len(episodes) == 6 and ctx.client.requests >= 2
     for e in episodes:
-        assert e.messages[0]["tool_calls"] == [{"type": "function", "function": {"name": "add",
-                                                                                 "arguments": {"a": 2, "b": 3}}}]
-        assert e.messages[1] == {"role": "tool", "name": "add", "content": "5"}
+        assert e.messages[0]["tool_calls"] == [{"type": "function", "id": "call00000", "function": {
+            "name": "add", "arguments": {"a": 2, "b": 3}}}]
+        assert e.messages[1] == {"role": "tool", "name": "add", "tool_call_id": "call00000", "content": "5"}
         first = len(call) + 1
         answer = e.sampled.index(True, first)  # the tool's answer and the next turn's start: not the model's
         assert not any(e.sampled[first:answer]) and all(e.sampled[:first])

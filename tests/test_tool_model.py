@@ -14,7 +14,8 @@ from conftest import ROOT, make_tiny_model
 from embedded import (Calculator, Guess, assistant_labels, default_model_path, three_digit_problems, tool_model_path,
                       tool_transcripts)
 from rollout import RolloutContext
-from tools import parse_tool_calls, tool_rollout, trajectory_metrics
+from tool_calls import reader_for
+from tools import tool_rollout, trajectory_metrics
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +203,7 @@ def test_the_tool_model_writes_well_formed_calls_but_not_always():
     tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
     torch.manual_seed(0)
     called = good = 0
+    reader = reader_for("auto", tokenizer, [get_json_schema(Calculator.calculate)], path)
     rows = three_digit_problems(0, seed=0, split="test")[:24]
     for row in rows:
         messages = [{"role": "user", "content": row["prompt"] + Calculator().reset()}]
@@ -213,7 +215,7 @@ def test_the_tool_model_writes_well_formed_calls_but_not_always():
             text = tokenizer.decode(sample[ids["input_ids"].shape[1]:], skip_special_tokens=True)
             if "<tool_call>" in text:
                 called += 1
-                _, calls, errors = parse_tool_calls(text)
+                _, calls, errors = reader.read(text)
                 a, b = re.findall(r"\d+", row["prompt"])[:2]
                 good += not errors and calls == [{"name": "calculate", "arguments": {"expression": f"{a} + {b}"}}]
     assert 2 <= called <= 46, called  # of 48: neither never nor always

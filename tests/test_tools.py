@@ -8,8 +8,7 @@ import torch
 
 from config import UsageError
 from embedded import default_model_path
-from tools import (TrajectoryLoop, appended_ids, call_tools, check_tool_template, end_of_turn_id, parse_tool_calls,
-                   tool_schemas)
+from tools import TrajectoryLoop, appended_ids, call_tools, check_tool_template, end_of_turn_id, tool_schemas
 
 SMOLLM2_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ "
                     "'<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>"
@@ -62,17 +61,6 @@ def test_the_embedded_template_renders_as_smollm2s_without_tools_and_shows_tools
     original.chat_template = rewriting  # an assistant turn changes once a later turn exists
     with pytest.raises(UsageError, match="renders a conversation differently once a tool turn is added"):
         check_tool_template(original, "a model")
-
-
-def test_tool_calls_are_parsed_and_malformed_ones_become_errors_for_the_model():
-    text = ('Let me add. <tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
-            '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call><tool_call>{"name": add}</tool_call>'
-            '<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>')
-    content, calls, errors = parse_tool_calls(text)
-    assert content == "Let me add."
-    assert calls == [{"name": "add", "arguments": {"a": 2, "b": 3}}, {"name": "add", "arguments": {"a": 1}}]
-    assert len(errors) == 2 and "could not be read" in errors[0] and "not a JSON object" in errors[1]
-    assert parse_tool_calls("no call here") == ("no call here", [], [])
 
 
 def test_tools_answer_with_their_result_or_an_error_and_a_hung_one_is_abandoned():
@@ -136,18 +124,28 @@ def test_the_end_of_a_turn_is_the_templates_end_of_turn_token_not_eos(tokenizer)
 @pytest.mark.slow
 def test_tools_and_an_environment_train_through_the_server_and_its_reward_is_a_column(server, tmp_path):
     """--tools and --env (tests.helpers.Guess, written as TRL's documentation writes environments) through the
-    multi-turn rollout on 2 ranks: the environment's get_reward() is a reward column named after its class, beside
-    the reward functions, which get the completion as messages."""
+    multi-turn rollout on 2 ranks, in Llama 3.1's format (the tiny model with Llama's template and tokens,
+    tests/test_tool_calls.py): auto picks vLLM's llama3_json parser (the start line says so), and the calls in that
+    format (every turn opens with one) are read, made (their answers are in the trajectories) and trained. The
+    environment's get_reward() is a reward column named after its class, beside the reward functions, which get
+    the completion as messages."""
     import json
     from conftest import run_train
-    _, metrics = run_train(server, tmp_path / "out", "--tools", "tests.helpers:add", "--env", "tests.helpers:Guess",
-                           "--reward_funcs", "tests.helpers:brevity", "--num_generations", "4", "--prompts_per_step", "2",
-                           "--max_completion_length", "24", "--max_steps", "2", "--bf16", "false", "--no_save_model")
-    assert len(metrics) == 2 and all(m["rewards/Guess"] == 0.0 for m in metrics)  # the random model never guesses
-    assert all(m["completion_length/model"] > 0 and m["completion_length/environment"] >= 0 for m in metrics)
+    from tests.test_tool_calls import llama_model
+    model = llama_model(server["model"], tmp_path / "llama")
+    proc, metrics = run_train(server, tmp_path / "out", "--model", model, "--tools", "tests.helpers:add", "--env",
+                              "tests.test_tool_calls:GuessInLlamaCalls", "--reward_funcs", "tests.helpers:brevity",
+                              "--num_generations", "4", "--prompts_per_step", "2", "--max_completion_length", "64",
+                              "--max_steps", "2", "--bf16", "false", "--no_save_model")
+    assert "tool calls: llama3_json" in proc.stdout, proc.stdout[-2000:]
+    assert len(metrics) == 2 and all(m["rewards/GuessInLlamaCalls"] == 0.0 for m in metrics)  # 11 is never it
+    assert all(m["tools/calls"] > 0 and m["tools/failed_calls"] < m["tools/calls"] for m in metrics)
+    assert all(m["completion_length/model"] > 0 and m["completion_length/environment"] > 0 for m in metrics)
     records = [json.loads(line) for line in open(tmp_path / "out" / "rollouts.jsonl")]
-    assert len(records) == 16 and all(set(r["rewards"]) == {"tests.helpers:brevity", "Guess"} for r in records)
+    assert len(records) == 16 and all(set(r["rewards"]) == {"tests.helpers:brevity", "GuessInLlamaCalls"}
+                                      for r in records)
     assert all("Guess my number" in r["prompt"] and '"name": "guess"' in r["prompt"] for r in records)
+    assert any('ipython\n\n"lower"' in r["completion"] for r in records)  # guess(11)'s answer, as Llama's turn
 
 
 @pytest.mark.slow
@@ -427,8 +425,8 @@ def test_an_environments_turn_prefix_is_given_not_sampled_and_the_model_continue
         turns = 1 + (0 if founds[-1] else 2)  # found: one guess, then "done"; not: a guess a turn, 3 turns
         assert tokenizer.decode(own).count("5}}\n</tool_call>") == (1 if founds[-1] else 3)
         assert tokenizer.decode(given).count(call_opening("guess", "number")) == turns
-        assert e.messages[0]["tool_calls"] == [{"type": "function", "function": {"name": "guess",
-                                                                                  "arguments": {"number": 5}}}]
+        assert e.messages[0]["tool_calls"] == [{"type": "function", "id": "call00000", "function": {
+            "name": "guess", "arguments": {"number": 5}}}]
         assert e.info["tool_calls"] == (1 if founds[-1] else 2)
         assert e.info["environment_reward"] == float(founds[-1])
     assert founds == [False, False, True, True, False, False]
