@@ -18,6 +18,7 @@ import concurrent.futures
 import contextlib
 import functools
 import inspect
+import json
 import math
 import threading
 import time
@@ -27,7 +28,9 @@ from types import SimpleNamespace
 
 from config import RunStopped, UsageError
 from rollout import Episode, RolloutContext, slot_seed
-from tools import appended_ids, end_of_turn_id, load_callables, mark_groups_with_different_prompts, reward_value
+from tool_calls import CallReader, reader_for
+from tools import (appended_ids, call_id, end_of_turn_id, load_callables, mark_groups_with_different_prompts,
+                   reward_value)
 from vllm_client import HEALTH_EVERY_S, INSTANCE_HEADER, ServerLost, structured
 
 
@@ -50,11 +53,42 @@ def agent_rollout_for(cfg, env: str, tools_spec: str, vision: bool):
 
 def as_message(message) -> dict:
     """A chat message as a plain dict without empty fields (None, []), whether a dict or an SDK object
-    (`messages.append(response.choices[0].message)`)."""
+    (`messages.append(response.choices[0].message)`), its tool calls too (verifiers puts the SDK's in a dict)."""
     if hasattr(message, "model_dump"):
         message = message.model_dump()
     # vLLM answers with "tool_calls": [] where there are none.
-    return {k: v for k, v in dict(message).items() if v is not None and v != []}
+    message = {k: v for k, v in dict(message).items() if v is not None and v != []}
+    if "tool_calls" in message:
+        message["tool_calls"] = [call.model_dump() if hasattr(call, "model_dump") else dict(call)
+                                 for call in message["tool_calls"]]
+    return message
+
+
+def for_template(message) -> dict:
+    """as_message, with each tool call as chat templates take one: {"type", "id", "function": {"name", "arguments":
+    a dict}} (the OpenAI API writes arguments as JSON text)."""
+    message = as_message(message)
+    if "tool_calls" in message:
+        message["tool_calls"] = [{"type": "function", "id": call.get("id"), "function": {
+            "name": call["function"]["name"], "arguments": _arguments(call["function"].get("arguments"))}}
+            for call in message["tool_calls"]]
+    return message
+
+
+def _arguments(arguments):
+    try:
+        return json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        return arguments
+
+
+def same_history(sent: list, ours: list) -> bool:
+    """Whether the messages an agent sent are the ones of `ours`, as for_template reads them: a message whose content
+    is None, "" or absent (an answer that only calls tools), its calls' arguments as JSON text or a dict."""
+    def key(message):
+        message = for_template(message)
+        return {**message, "content": message.get("content") or ""}
+    return len(sent) == len(ours) and all(key(a) == key(b) for a, b in zip(sent, ours))
 
 
 # vLLM's request fields that say how the chat route renders a prompt.
@@ -77,12 +111,24 @@ class RecordingClient:
     place and random stream), from which the trajectory is built. Every answer must come from the server
     instance and the policy (model name) the rollout started with: another instance (a restart), or a 404 for
     the policy's adapter, marks the client `lost` (the trainer waits for the server and runs the rollout
-    again), whatever the agent does with the error. `client.model` is the served model's name."""
+    again), whatever the agent does with the error. `client.model` is the served model's name.
 
-    def __init__(self, server, tokenizer, sampling: dict, seed: int, max_prompt_length: int = 0):
+    A call with `tools=[...]` is answered as vLLM's chat route answers with --enable-auto-tool-choice: the calls
+    in the model's answer, read by `reader` (the run's, tool_calls.py), in `message.tool_calls`, and finish_reason
+    "tool_calls". A next call that sends that message back (a dict or the SDK object) and `role: "tool"` messages
+    continues the sample. Every answer ends at the chat template's end-of-turn token (tools.end_of_turn_id), also
+    where it is not the model's eos. `unread`: why the run has no reader (a call with tools is then the agent's
+    error)."""
+
+    def __init__(self, server, tokenizer, sampling: dict, seed: int, max_prompt_length: int = 0,
+                 reader: CallReader | None = None, unread: str = ""):
         self.model, self.calls, self.forks, self.lost, self.too_long = server.model_name, [], 0, None, None
         self._tokenizer, self._sampling, self._seed, self._max_prompt = tokenizer, sampling, seed, max_prompt_length
-        self._instance = server.instance
+        self._instance, self._reader, self._unread, self.tool_calls = server.instance, reader, unread, 0
+        self._end_of_turn = end_of_turn_id(tokenizer)
+        # The special tokens a turn may end with (the end of turn, Gemma 4's <|tool_response>, gpt-oss's <|call|>).
+        self._special = set(tokenizer.all_special_ids) | {
+            i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
         import httpx  # with openai, ~1 s to import: only runs with an agent pay for it
         import openai
         self._openai = openai
@@ -118,6 +164,9 @@ class RecordingClient:
         refused = [f"{k}: the call {why}" for k, why in REFUSED.items() if kwargs.get(k)]
         if refused:
             raise ValueError(f"nanogrpo's agent client cannot take {refused[0]}, which training cannot use; drop it")
+        if tools and self._reader is None:
+            raise ValueError(f"an agent's call with tools: the run reads no tool call of the model's chat template "
+                             f"({self._unread}); name the parser with --tool_call_parser")
         messages, k = [as_message(m) for m in messages], len(self.calls)
         self.calls.append(None)  # keeps its place in the order the calls are made; filled when answered
         by_server = RENDERING & set(kwargs) or kwargs.get("tool_choice") not in (None, "auto", "none")
@@ -126,9 +175,12 @@ class RecordingClient:
         # The tokens this sample has used so far, which the rest of --max_completion_length leaves out.
         used = len(prompt_ids) - last["sample_prompt"] if prompt_ids is not None else 0
         asked = kwargs.pop("max_completion_tokens", None) or kwargs.pop("max_tokens", None) or s["max_tokens"]
+        extra = kwargs.pop("extra_body", None) or {}
+        # The answer ends at the template's end of turn, unless the agent asks for no end (ignore_eos).
+        stop = [*(extra.get("stop_token_ids") or []), *[self._end_of_turn] * (not extra.get("ignore_eos"))]
         sampling = dict(temperature=s["temperature"], top_p=s["top_p"], seed=slot_seed(self._seed, k),
                         max_tokens=min(asked, max(s["max_tokens"] - used, 1)),
-                        extra_body={**(kwargs.pop("extra_body", None) or {}), "return_token_ids": True,
+                        extra_body={**extra, "return_token_ids": True, "stop_token_ids": stop,
                                     "top_k": s["top_k"], "min_p": s["min_p"],
                                     "repetition_penalty": s["repetition_penalty"],
                                     **structured(s.get("structured_outputs_regex", ""))})
@@ -143,7 +195,7 @@ class RecordingClient:
                     model=self.model, messages=messages, tools=tools or self._openai.NOT_GIVEN, n=1, logprobs=True,
                     **sampling, **kwargs)
                 choice = response.choices[0]
-                call = dict(prompt_ids=list(response.prompt_token_ids), content=choice.message.content,
+                call = dict(prompt_ids=list(response.prompt_token_ids),
                             logprobs=[t.logprob for t in choice.logprobs.content])
                 if self._max_prompt and len(call["prompt_ids"]) > self._max_prompt:
                     raise ValueError(f"an agent's call has a prompt of {len(call['prompt_ids'])} tokens > "
@@ -154,9 +206,33 @@ class RecordingClient:
                 response, call = await self._continue(prompt_ids, sampling, kwargs)
                 call["sample_prompt"] = last["sample_prompt"]
                 choice = response.choices[0]
-        self.calls[k] = dict(call, messages=messages, ids=list(choice.token_ids), finish=choice.finish_reason,
-                             new_sample=prompt_ids is None)
+        ids, finish = list(choice.token_ids), choice.finish_reason
+        answer, failed = self._answer(choice, ids, tools, call["prompt_ids"]) if tools else (
+            as_message({"role": "assistant", "content": choice.message.content}), 0)
+        self.calls[k] = dict(call, messages=messages, ids=ids, finish=finish, new_sample=prompt_ids is None,
+                             answer=answer, failed_calls=failed)
         return response
+
+    def _answer(self, choice, ids: list[int], tools: list, prompt_ids: list[int]) -> tuple[dict, int]:
+        """The answer of a call with tools, as vLLM's chat route gives it with --enable-auto-tool-choice: the calls
+        that the run's reader reads in the sampled tokens (decoded with their special tokens: formats mark calls
+        with them) in choice.message.tool_calls, its text without them as the content (None if there is none),
+        finish_reason "tool_calls"; the whole text as the content if it holds no call it can read. Each call's id
+        is the trajectory's next (tools.call_id). Returns (the message, as_message reads it; the calls it could
+        not read)."""
+        text = self._tokenizer.decode(ids, skip_special_tokens=False)
+        prefix = self._tokenizer.decode(prompt_ids, skip_special_tokens=False) if self._reader.needs_prefix else ""
+        content, calls, errors = self._reader.read(text, tools, prefix)
+        message = {"role": "assistant", "content": content or None}
+        if calls:
+            message["tool_calls"] = [{"type": "function", "id": call_id(self.tool_calls + n), "function": {
+                "name": c["name"], "arguments": json.dumps(c["arguments"])}} for n, c in enumerate(calls)]
+            self.tool_calls += len(calls)
+            choice.finish_reason = "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason
+        else:
+            message["content"] = self._tokenizer.decode(ids, skip_special_tokens=True)
+        choice.message = self._openai.types.chat.ChatCompletionMessage.model_validate(message)
+        return as_message(message), len(errors)
 
     @contextlib.contextmanager
     def _at_server(self):
@@ -187,14 +263,23 @@ class RecordingClient:
         after an answer cut at max_tokens), and the chat template's ids of what follows. None for a first
         call, one whose history was edited, or one made while call k - 1 still waits for its answer (calls at
         once: each its own sample)."""
-        last, eos = self.calls[k - 1] if k else None, end_of_turn_id(self._tokenizer)
+        last, end = self.calls[k - 1] if k else None, self._end_of_turn
         if last is None:
             return None
-        before = last["messages"] + [as_message({"role": "assistant", "content": last["content"]})]
-        if len(messages) <= len(before) or messages[:len(before)] != before:
+        before = last["messages"] + [last["answer"]]
+        if len(messages) <= len(before) or not same_history(messages[:len(before)], before):
             return None
-        suffix = appended_ids(self._tokenizer, before, messages[len(before):], tools)
-        ended = last["ids"] if last["ids"][-1:] == [eos] else last["ids"] + [eos]
+        # A turn the model ended itself with a special token (its end of turn, Gemma 4's <|tool_response>) is
+        # followed by what the template writes after that token; any other (cut at max_tokens, or by a stop
+        # string, or at the model's eos where it is not the end of turn) gets the end-of-turn token, given.
+        ids = last["ids"]
+        ended_with = ids[-1] if last["finish"] != "length" and ids and ids[-1] in self._special and (
+            ids[-1] != self._tokenizer.eos_token_id or ids[-1] == end) else None
+        rendered = [for_template(m) for m in before]
+        rendered[-1]["content"] = rendered[-1].get("content") or ""
+        suffix = appended_ids(self._tokenizer, rendered, [for_template(m) for m in messages[len(before):]], tools,
+                              ended_with)
+        ended = ids if ended_with is not None or ids[-1:] == [end] else ids + [end]
         return None if suffix is None else last["prompt_ids"] + ended + suffix
 
     async def _continue(self, prompt_ids: list[int], sampling: dict, kwargs: dict) -> tuple:
@@ -211,7 +296,7 @@ class RecordingClient:
                          "message": {"role": "assistant", "content": choice.text}}],
             "usage": out.usage.model_dump() if out.usage else None})
         response.choices[0].token_ids = list(choice.token_ids)
-        return response, dict(prompt_ids=prompt_ids, content=choice.text, logprobs=choice.logprobs.token_logprobs)
+        return response, dict(prompt_ids=prompt_ids, logprobs=choice.logprobs.token_logprobs)
 
 
 def agent_episode(row: dict, calls: list[dict], budget: int) -> Episode:
@@ -224,7 +309,7 @@ def agent_episode(row: dict, calls: list[dict], budget: int) -> Episode:
     samples = [sample_of(calls[a:b], budget) for a, b in zip(starts, starts[1:])]
     episode = Episode(row, **samples[-1])
     messages = calls[-1]["messages"][len(calls[starts[-2]]["messages"]):]
-    episode.messages = messages + [{"role": "assistant", "content": calls[-1]["content"]}]
+    episode.messages = messages + [calls[-1]["answer"]]
     episode.info = {"earlier_samples": samples[:-1]} if len(samples) > 1 else {}
     return episode
 
@@ -243,7 +328,8 @@ def sample_of(calls: list[dict], budget: int) -> dict:
                 logprobs=logprobs[:budget], finish_reason=finish)
 
 
-def agent_rollout(rows: list[dict], ctx: RolloutContext, agent=None, timeout: float = 300.0) -> list[Episode]:
+def agent_rollout(rows: list[dict], ctx: RolloutContext, agent=None, timeout: float = 300.0,
+                  reader: CallReader | None = None, unread: str = "") -> list[Episode]:
     """G runs of `agent(client, row)` per row, all at once (their requests meet in the server's batches), each
     in a thread and event loop of its own with a RecordingClient seeded by its place, so a repeated call
     repeats. What the agent returns is its reward. An agent that raises, returns something that is not a
@@ -251,10 +337,17 @@ def agent_rollout(rows: list[dict], ctx: RolloutContext, agent=None, timeout: fl
     no reward. The server is held to the contract of every rollout: if any call was answered by another
     instance, lost its connection or found the policy's name gone, or the server stops answering /health
     (asked every HEALTH_EVERY_S) for --vllm_server_timeout, this raises ServerLost (the trainer waits for the
-    server and runs this again)."""
+    server and runs this again). The calls an agent's model writes, where it passes tools, are read by `reader`
+    (the run's: Mixture.read_tool_calls); None: the parser that reads back a call the chat template writes (auto),
+    unless `unread` says why none does."""
     G = ctx.num_generations
-    clients = [RecordingClient(ctx.client, ctx.tokenizer, ctx.sampling, slot_seed(ctx.seed, i), ctx.max_prompt_length)
-               for i in range(len(rows) * G)]
+    if reader is None and not unread:
+        try:
+            reader = reader_for("auto", ctx.tokenizer, [], "the model")
+        except (UsageError, ImportError) as e:  # ImportError: no vLLM beside this trainer, no parser
+            unread = f"{type(e).__name__}: {e}"
+    clients = [RecordingClient(ctx.client, ctx.tokenizer, ctx.sampling, slot_seed(ctx.seed, i), ctx.max_prompt_length,
+                               reader, unread) for i in range(len(rows) * G)]
     futures = [concurrent.futures.Future() for _ in clients]
     for i, (client, future) in enumerate(zip(clients, futures)):
         threading.Thread(target=_run_agent, args=(agent, client, rows[i // G], future), daemon=True).start()
@@ -283,7 +376,8 @@ def agent_rollout(rows: list[dict], ctx: RolloutContext, agent=None, timeout: fl
                                     info={"environment_error": error}))
             continue
         episode = agent_episode(rows[i // G], calls, ctx.sampling["max_tokens"])
-        episode.info |= {"tool_calls": len(calls) - 1, "environment_reward": reward, "forks": client.forks}
+        episode.info |= {"tool_calls": len(calls) - 1, "environment_reward": reward, "forks": client.forks,
+                         "failed_tool_calls": sum(call["failed_calls"] for call in calls)}
         episodes.append(episode)
     return mark_groups_with_different_prompts(episodes, G)
 

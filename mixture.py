@@ -281,8 +281,8 @@ class Mixture:
 
     @property
     def calls_tools(self) -> bool:
-        """Whether a task runs the multi-turn rollout (--tools, --env), whose model calls tools in its turns."""
-        return any(t.schemas is not None for t in self.tasks)
+        """Whether a task runs the multi-turn rollout (--tools, --env) or an agent, whose model calls tools."""
+        return any(t.schemas is not None or (t.env and is_agent(t.env)) for t in self.tasks)
 
     def read_tool_calls(self, parser: str, tokenizer, model: str) -> str:
         """Give each multi-turn task the reader of its model's tool calls: parser `parser` (--tool_call_parser), or
@@ -290,10 +290,20 @@ class Mixture:
         (tool_calls.reader_for: a one-line UsageError where it fails). Returns what each reads, for its check."""
         said = []
         for task in self.tasks:
-            if task.schemas is None:  # an agent's, a user's or the single-turn rollout: no calls to read here
+            agent = task.env and is_agent(task.env)
+            if task.schemas is None and not agent:  # a user's or the single-turn rollout: no calls to read here
                 continue
             with _about(task, self.mixed):
-                reader = reader_for(parser, tokenizer, task.schemas, model)
+                try:
+                    reader = reader_for(parser, tokenizer, task.schemas, model)
+                except (UsageError, ImportError) as e:  # ImportError: no vLLM beside this trainer, no parser
+                    if not agent or parser != "auto":
+                        raise
+                    # An agent may call no tools: its calls with tools=[...] raise, saying why (agents.py).
+                    task.rollout_fn = functools.partial(task.rollout_fn, unread=str(e))
+                    said.append((f"{task.name}: " if self.mixed else "") + "no parser reads the chat template's "
+                                "calls: an agent's call with tools raises")
+                    continue
             task.rollout_fn, task.tool_parser = functools.partial(task.rollout_fn, reader=reader), reader.name
             said.append((f"{task.name}: " if self.mixed else "") + f"{reader.name} reads back the call the chat "
                         f"template writes as {reader.example[:80]!r}")

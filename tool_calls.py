@@ -213,7 +213,8 @@ def reader_for(name: str, tokenizer, schemas: list[dict], model: str) -> CallRea
     that reads a call the chat template writes (written_call) back as the same call. UsageError in one line naming
     --tool_call_parser and showing what the template wrote where it does not (no run trains with a parser that
     cannot read its own template's calls)."""
-    call, turn, prompt, opening = written_call(tokenizer, schemas or [PROBE_SCHEMA])
+    schemas = schemas or [PROBE_SCHEMA]  # an agent's tools come with its calls, an environment may have none
+    call, turn, prompt, opening = written_call(tokenizer, schemas)
     known = parser_names()
     if name != "auto" and name not in known:
         raise UsageError(f"--tool_call_parser {name}: not a parser vLLM knows; give auto or one of {', '.join(known)}")

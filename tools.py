@@ -412,7 +412,7 @@ def take_turns(runs: list[dict], ctx: RolloutContext, max_iterations: int, timeo
     """The trajectories' turns, in place (tool_rollout): each live trajectory's model turn from the server,
     its calls as `reader` reads them, then their answers and the template's tokens for them, until no trajectory
     calls a tool, has room or turns left."""
-    tokenizer, budget = ctx.tokenizer, ctx.sampling["max_tokens"]
+    tokenizer, budget, end_of_turn = ctx.tokenizer, ctx.sampling["max_tokens"], end_of_turn_id(ctx.tokenizer)
     sampling = {k: v for k, v in ctx.sampling.items() if k != "max_tokens"}
     for turn in range(max_iterations + 1):
         for r in runs:
@@ -421,9 +421,12 @@ def take_turns(runs: list[dict], ctx: RolloutContext, max_iterations: int, timeo
         live = [r for r in runs if r["live"]]
         if not live:
             break
+        # A turn ends at the template's end-of-turn token, also where it is not the model's eos (Llama 3's
+        # <|eot_id|>, Gemma's <end_of_turn>): past it the server would sample what no turn of the template holds.
         samples = ctx.client.generate_each([r["prompt_ids"] + r["ids"] for r in live],
                                            [budget - len(r["ids"]) for r in live],
-                                           [slot_seed(ctx.seed, turn, r["slot"]) for r in live], **sampling)
+                                           [slot_seed(ctx.seed, turn, r["slot"]) for r in live],
+                                           stop_token_ids=[end_of_turn], **sampling)
         pending = []
         for r, s in zip(live, samples):
             room = budget - len(r["ids"])

@@ -297,17 +297,19 @@ class VLLMClient:
 
     def generate(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = -1, min_p: float = 0.0, repetition_penalty: float = 1.0,
-                 seed: int | None = None, structured_outputs_regex: str = "") -> list[dict]:
+                 seed: int | None = None, structured_outputs_regex: str = "",
+                 stop_token_ids: list[int] | None = None) -> list[dict]:
         """n completions of each prompt (token ids). Returns len(prompts) * n dicts, prompt-major:
         {token_ids, logprobs (the sampler's, per token), finish_reason ('stop' or 'length')}.
         With a `seed` the samples depend only on it and the weights, not on what else the server runs; every
         prompt gets that seed (the j-th of n seed + j): for streams of their own, see generate_each. A
-        `structured_outputs_regex`: every completion matches it (vLLM's structured outputs)."""
+        `structured_outputs_regex`: every completion matches it (vLLM's structured outputs). `stop_token_ids`:
+        tokens that end a completion besides the model's eos (a chat template's end of turn), kept as its last."""
         if not prompts:
             return []
         body = dict(model=self.model_name, prompt=prompts, n=n, max_tokens=max_tokens, temperature=temperature,
                     top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
-                    logprobs=0, return_token_ids=True, skip_special_tokens=False,
+                    logprobs=0, return_token_ids=True, skip_special_tokens=False, stop_token_ids=stop_token_ids or [],
                     **structured(structured_outputs_regex))
         choices = sorted(self._post("/v1/completions", body)["choices"], key=lambda c: c["index"])
         assert len(choices) == len(prompts) * n, f"asked for {len(prompts) * n} completions, got {len(choices)}"

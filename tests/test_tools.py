@@ -169,10 +169,11 @@ def test_the_embedded_guess_game_needs_no_dataset_and_the_sync_probe_is_a_tool_t
 
 def test_an_agents_trajectory_is_its_calls_from_its_last_new_sample_on():
     from agents import agent_episode
-    calls = [dict(messages=[{"role": "user", "content": "q"}], content="a", prompt_ids=[1, 2, 3], ids=[4, 5],
-                  logprobs=[-0.1, -0.2], finish="stop", new_sample=True),
+    calls = [dict(messages=[{"role": "user", "content": "q"}], answer={"role": "assistant", "content": "a"},
+                  prompt_ids=[1, 2, 3], ids=[4, 5], logprobs=[-0.1, -0.2], finish="stop", new_sample=True),
              dict(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
-                            {"role": "user", "content": "sure?"}], content="b", prompt_ids=[1, 2, 3, 4, 5, 6, 7],
+                            {"role": "user", "content": "sure?"}], answer={"role": "assistant", "content": "b"},
+                  prompt_ids=[1, 2, 3, 4, 5, 6, 7],
                   ids=[8, 9], logprobs=[-0.3, -0.4], finish="stop", new_sample=False)]
     e = agent_episode({"prompt": "q"}, calls, budget=10)
     assert e.prompt_ids == [1, 2, 3] and e.completion_ids == [4, 5, 6, 7, 8, 9] and e.finish_reason == "stop"

@@ -1,0 +1,147 @@
+"""OpenAI tool calling for agents and the end of a turn (issue 59, items 4 and 5): an agent that passes
+`tools=[...]` gets `message.tool_calls` read by the run's parser and finish_reason "tool_calls", and its next call,
+with that message and `role: "tool"` results, continues the sample token-exact; every turn (tool turns and agents'
+answers) ends at the chat template's end-of-turn token, also where it is not the model's eos. On the real server
+(the tiny model, and the embedded tool model, which writes its calls itself), a stand-in where the point is the
+rollout's request."""
+import json
+import math
+
+import pytest
+
+from agents import agent_rollout
+from embedded import Calculator, default_model_path, three_digit_problems
+from rollout import RolloutContext
+from tool_calls import reader_for
+from tools import end_of_turn_id, tool_rollout, tool_schemas
+from vllm_client import VLLMClient
+
+SAMPLING = dict(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0)
+
+
+def ctx_of(client, tokenizer, G: int, max_tokens: int) -> RolloutContext:
+    return RolloutContext(client, tokenizer, G, dict(max_tokens=max_tokens, **SAMPLING), seed=5)
+
+
+@pytest.mark.slow
+def test_a_turn_ends_at_the_templates_end_of_turn_token_on_the_server(server, tmp_path):
+    """1) generate's stop_token_ids reach the server: a sample stops at the token named, kept as its last. 2) An
+    agent of a model whose template ends turns with <|eot_id|>, not its eos (the tiny model with Llama 3.1's
+    template and tokens), biased to write only <|eot_id|>: each answer is that one token, and the second call
+    continues the sample. Before, the server sampled on past the end of the turn to max_tokens."""
+    from transformers import AutoTokenizer
+    from tests.agents_with_tools import biased_to_the_end_of_turn
+    from tests.test_tool_calls import llama_model
+    client = VLLMClient(port=server["port"])
+    client.wait_for_health(60)
+    free, = client.generate([[1, 2, 3]], 1, 12, seed=7, **SAMPLING)
+    ids = free["token_ids"]
+    at = next(j for j in range(1, len(ids)) if ids[j] not in ids[:j] and ids[j] != 2)  # not eos, not seen before
+    stopped, = client.generate([[1, 2, 3]], 1, 12, seed=7, stop_token_ids=[ids[at]], **SAMPLING)
+    assert stopped["token_ids"] == ids[:at + 1] and stopped["finish_reason"] == "stop", (ids, stopped)
+
+    llama = AutoTokenizer.from_pretrained(llama_model(server["model"], tmp_path / "llama"))
+    end = end_of_turn_id(llama)
+    assert llama.convert_ids_to_tokens(end) == "<|eot_id|>" and end != llama.eos_token_id
+    e, = agent_rollout([{"prompt": "p", "end_of_turn": end}], ctx_of(client, llama, 1, 40),
+                       agent=biased_to_the_end_of_turn, timeout=60)
+    assert "environment_error" not in e.info and e.info["forks"] == 0, e.info
+    assert [t for t, s in zip(e.completion_ids, e.sampled) if s] == [end, end] and e.finish_reason == "stop"
+
+
+class StopsWhereTold:
+    """A stand-in for the server whose model writes a call of add(2, 3), the end of the turn and then more, as a
+    model may: it stops at a token of the request's stop_token_ids, as vLLM does (else at eos)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def generate_each(self, prompts, max_tokens, seeds, stop_token_ids=(), **sampling):
+        t = self.tokenizer
+        ids = t('<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>')["input_ids"] + \
+            t.convert_tokens_to_ids(["<end_of_turn>"]) + t("and on it goes")["input_ids"] + [t.eos_token_id]
+        ids = next((ids[:j + 1] for j, i in enumerate(ids) if i in stop_token_ids), ids)
+        return [dict(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop")] * len(prompts)
+
+
+def test_a_tool_turn_asks_the_server_to_stop_at_the_templates_end_of_turn():
+    """A Gemma-style template (<end_of_turn> is not eos): the turn the rollout keeps ends at <end_of_turn>, followed
+    by the template's tokens for the tool's answer. Before, the request named no stop token, and the model's words
+    after the end of its turn were trained as part of it."""
+    from transformers import AutoTokenizer
+    from tests.test_tools import add, gemma_style
+    gemma = gemma_style(AutoTokenizer.from_pretrained(default_model_path()))
+    reader = reader_for("auto", gemma, tool_schemas([add]), "gemma-style")
+    e, = tool_rollout([{"prompt": "What is 2 + 3?"}], ctx_of(StopsWhereTold(gemma), gemma, 1, 200), tools=[add],
+                      max_iterations=1, reader=reader)
+    first_turn = gemma.decode(e.completion_ids[:e.sampled.index(False)])
+    assert first_turn.endswith("</tool_call><end_of_turn>") and e.info["tool_calls"] == 1, first_turn
+    assert gemma.decode(e.completion_ids).count("and on it goes") == 0
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory):
+    """The server on the embedded tool model, with vLLM's own tool-call parsing on its chat route (the flags of
+    vllm serve)."""
+    from conftest import running_server
+    from embedded import tool_model_path
+    with running_server(tool_model_path(), tmp_path_factory.mktemp("tool-server") / "server.log",
+                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as s:
+        yield s
+
+
+@pytest.mark.slow
+def test_an_agent_gets_tool_calls_and_continues_its_sample_with_their_results(tool_server):
+    """verifiers' ToolEnv loop (tests.agents_with_tools) on the embedded tool model, its answers sent back as the
+    SDK's objects and as dicts: the calls the model writes come as message.tool_calls with finish_reason
+    "tool_calls", and each next call (the answer, the tool's result) continues the sample: no fork, the results'
+    tokens given (sampled=False), none of the model's. Before, an agent got no tool call back, and ran one turn.
+    Also vLLM's own chat route, started with --enable-auto-tool-choice --tool-call-parser hermes, reads them."""
+    import openai
+    from transformers import AutoTokenizer
+    from tests import agents_with_tools
+    client = VLLMClient(port=tool_server["port"])
+    client.wait_for_health(60)
+    tokenizer = AutoTokenizer.from_pretrained(tool_server["model"])
+    reader = reader_for("auto", tokenizer, [agents_with_tools.CALCULATE], "the tool model")
+    rows = three_digit_problems(0, seed=0, split="test")[:2]
+    for agent in (agents_with_tools.calculator_agent, agents_with_tools.calculator_agent_with_dicts):
+        agents_with_tools.ANSWERS.clear()
+        episodes = agent_rollout(rows, ctx_of(client, tokenizer, 4, 200), agent=agent, timeout=120, reader=reader)
+        assert all("environment_error" not in e.info and e.info["forks"] == 0 for e in episodes), \
+            [e.info for e in episodes]
+        called = [e for e in episodes if e.info["tool_calls"] > 0]  # a second call: the first answer called a tool
+        assert called and agents_with_tools.ANSWERS, agent.__name__
+        assert all(finish == "tool_calls" and names == ["calculate"] for finish, names in agents_with_tools.ANSWERS)
+        for e in called:
+            given = tokenizer.decode([t for t, s in zip(e.completion_ids, e.sampled) if not s])
+            sampled = tokenizer.decode([t for t, s in zip(e.completion_ids, e.sampled) if s])
+            assert "<tool_response>" in given and "<tool_response>" not in sampled and "<tool_call>" in sampled
+            assert e.messages[1]["role"] == "tool" and e.messages[1]["content"] in given
+            assert all(math.isnan(p) for p, s in zip(e.logprobs, e.sampled) if not s)
+
+    own = openai.OpenAI(base_url=client.base + "/v1", api_key="none").chat.completions.create(
+        model=client.model_name, messages=[{"role": "user", "content": rows[0]["prompt"] + Calculator().reset()}],
+        tools=[agents_with_tools.CALCULATE], n=8, max_tokens=48, seed=0)
+    calls = [c for c in own.choices if c.message.tool_calls]
+    assert calls and all(c.finish_reason == "tool_calls" for c in calls), [c.message for c in own.choices]
+    assert json.loads(calls[0].message.tool_calls[0].function.arguments)["expression"]
+
+
+@pytest.mark.slow
+def test_a_tool_calling_agent_trains_without_forks(tool_server, tmp_path):
+    """The ToolEnv-style agent trains 2 steps on 2 ranks on the embedded tool model: agents/forks 0, calls made
+    (tools/calls > 0: an agent's second call follows a tool call), the tools' answers given, not trained
+    (completion_length/environment > 0), each trajectory's reward its own."""
+    from conftest import run_train
+    _, metrics = run_train(tool_server, tmp_path / "out", "--env", "tests.agents_with_tools:calculator_agent",
+                           "--dataset", "three_digit", "--reward_funcs", "", "--num_generations", "4",
+                           "--prompts_per_step", "2", "--max_completion_length", "200", "--max_steps", "2",
+                           "--bf16", "false", "--no_save_model")
+    assert len(metrics) == 2 and all(m["agents/forks"] == 0 and math.isfinite(m["rewards/calculator_agent"])
+                                     for m in metrics), metrics
+    assert any(m["tools/calls"] > 0 for m in metrics) and all(m["completion_length/environment"] >= 0
+                                                              for m in metrics)
+    assert any(m["completion_length/environment"] > 0 for m in metrics)
+    records = [json.loads(line) for line in open(tmp_path / "out" / "rollouts.jsonl")]
+    assert len(records) == 16 and {r["reward"] for r in records} <= {0.0, 1.0}
