@@ -79,6 +79,24 @@ def test_a_tool_turn_asks_the_server_to_stop_at_the_templates_end_of_turn():
     assert gemma.decode(e.completion_ids).count("and on it goes") == 0
 
 
+def test_an_agents_call_with_tools_where_no_parser_reads_the_template_is_its_error_saying_why():
+    """A model whose chat template writes no tool calls (SmolLM2's own): the round trip finds no parser, the run
+    goes on (an agent may call no tools), and a call with tools is the agent's error, naming --tool_call_parser,
+    before any request (the client's port has no server)."""
+    from conftest import free_port
+    from transformers import AutoTokenizer
+    from tests.agents_with_tools import calculator_agent
+    from tests.test_tools import SMOLLM2_TEMPLATE
+    plain = AutoTokenizer.from_pretrained(default_model_path())
+    plain.chat_template = SMOLLM2_TEMPLATE
+    client = VLLMClient(port=free_port())
+    client.model_name = "m"
+    e, = agent_rollout(three_digit_problems(0, seed=0, split="test")[:1], ctx_of(client, plain, 1, 40),
+                       agent=calculator_agent, timeout=60)
+    assert "the run reads no tool call of the model's chat template" in e.info["environment_error"]
+    assert "--tool_call_parser" in e.info["environment_error"].splitlines()[-1]
+
+
 @pytest.fixture(scope="module")
 def tool_server(tmp_path_factory):
     """The server on the embedded tool model, with vLLM's own tool-call parsing on its chat route (the flags of
@@ -134,10 +152,11 @@ def test_a_tool_calling_agent_trains_without_forks(tool_server, tmp_path):
     (tools/calls > 0: an agent's second call follows a tool call), the tools' answers given, not trained
     (completion_length/environment > 0), each trajectory's reward its own."""
     from conftest import run_train
-    _, metrics = run_train(tool_server, tmp_path / "out", "--env", "tests.agents_with_tools:calculator_agent",
-                           "--dataset", "three_digit", "--reward_funcs", "", "--num_generations", "4",
-                           "--prompts_per_step", "2", "--max_completion_length", "200", "--max_steps", "2",
-                           "--bf16", "false", "--no_save_model")
+    proc, metrics = run_train(tool_server, tmp_path / "out", "--env", "tests.agents_with_tools:calculator_agent",
+                              "--dataset", "three_digit", "--reward_funcs", "", "--num_generations", "4",
+                              "--prompts_per_step", "2", "--max_completion_length", "200", "--max_steps", "2",
+                              "--bf16", "false", "--no_save_model")
+    assert "tool calls: hermes" in proc.stdout, proc.stdout[-2000:]  # the run's parser, from its round trip
     assert len(metrics) == 2 and all(m["agents/forks"] == 0 and math.isfinite(m["rewards/calculator_agent"])
                                      for m in metrics), metrics
     assert any(m["tools/calls"] > 0 for m in metrics) and all(m["completion_length/environment"] >= 0
