@@ -155,8 +155,13 @@ def _harmony_ids(text: str) -> list[int]:
 
 def parser_names() -> list[str]:
     """The names --tool_call_parser takes besides auto: vLLM's (those of `vllm serve --tool-call-parser`, hf among
-    them)."""
-    from vllm.tool_parsers import ToolParserManager
+    them). A one-line UsageError where vLLM is not installed beside the trainer: its parsers read the calls."""
+    try:
+        from vllm.tool_parsers import ToolParserManager
+    except ImportError as e:
+        raise UsageError(f"reading the model's tool calls (--tools, --env, an agent's tools=[...]) takes vLLM's parsers, "
+                         f"and this trainer's Python has no vLLM ({e}): pip install vllm (the server's version) "
+                         "beside the trainer") from None
     return ToolParserManager.list_registered()
 
 

@@ -337,3 +337,14 @@ def test_a_parser_that_cannot_read_the_templates_calls_stops_the_start_and_the_d
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         assert proc.stderr.strip().splitlines()[-1].startswith(before + says), proc.stderr[-3000:]
     assert re.search(r"^  ok +tasks .*\n  FAIL  tool calls ", runs[1].stdout, re.M), runs[1].stdout
+
+
+def test_without_vllm_beside_the_trainer_a_run_with_tools_stops_in_one_line(monkeypatch):
+    """Where the trainer's Python has no vLLM (its server runs elsewhere), reading the calls of --tools, auto or
+    named, stops the run in one line (a UsageError: exit 2) saying what to install. Before, ModuleNotFoundError's
+    traceback."""
+    monkeypatch.setitem(sys.modules, "vllm.tool_parsers", None)  # as `import vllm.tool_parsers` fails without vLLM
+    for name in ("auto", "hermes"):
+        with pytest.raises(UsageError) as e:
+            reader_for(name, family_tokenizer("qwen2_5"), SCHEMAS, "qwen")
+        assert "pip install vllm" in str(e.value) and "\n" not in str(e.value), str(e.value)
