@@ -67,19 +67,39 @@ class CallReader:
         arguments as text, typed by the schema) and, for "hf", the `prefix` the turn continues."""
         with self._lock:
             calls, content = self._parse(text, tools or [], prefix)
-            openings = [m.start() for m in re.finditer(re.escape(self.opening), text)] if self.opening else []
-            if len(calls) >= len(openings):
+            openings, broken = self._openings(text)
+            if len(calls) >= len(openings) or not broken:
                 return self._checked(calls, content, [])
             # A call the parser could not read (vLLM's parsers then give up on the whole turn): each call's text is read
             # alone, and each that gives no call is an error the model reads, with a call as the template writes one.
-            calls, errors = [], []
+            pieces, errors = [], []
             for start, end in zip(openings, openings[1:] + [len(text)]):
                 piece, _ = self._parse(text[start:end], tools or [], prefix)
-                calls += piece
+                pieces += piece
                 if not piece:
                     errors.append(f"error: the tool call {self._without_special(text[start:end])[:200]!r} could not be "
                                   f"read; a call is written as {self.example[:200]!r}")
-            return self._checked(calls, text[:openings[0]], errors)
+            if len(pieces) < len(calls):  # an opening inside a call the parser read (its arguments): cut, it reads less
+                return self._checked(calls, content, [])
+            return self._checked(pieces, text[:openings[0]], errors)
+
+    def _openings(self, text: str) -> tuple[list[int], bool]:
+        """Where calls begin in `text` (the opening's places), and whether one may be a call the parser could not
+        read. In a JSON format ({"name":, spaced as JSON may be) an opening inside an object that reads opens no call
+        (a "name" key of a call's arguments), and only one whose object does not read is such a call: an object that
+        reads is a call the parser read, or JSON that the turn quotes, its text."""
+        if not self.opening.startswith("{"):
+            return [m.start() for m in re.finditer(re.escape(self.opening), text)] if self.opening else [], True
+        pattern, found, end, broken = r"\s*".join(re.escape(c) for c in self.opening if not c.isspace()), [], 0, False
+        for m in re.finditer(pattern, text):
+            if m.start() < end:
+                continue
+            found.append(m.start())
+            try:
+                end = m.start() + json.JSONDecoder().raw_decode(text[m.start():])[1]
+            except (ValueError, RecursionError):
+                broken = True
+        return found, broken
 
     def _parse(self, text: str, tools: list[dict], prefix: str) -> tuple[list[tuple], str]:
         """The parser's calls in `text` as (name, arguments: JSON text or a dict), and the text's content; a parser

@@ -348,3 +348,32 @@ def test_without_vllm_beside_the_trainer_a_run_with_tools_stops_in_one_line(monk
         with pytest.raises(UsageError) as e:
             reader_for(name, family_tokenizer("qwen2_5"), SCHEMAS, "qwen")
         assert "pip install vllm" in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def record(profile: dict, note: str) -> str:
+    """Keep a record.
+
+    Args:
+        profile: whose
+        note: about what
+    """
+    return "kept"
+
+
+def test_json_with_a_name_key_is_no_malformed_call_and_a_spaced_malformed_call_is_one():
+    """Llama's JSON calls (opening {"name":): a call whose arguments hold a "name" key is one call, an answer that
+    quotes JSON with a "name" key is an answer, and a malformed call spaced as JSON may be ({ "name" :) is an error
+    the model reads. Hermes: a call whose argument text holds <tool_call> is one call. Before, every opening counted:
+    the first read as two errors, the second as an error, the third as an answer."""
+    schemas = tool_schemas([record, add])
+    call = {"name": "record", "arguments": {"profile": {"name": "Bob", "home": {"name": "Paris"}}, "note": "x"}}
+    llama = family_tokenizer("llama3_1")
+    reader = reader_for("auto", llama, schemas, "llama")
+    assert reader.read(turn_of(llama, [call]), schemas) == ("", [call], [])
+    quoted = 'Here is the record: {"name": "Paris", "population": 2}'
+    assert reader.read(quoted, schemas) == (quoted, [], [])
+    read = reader.read('{\n  "name" : add, "parameters": {"a": 2, "b": 3}}', schemas)
+    assert read.calls == [] and len(read.errors) == 1 and "could not be read" in read.errors[0], read
+    hermes = reader_for("auto", family_tokenizer("qwen2_5"), schemas, "qwen")
+    call = {"name": "record", "arguments": {"profile": {}, "note": "write <tool_call> to call"}}
+    assert hermes.read(turn_of(family_tokenizer("qwen2_5"), [call]), schemas) == ("", [call], [])
