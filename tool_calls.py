@@ -179,9 +179,9 @@ def parser_names() -> list[str]:
     try:
         from vllm.tool_parsers import ToolParserManager
     except ImportError as e:
-        raise UsageError(f"reading the model's tool calls (--tools, --env, an agent's tools=[...]) takes vLLM's parsers, "
-                         f"and this trainer's Python has no vLLM ({e}): pip install vllm (the server's version) "
-                         "beside the trainer") from None
+        raise UsageError(f"reading the model's tool calls (--tools, --env, an agent's tools=[...]) takes vLLM's "
+                         f"parsers, and this trainer's Python has no vLLM ({e}): pip install vllm (the server's "
+                         "version) beside the trainer") from None
     return ToolParserManager.list_registered()
 
 
