@@ -158,7 +158,12 @@ class RecordingClient:
         if self.lost:
             raise ServerLost(self.lost)
 
-    async def _create(self, messages: list, n: int = 1, tools: list | None = None, **kwargs):
+    async def _create(self, messages: list, **kwargs):
+        # What the agent leaves unset, as the OpenAI SDK's callers write it (the Agents SDK: NOT_GIVEN; others: None),
+        # is not set here either: it renders nothing and constrains nothing (the call continues its sample).
+        kwargs = {k: v for k, v in kwargs.items()
+                  if v is not None and not isinstance(v, self._openai.NotGiven | self._openai.Omit)}
+        n, tools = kwargs.pop("n", 1), kwargs.pop("tools", None)
         if n != 1:
             raise ValueError("an agent's call samples one answer (n=1); call again for another")
         refused = [f"{k}: the call {why}" for k, why in REFUSED.items() if kwargs.get(k)]
@@ -309,7 +314,9 @@ def agent_episode(row: dict, calls: list[dict], budget: int) -> Episode:
     samples = [sample_of(calls[a:b], budget) for a, b in zip(starts, starts[1:])]
     episode = Episode(row, **samples[-1])
     messages = calls[-1]["messages"][len(calls[starts[-2]]["messages"]):]
-    episode.messages = messages + [calls[-1]["answer"]]
+    # An answer that only calls tools keeps content "" (as_message drops None): rewards read completion[-1]["content"].
+    episode.messages = [{**m, "content": m.get("content") or ""} if m.get("role") == "assistant" else m
+                        for m in messages + [calls[-1]["answer"]]]
     episode.info = {"earlier_samples": samples[:-1]} if len(samples) > 1 else {}
     return episode
 

@@ -4,12 +4,16 @@ with that message and `role: "tool"` results, continues the sample token-exact; 
 answers) ends at the chat template's end-of-turn token, also where it is not the model's eos. On the real server
 (the tiny model, and the embedded tool model, which writes its calls itself), a stand-in where the point is the
 rollout's request."""
+import asyncio
+import functools
 import json
 import math
+import os
+from types import SimpleNamespace
 
 import pytest
 
-from agents import agent_rollout
+from agents import RecordingClient, agent_episode, agent_rollout
 from embedded import Calculator, default_model_path, three_digit_problems
 from rollout import RolloutContext
 from tool_calls import reader_for
@@ -164,3 +168,84 @@ def test_a_tool_calling_agent_trains_without_forks(tool_server, tmp_path):
     assert any(m["completion_length/environment"] > 0 for m in metrics)
     records = [json.loads(line) for line in open(tmp_path / "out" / "rollouts.jsonl")]
     assert len(records) == 16 and {r["reward"] for r in records} <= {0.0, 1.0}
+
+
+class ServerRoutes:
+    """A stand-in for vLLM's chat and completion routes under an agent's RecordingClient (no server): each answers
+    `text` (the model's tokens) with `finish`, the chat route with vLLM's own reading of `calls` as
+    message.tool_calls (as it does with tool_choice "required"); `routes` records the route of each request."""
+
+    def __init__(self, tokenizer, text: str, finish: str = "stop", calls: tuple = ()):
+        self.tokenizer, self.text, self.finish, self.calls, self.routes = tokenizer, text, finish, calls, []
+        self.chat = SimpleNamespace(completions=SimpleNamespace(create=self.chat_route))
+        self.completions = SimpleNamespace(create=self.completion_route)
+
+    def ids(self) -> list[int]:
+        return self.tokenizer.encode(self.text, add_special_tokens=False) + [self.tokenizer.eos_token_id] * (
+            self.finish == "stop")
+
+    async def chat_route(self, **request):
+        import openai
+        self.routes.append("chat")
+        ids = self.ids()
+        response = openai.types.chat.ChatCompletion.model_validate({
+            "id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": [{
+                "index": 0, "finish_reason": self.finish,
+                "logprobs": {"content": [{"token": "t", "logprob": -1.0, "bytes": None, "top_logprobs": []}
+                                         for _ in ids]},
+                "message": {"role": "assistant", "content": None if self.calls else self.text, "tool_calls": [
+                    {"id": "chatcmpl-tool-1", "type": "function", "function": c} for c in self.calls]}}]})
+        response.prompt_token_ids, response.choices[0].token_ids = [1, 2, 3], ids
+        return response
+
+    async def completion_route(self, **request):
+        self.routes.append("completions")
+        ids = self.ids()
+        return SimpleNamespace(id="y", created=0, model="m", usage=None, choices=[SimpleNamespace(
+            text=self.text, finish_reason=self.finish, token_ids=ids, logprobs=SimpleNamespace(
+                token_logprobs=[-1.0] * len(ids)))])
+
+
+def client_on(routes: ServerRoutes, tokenizer, reader):
+    """An agent's RecordingClient whose requests go to `routes`."""
+    server = SimpleNamespace(model_name="m", instance="", base="http://127.0.0.1:9", api_key="", request_timeout=0)
+    client = RecordingClient(server, tokenizer, dict(max_tokens=100, **SAMPLING), 0, 0, reader)
+    client._client = routes
+    return client
+
+
+@functools.cache
+def tool_tokenizer_and_reader():
+    from transformers import AutoTokenizer
+    from tests.agents_with_tools import CALCULATE
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "templates", "chatml_tools.jinja")) as f:
+        tokenizer.chat_template = f.read()
+    return tokenizer, reader_for("auto", tokenizer, [CALCULATE], "m")
+
+
+CALL_TEXT = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "1 + 2"}}\n</tool_call>'
+
+
+def test_the_agents_sdks_unset_arguments_leave_its_calls_one_sample():
+    """The OpenAI Agents SDK's keywords, NOT_GIVEN (or None) where unset, in a ToolEnv-like loop of two calls: the
+    second continues the sample (completion route, forks 0), and a turn that only calls tools keeps content "" in
+    the episode's messages (a TRL-style reward reads completion[-1]["content"]). Before, tool_choice=NOT_GIVEN
+    counted as a constraint: both calls went to the chat route, forks 1; and the answer had no content key."""
+    import openai
+    from tests.agents_with_tools import CALCULATE
+    tokenizer, reader = tool_tokenizer_and_reader()
+    routes = ServerRoutes(tokenizer, CALL_TEXT)
+    client = client_on(routes, tokenizer, reader)
+    sdk = dict(tool_choice=openai.NOT_GIVEN, reasoning_effort=openai.NOT_GIVEN, parallel_tool_calls=openai.NOT_GIVEN,
+               stream=False, store=openai.NOT_GIVEN, response_format=openai.NOT_GIVEN, max_tokens=openai.NOT_GIVEN,
+               top_logprobs=None, n=openai.NOT_GIVEN)
+    messages = [{"role": "user", "content": "1+2?"}]
+    message = asyncio.run(client.chat.completions.create(model="m", messages=messages, tools=[CALCULATE],
+                                                         **sdk)).choices[0].message
+    assert agent_episode({}, [call for call in client.calls], 100).messages[-1]["content"] == ""
+    messages += [{"role": "assistant", "content": None, "tool_calls": [t.model_dump() for t in message.tool_calls]},
+                 {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "3"}]
+    asyncio.run(client.chat.completions.create(model="m", messages=messages, tools=[CALCULATE], **sdk))
+    assert routes.routes == ["chat", "completions"] and client.forks == 0, (routes.routes, client.forks)
+    assert agent_episode({}, client.calls, 100).messages[0]["content"] == ""
