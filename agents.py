@@ -174,7 +174,8 @@ class RecordingClient:
                              f"({self._unread}); name the parser with --tool_call_parser")
         messages, k = [as_message(m) for m in messages], len(self.calls)
         self.calls.append(None)  # keeps its place in the order the calls are made; filled when answered
-        by_server = RENDERING & set(kwargs) or kwargs.get("tool_choice") not in (None, "auto", "none")
+        constrained = kwargs.get("tool_choice") not in (None, "auto", "none")
+        by_server = RENDERING & set(kwargs) or constrained
         prompt_ids = None if by_server else self._continued(k, messages, tools)
         s, last = self._sampling, self.calls[k - 1] if k else None
         # The tokens this sample has used so far, which the rest of --max_completion_length leaves out.
@@ -212,8 +213,12 @@ class RecordingClient:
                 call["sample_prompt"] = last["sample_prompt"]
                 choice = response.choices[0]
         ids, finish = list(choice.token_ids), choice.finish_reason
-        answer, failed = self._answer(choice, ids, tools, call["prompt_ids"]) if tools else (
-            as_message({"role": "assistant", "content": choice.message.content}), 0)
+        if tools and constrained:
+            answer, failed = self._servers_answer(choice), 0
+        elif tools:
+            answer, failed = self._answer(choice, ids, tools, call["prompt_ids"])
+        else:
+            answer, failed = as_message({"role": "assistant", "content": choice.message.content}), 0
         self.calls[k] = dict(call, messages=messages, ids=ids, finish=finish, new_sample=prompt_ids is None,
                              answer=answer, failed_calls=failed)
         return response
@@ -229,6 +234,8 @@ class RecordingClient:
         prefix = self._tokenizer.decode(prompt_ids, skip_special_tokens=False) if self._reader.needs_prefix else ""
         content, calls, errors = self._reader.read(text, tools, prefix)
         message = {"role": "assistant", "content": content or None}
+        if choice.finish_reason == "length":  # cut at max_tokens: what it wrote is no call to make, as vLLM's answer
+            calls, errors = [], []
         if calls:
             message["tool_calls"] = [{"type": "function", "id": call_id(self.tool_calls + n), "function": {
                 "name": c["name"], "arguments": json.dumps(c["arguments"])}} for n, c in enumerate(calls)]
@@ -238,6 +245,20 @@ class RecordingClient:
             message["content"] = self._tokenizer.decode(ids, skip_special_tokens=True)
         choice.message = self._openai.types.chat.ChatCompletionMessage.model_validate(message)
         return as_message(message), len(errors)
+
+    def _servers_answer(self, choice) -> dict:
+        """The answer of a call whose tool_choice is "required" or names a tool: vLLM's chat route samples only calls
+        then, and reads them itself (message.tool_calls), kept with the trajectory's next ids (tools.call_id) and
+        finish_reason "tool_calls"; none where the answer was cut at max_tokens."""
+        calls = [] if choice.finish_reason == "length" else choice.message.tool_calls or []
+        message = {"role": "assistant", "content": choice.message.content or None}
+        if calls:
+            message["tool_calls"] = [{"type": "function", "id": call_id(self.tool_calls + n), "function": {
+                "name": c.function.name, "arguments": c.function.arguments}} for n, c in enumerate(calls)]
+            self.tool_calls += len(calls)
+            choice.finish_reason = "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason
+        choice.message = self._openai.types.chat.ChatCompletionMessage.model_validate(message)
+        return as_message(message)
 
     @contextlib.contextmanager
     def _at_server(self):

@@ -17,7 +17,7 @@ from agents import RecordingClient, agent_episode, agent_rollout
 from embedded import Calculator, default_model_path, three_digit_problems
 from rollout import RolloutContext
 from tool_calls import reader_for
-from tools import end_of_turn_id, tool_rollout, tool_schemas
+from tools import call_id, end_of_turn_id, tool_rollout, tool_schemas
 from vllm_client import VLLMClient
 
 SAMPLING = dict(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0)
@@ -249,3 +249,26 @@ def test_the_agents_sdks_unset_arguments_leave_its_calls_one_sample():
     asyncio.run(client.chat.completions.create(model="m", messages=messages, tools=[CALCULATE], **sdk))
     assert routes.routes == ["chat", "completions"] and client.forks == 0, (routes.routes, client.forks)
     assert agent_episode({}, client.calls, 100).messages[0]["content"] == ""
+
+
+def test_a_required_tool_choice_keeps_vllms_calls_and_a_cut_answer_has_none():
+    """tool_choice "required" (vLLM's chat route samples calls as a JSON list and reads them): the agent gets
+    vLLM's calls, with the trajectory's ids, finish_reason "tool_calls". An answer cut at max_tokens (finish
+    "length") returns no tool_calls, on either route. Before, the run's reader re-read the JSON list as no call
+    (content the list's text, finish "stop"), and a call cut at max_tokens came back as one to make."""
+    from tests.agents_with_tools import CALCULATE
+    tokenizer, reader = tool_tokenizer_and_reader()
+    call = {"name": "calculate", "arguments": '{"expression": "1 + 2"}'}
+    routes = ServerRoutes(tokenizer, '[{"name": "calculate", "parameters": {"expression": "1 + 2"}}]', calls=(call,))
+    client = client_on(routes, tokenizer, reader)
+    choice = asyncio.run(client.chat.completions.create(messages=[{"role": "user", "content": "1+2?"}],
+                                                        tools=[CALCULATE], tool_choice="required")).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].id == call_id(0), choice
+    assert choice.message.tool_calls[0].function.model_dump() == call
+    for route_calls in ((), (call,)):  # the completion route's answer (read by the run's reader), the chat route's
+        routes = ServerRoutes(tokenizer, CALL_TEXT, finish="length", calls=route_calls)
+        client = client_on(routes, tokenizer, reader)
+        choice = asyncio.run(client.chat.completions.create(
+            messages=[{"role": "user", "content": "1+2?"}], tools=[CALCULATE],
+            **({"tool_choice": "required"} if route_calls else {}))).choices[0]
+        assert choice.finish_reason == "length" and not choice.message.tool_calls, choice
