@@ -296,11 +296,12 @@ class Mixture:
             with _about(task, self.mixed):
                 try:
                     reader = reader_for(parser, tokenizer, task.schemas, model)
-                except (UsageError, ImportError) as e:  # ImportError: no vLLM beside this trainer, no parser
-                    if not agent or parser != "auto":
+                except Exception as e:  # the round trip may also fail in the template (DeepSeek-V3's: str + dict)
+                    if not agent or (parser != "auto" and isinstance(e, UsageError)):
                         raise
                     # An agent may call no tools: its calls with tools=[...] raise, saying why (agents.py).
-                    task.rollout_fn = functools.partial(task.rollout_fn, unread=str(e))
+                    unread = str(e) if isinstance(e, UsageError) else f"{type(e).__name__}: {e}"
+                    task.rollout_fn = functools.partial(task.rollout_fn, unread=unread)
                     said.append((f"{task.name}: " if self.mixed else "") + "no parser reads the chat template's "
                                 "calls: an agent's call with tools raises")
                     continue

@@ -272,3 +272,36 @@ def test_a_required_tool_choice_keeps_vllms_calls_and_a_cut_answer_has_none():
             messages=[{"role": "user", "content": "1+2?"}], tools=[CALCULATE],
             **({"tool_choice": "required"} if route_calls else {}))).choices[0]
         assert choice.finish_reason == "length" and not choice.message.tool_calls, choice
+
+
+# The construct of DeepSeek-V3's published template: a call's arguments joined to text with +, as the OpenAI API writes
+# them (JSON text); the round trip's call gives a dict, on which the template fails with a TypeError.
+DEEPSEEK_LIKE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}<U>{{ message['content'] }}{% endif %}"
+    "{% if message['role'] == 'assistant' and 'tool_calls' in message %}{% for tool in message['tool_calls'] %}"
+    "{{ '<A><calls>' + tool['function']['name'] + '\\n```json\\n' + tool['function']['arguments'] + '\\n```' }}"
+    "{% endfor %}{% elif message['role'] == 'assistant' %}<A>{{ message['content'] }}<end>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<A>{% endif %}")
+
+
+def test_an_agent_run_starts_where_the_round_trip_fails_in_the_template():
+    """A template that fails on the round trip's call (DeepSeek-V3's construct: TypeError): the run's start
+    (Mixture.read_tool_calls) and agent_rollout without a reader go on, and an agent's call with tools is its error
+    saying why. Before, the TypeError stopped the run with a traceback."""
+    from conftest import free_port
+    from transformers import AutoTokenizer
+    from mixture import Mixture, Task
+    from tests.agents_with_tools import calculator_agent
+    deepseek = AutoTokenizer.from_pretrained(default_model_path())
+    deepseek.chat_template = DEEPSEEK_LIKE
+    client = VLLMClient(port=free_port())
+    client.model_name = "m"
+    rows = three_digit_problems(0, seed=0, split="test")[:1]
+    task = Task(name="a", dataset="x", reward_funcs="", env="tests.agents_with_tools:calculator_agent", rows=rows,
+                eval_rows=rows, env_reward="calculator_agent")
+    task.rollout_fn = functools.partial(agent_rollout, agent=calculator_agent, timeout=60)
+    said = Mixture([task], mixed=False).read_tool_calls("auto", deepseek, "deepseek-like")
+    assert "no parser reads the chat template's calls" in said and task.rollout_fn.keywords["unread"], said
+    for rollout in (task.rollout_fn, functools.partial(agent_rollout, agent=calculator_agent, timeout=60)):
+        e, = rollout(rows, ctx_of(client, deepseek, 1, 40))
+        assert "the run reads no tool call of the model's chat template (TypeError" in e.info["environment_error"]
