@@ -1,5 +1,6 @@
 """Stopping what a test or bench started: the whole tree, also a child in a session of its own that
 ignores SIGTERM (as a torchrun rank stuck in a collective does), and nothing else."""
+import concurrent.futures
 import os
 import signal
 import subprocess
@@ -98,6 +99,52 @@ def environ_of(pid: int) -> dict[str, str]:
         return dict(e.decode(errors="replace").split("=", 1) for e in f.read().split(b"\0") if b"=" in e)
 
 
+def run_sh(way: str, tiny_model: str, out, env: dict) -> str:
+    """run.sh on the tiny model, stopped the `way` named (Ctrl-C once it trains, a server that fails to start, a
+    --dry_run that ends by itself); checks what that way leaves and returns the key its server got."""
+    from conftest import ROOT, die_with_parent, stop
+    proc = subprocess.Popen(["bash", os.path.join(ROOT, "run.sh"), "--model", tiny_model, "--reward_funcs",
+                             "tests.helpers:brevity", "--num_generations", "2", "--prompts_per_step", "2",
+                             "--max_completion_length", "8", "--max_steps", "500", "--eval_steps", "0",
+                             "--no_save_model", "--output_dir", str(out), *["--dry_run"] * (way == "dry run")],
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=die_with_parent,
+                            env=env | ({"SERVER_ARGS": "--no-such-flag"} if way == "server fails" else {}), cwd=ROOT)
+    server = trainer = None
+    try:
+        deadline = time.monotonic() + 300
+        while not (server and (trainer or way != "ctrl-c")) and proc.poll() is None and \
+                time.monotonic() < deadline:
+            tree = {pid: cmdline(pid) for pid, _ in descendants(proc.pid)}
+            server = server or next((p for p, c in tree.items() if "vllm_server.py" in c and "setsid" not in c), None)
+            trainer = next((p for p, c in tree.items() if "train.py" in c), None)
+            time.sleep(0.1)
+        assert server, proc.communicate(timeout=60)[0][-3000:]
+        key = environ_of(server)["VLLM_API_KEY"]
+        assert len(key) >= 24 and (trainer is None or environ_of(trainer)["VLLM_API_KEY"] == key)
+        tree = [proc.pid] + [pid for pid, _ in descendants(proc.pid)]
+        assert not [c for c in map(cmdline, tree) if key in c]  # on no command line
+        if way == "ctrl-c":  # early: as the run starts (its reward process too)
+            while not (out / "metrics.jsonl").exists() and proc.poll() is None:
+                time.sleep(0.1)
+            os.killpg(proc.pid, signal.SIGINT)  # the terminal's foreground group: run.sh and the trainer
+        output = proc.communicate(timeout=300)[0]
+        deadline = time.monotonic() + 30
+        while alive(server) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive(server) and (way == "ctrl-c" or (proc.returncode == 0) == (way == "dry run")), output[-3000:]
+        said = {"ctrl-c": "stopped by a signal", "server fails": "the vLLM server exited; its log:",
+                "dry run": "dry run passed: 11 checks"}[way]
+        assert said in output, output[-3000:]
+        if way == "dry run":
+            assert sorted(os.listdir(out)) == ["dry_run.txt", "server.log"]
+        return key
+    finally:
+        stop(proc)
+        if server and alive(server):
+            os.killpg(server, signal.SIGKILL)
+
+
 @pytest.mark.slow
 def test_run_sh_gives_each_run_a_fresh_key_in_the_environment_and_stops_its_server_on_every_way_out(tiny_model,
                                                                                                     tmp_path):
@@ -105,51 +152,13 @@ def test_run_sh_gives_each_run_a_fresh_key_in_the_environment_and_stops_its_serv
     environment (a command line is readable by every local user); the server it started is gone when the run is
     stopped with Ctrl-C (which the server, in a session of its own, does not get), and when the server itself
     fails to start (a flag vLLM does not know: it exits while importing, and run.sh shows its log), and after a
-    --dry_run (which passes, and leaves its report and the server's log alone in the output folder)."""
-    from conftest import ROOT, die_with_parent, stop
+    --dry_run (which passes, and leaves its report and the server's log alone in the output folder). The three
+    runs go at once, each in its own folder and process group: one after the other, their setup.sh checks and
+    server starts took 200 s, at once 110 s (2 loaded cores)."""
     env = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"} | {"VLLM_CPU_KVCACHE_SPACE": "1",
                                                                           "OMP_NUM_THREADS": "1"}
-    keys = []
-    for way in ("ctrl-c", "server fails", "dry run"):
-        out = tmp_path / way.replace(" ", "-")
-        proc = subprocess.Popen(["bash", os.path.join(ROOT, "run.sh"), "--model", tiny_model, "--reward_funcs",
-                                 "tests.helpers:brevity", "--num_generations", "2", "--prompts_per_step", "2",
-                                 "--max_completion_length", "8", "--max_steps", "500", "--eval_steps", "0",
-                                 "--no_save_model", "--output_dir", str(out), *["--dry_run"] * (way == "dry run")],
-                                stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=die_with_parent,
-                                env=env | ({"SERVER_ARGS": "--no-such-flag"} if way == "server fails" else {}), cwd=ROOT)
-        server = trainer = None
-        try:
-            deadline = time.monotonic() + 300
-            while not (server and (trainer or way != "ctrl-c")) and proc.poll() is None and \
-                    time.monotonic() < deadline:
-                tree = {pid: cmdline(pid) for pid, _ in descendants(proc.pid)}
-                server = server or next((p for p, c in tree.items() if "vllm_server.py" in c and "setsid" not in c), None)
-                trainer = next((p for p, c in tree.items() if "train.py" in c), None)
-                time.sleep(0.1)
-            assert server, proc.communicate(timeout=60)[0][-3000:]
-            key = environ_of(server)["VLLM_API_KEY"]
-            assert len(key) >= 24 and (trainer is None or environ_of(trainer)["VLLM_API_KEY"] == key)
-            tree = [proc.pid] + [pid for pid, _ in descendants(proc.pid)]
-            assert not [c for c in map(cmdline, tree) if key in c]  # on no command line
-            keys.append(key)
-            if way == "ctrl-c":  # early: as the run starts (its reward process too)
-                while not (out / "metrics.jsonl").exists() and proc.poll() is None:
-                    time.sleep(0.1)
-                os.killpg(proc.pid, signal.SIGINT)  # the terminal's foreground group: run.sh and the trainer
-            output = proc.communicate(timeout=300)[0]
-            deadline = time.monotonic() + 30
-            while alive(server) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert not alive(server) and (way == "ctrl-c" or (proc.returncode == 0) == (way == "dry run")), output[-3000:]
-            said = {"ctrl-c": "stopped by a signal", "server fails": "the vLLM server exited; its log:",
-                    "dry run": "dry run passed: 11 checks"}[way]
-            assert said in output, output[-3000:]
-            if way == "dry run":
-                assert sorted(os.listdir(out)) == ["dry_run.txt", "server.log"]
-        finally:
-            stop(proc)
-            if server and alive(server):
-                os.killpg(server, signal.SIGKILL)
+    ways = ("ctrl-c", "server fails", "dry run")
+    with concurrent.futures.ThreadPoolExecutor(len(ways)) as pool:
+        runs = [pool.submit(run_sh, way, tiny_model, tmp_path / way.replace(" ", "-"), env) for way in ways]
+    keys = [run.result() for run in runs]
     assert len(set(keys)) == 3  # fresh for each run
