@@ -200,23 +200,24 @@ def test_the_tool_model_writes_well_formed_calls_but_not_always():
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import get_json_schema
     path = tool_model_path()
-    tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")  # a batch's answers start together
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
     torch.manual_seed(0)
     called = good = 0
     reader = reader_for("auto", tokenizer, [get_json_schema(Calculator.calculate)], path)
     rows = three_digit_problems(0, seed=0, split="test")[:24]
-    for row in rows:
-        messages = [{"role": "user", "content": row["prompt"] + Calculator().reset()}]
-        ids = tokenizer.apply_chat_template(messages, tools=[get_json_schema(Calculator.calculate)],
-                                            add_generation_prompt=True, return_tensors="pt", return_dict=True)
-        out = model.generate(**ids, do_sample=True, temperature=1.0, max_new_tokens=40, num_return_sequences=2,
-                             pad_token_id=tokenizer.pad_token_id)
-        for sample in out:
-            text = tokenizer.decode(sample[ids["input_ids"].shape[1]:], skip_special_tokens=True)
-            if "<tool_call>" in text:
-                called += 1
-                _, calls, errors = reader.read(text)
-                a, b = re.findall(r"\d+", row["prompt"])[:2]
-                good += not errors and calls == [{"name": "calculate", "arguments": {"expression": f"{a} + {b}"}}]
+    # Every prompt in one call of generate: 40 steps of 48 answers instead of 24 x 40 steps of 2 (half the time).
+    conversations = [[{"role": "user", "content": row["prompt"] + Calculator().reset()}] for row in rows]
+    ids = tokenizer.apply_chat_template(conversations, tools=[get_json_schema(Calculator.calculate)],
+                                        add_generation_prompt=True, padding=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**ids, do_sample=True, temperature=1.0, max_new_tokens=40, num_return_sequences=2,
+                         pad_token_id=tokenizer.pad_token_id)
+    for row, sample in zip([row for row in rows for _ in range(2)], out):  # each prompt's two answers in a row
+        text = tokenizer.decode(sample[ids["input_ids"].shape[1]:], skip_special_tokens=True)
+        if "<tool_call>" in text:
+            called += 1
+            _, calls, errors = reader.read(text)
+            a, b = re.findall(r"\d+", row["prompt"])[:2]
+            good += not errors and calls == [{"name": "calculate", "arguments": {"expression": f"{a} + {b}"}}]
     assert 2 <= called <= 46, called  # of 48: neither never nor always
     assert good >= 0.7 * called, (good, called)
