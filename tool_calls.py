@@ -32,6 +32,8 @@ AUTO_ORDER = ("hermes", "llama3_json", "mistral", "openai", "glm45", "gemma4", "
               "deepseek_v3", "kimi_k2", "minimax_m2", "granite", "lfm2", "pythonic", "hf")
 CALL_ID = "call00001"  # the id of the round trip's call: Mistral's templates take 9 letters or digits, no more
 # What the round trip's arguments hold, by JSON type: values that every format writes and reads back unchanged.
+# What every error of a call that could not be read says (tools.answered_ids checks that the model reads it).
+UNREAD = "could not be read"
 EXAMPLE_VALUES = {"integer": 7, "number": 2.5, "string": "seven", "boolean": True, "object": {}, "null": None}
 
 
@@ -77,8 +79,8 @@ class CallReader:
                 piece, _ = self._parse(text[start:end], tools or [], prefix)
                 pieces += piece
                 if not piece:
-                    errors.append(f"error: the tool call {self._without_special(text[start:end])[:200]!r} could not be "
-                                  f"read; a call is written as {self.example[:200]!r}")
+                    errors.append(f"error: the tool call {self._without_special(text[start:end])[:200]!r} {UNREAD}; a "
+                                  f"call is written as {self.example[:200]!r}")
             if len(pieces) < len(calls):  # an opening inside a call the parser read (its arguments): cut, it reads less
                 return self._checked(calls, content, [])
             return self._checked(pieces, text[:openings[0]], errors)
@@ -135,7 +137,7 @@ class CallReader:
             except (ValueError, RecursionError):
                 pass  # said below
             if not isinstance(name, str) or not name or not isinstance(arguments, dict | None):
-                errors.append(f"error: the tool call {name}({str(arguments)[:200]}) could not be read: its arguments "
+                errors.append(f"error: the tool call {name}({str(arguments)[:200]}) {UNREAD}: its arguments "
                               "are not a JSON object")
             else:
                 out.append({"name": name, "arguments": arguments or {}})

@@ -32,7 +32,7 @@ from config import UsageError
 from data import prompt_messages
 from rewards import named_parameters
 from rollout import Episode, RolloutContext, slot_seed
-from tool_calls import CallReader, reader_for
+from tool_calls import UNREAD, CallReader, reader_for
 from utils import print0, sum_over_ranks
 
 
@@ -458,8 +458,11 @@ def take_turns(runs: list[dict], ctx: RolloutContext, max_iterations: int, timeo
             new = [{"role": "tool", "name": name, "tool_call_id": call_id(first + k), "content": a}
                    for k, (name, a) in enumerate([(c["name"], a) for c, (a, _) in zip(calls, answered)]
                                                  + [("error", e) for e in errors])]
-            suffix = appended_ids(tokenizer, r["messages"], new, r["schemas"], r["ids"][-1] if r["ids"] else None)
-            if suffix is None:  # the template rewrote history or refused the turn: end it where it is exact
+            suffix, r["messages"][-1] = answered_ids(tokenizer, r["messages"], new, r["schemas"],
+                                                     r["ids"][-1] if r["ids"] else None, first + len(calls), errors)
+            if suffix is None and errors:  # no rendering lets the model read its error: the call failed, counted
+                r["live"] = False
+            elif suffix is None:  # the template rewrote history or refused the turn: end it where it is exact
                 r["live"], r["rewritten"] = False, True
             elif len(r["ids"]) + len(suffix) >= budget:  # no room left for the model's next turn
                 r["finish"], r["live"] = "length", False
@@ -468,6 +471,23 @@ def take_turns(runs: list[dict], ctx: RolloutContext, max_iterations: int, timeo
                 r["ids"] += suffix
                 r["sampled"] += [False] * len(suffix)
                 r["logprobs"] += [math.nan] * len(suffix)
+
+
+def answered_ids(tokenizer, messages: list[dict], new: list[dict], schemas: list[dict] | None, ended_with: int | None,
+                 first_error: int, errors: list[str]) -> tuple[list[int] | None, dict]:
+    """appended_ids of the tools' answers `new`, where the model must read each error of a call it wrote that could not
+    be read (ids first_error, ...): as the turn is, or else with a placeholder call ("error", the error's id) for each
+    in the model's turn (templates that take a tool message only as a call's answer drop or refuse it otherwise).
+    Returns (the ids, the model's turn as rendered); (None, the turn) where no rendering holds every error."""
+    turn = messages[-1]
+    placed = {**turn, "tool_calls": turn.get("tool_calls", []) + [
+        {"type": "function", "id": call_id(first_error + k), "function": {"name": "error", "arguments": {}}}
+        for k in range(len(errors))]}
+    for tried in [turn, placed] if errors else [turn]:
+        suffix = appended_ids(tokenizer, messages[:-1] + [tried], new, schemas, ended_with)
+        if suffix is not None and tokenizer.decode(suffix).count(UNREAD) >= len(errors):
+            return suffix, tried
+    return None, turn
 
 
 def environment_rewards_of(runs: list[dict], timeout: float) -> list[tuple[float | None, str | None]]:

@@ -14,7 +14,7 @@ import pytest
 
 from config import UsageError
 from embedded import default_model_path
-from tool_calls import reader_for, written_call
+from tool_calls import UNREAD, reader_for, written_call
 from tests.helpers import Guess
 from tools import appended_ids, check_tool_template, end_of_turn_id, tool_rollout, tool_schemas
 
@@ -271,6 +271,45 @@ def test_a_trajectory_in_each_format_is_the_templates_rendering(family):
         rendered = tokenizer.apply_chat_template([{"role": "user", "content": "Echo twice."}] + e.messages,
                                                  tools=tool_schemas([Echo().echo]), tokenize=False)
         assert tokenizer.decode(e.prompt_ids + e.completion_ids) == rendered.rstrip() + "".join(stops[1:])
+
+
+class WritesAMalformedCall:
+    """A stand-in for the server's client: the model's first turn is WritesCalls' call of echo with its name broken
+    (tests' malformed), its turn after reading the error "done"."""
+
+    def __init__(self, tokenizer, stops: tuple = ()):
+        self.tokenizer = tokenizer
+        self.calls, self.done = WritesCalls(tokenizer, "never written", stops), WritesCalls(tokenizer, "", stops)
+
+    def generate_each(self, prompts, max_tokens, seeds, **sampling):
+        out = []
+        for p, call, done in zip(prompts, self.calls.generate_each(prompts, max_tokens, seeds),
+                                 self.done.generate_each(prompts, max_tokens, seeds)):
+            if UNREAD in self.tokenizer.decode(p):
+                out.append(done)
+                continue
+            ids = self.tokenizer.encode(malformed(self.tokenizer.decode(call["token_ids"]), "echo"),
+                                        add_special_tokens=False)
+            out.append(dict(call, token_ids=ids, logprobs=[-0.5] * len(ids)))
+        return out
+
+
+@pytest.mark.parametrize("family", TRAJECTORIES)
+def test_a_malformed_calls_error_is_read_by_the_model_in_each_format(family):
+    """A turn whose only call is malformed: the model reads its error (among the tokens given after its turn) and
+    then ends; the episode's messages hold that error as a tool's answer, counted a failed call. Before, Mistral's
+    and gpt-oss's templates refused the error's tool message (it answers no call in the turn: the trajectory ended,
+    counted a rewritten history), and Gemma 4's dropped it (the messages held an error the tokens lacked)."""
+    from rollout import RolloutContext
+    tokenizer, (_, stops) = family_tokenizer(family), TRAJECTORIES[family]
+    ctx = RolloutContext(WritesAMalformedCall(tokenizer, stops), tokenizer, 1, dict(max_tokens=600, temperature=1.0),
+                         seed=1)
+    e, = tool_rollout([{"prompt": "Echo."}], ctx, env_factory=Echo, max_iterations=3)
+    given = tokenizer.decode([t for t, s in zip(e.completion_ids, e.sampled) if not s])
+    answers = [m["content"] for m in e.messages if m["role"] == "tool"]
+    assert len(answers) == 1 and UNREAD in answers[0] and given.count(UNREAD) == 1, (answers, given)
+    assert (e.info["failed_tool_calls"], e.info["template_rewrote_history"]) == (1, False), e.info
+    assert "done" in tokenizer.decode([t for t, s in zip(e.completion_ids, e.sampled) if s])
 
 
 def test_the_round_trips_call_has_arguments_of_each_type_of_its_tool():
