@@ -115,9 +115,11 @@ class RecordingClient:
 
     A call with `tools=[...]` is answered as vLLM's chat route answers with --enable-auto-tool-choice: the calls
     in the model's answer, read by `reader` (the run's, tool_calls.py), in `message.tool_calls`, and finish_reason
-    "tool_calls". A next call that sends that message back (a dict or the SDK object) and `role: "tool"` messages
-    continues the sample. Every answer ends at the chat template's end-of-turn token (tools.end_of_turn_id), also
-    where it is not the model's eos. `unread`: why the run has no reader (a call with tools is then the agent's
+    "tool_calls" (none in an answer cut at max_tokens); with tool_choice "required" or a tool's name, the calls
+    vLLM's chat route reads itself. A next call that sends that message back (a dict or the SDK object) and
+    `role: "tool"` messages continues the sample. Arguments left unset (NOT_GIVEN, None) are not given. Every
+    answer ends at the chat template's end-of-turn token (tools.end_of_turn_id), also where it is not the model's
+    eos. `unread`: why the run has no reader (a call with tools is then the agent's
     error)."""
 
     def __init__(self, server, tokenizer, sampling: dict, seed: int, max_prompt_length: int = 0,
