@@ -485,7 +485,7 @@ def answered_ids(tokenizer, messages: list[dict], new: list[dict], schemas: list
         for k in range(len(errors))]}
     for tried in [turn, placed] if errors else [turn]:
         suffix = appended_ids(tokenizer, messages[:-1] + [tried], new, schemas, ended_with)
-        if suffix is not None and tokenizer.decode(suffix).count(UNREAD) >= len(errors):
+        if suffix is not None and (not errors or tokenizer.decode(suffix).count(UNREAD) >= len(errors)):
             return suffix, tried
     return None, turn
 
