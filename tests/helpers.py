@@ -337,3 +337,18 @@ async def free_two_call_agent(client, row):
     messages += [first.choices[0].message, {"role": "user", "content": "Are you sure?"}]
     second = await client.chat.completions.create(model=client.model, messages=messages, max_tokens=6)
     return 1.0 - len(second.choices[0].message.content or "") / 80
+
+
+class Echo:
+    """Its tool echo(text) answers with text: trajectories whose calls differ grow apart."""
+
+    def reset(self, **row):
+        return ""
+
+    def echo(self, text: str) -> str:
+        """Echo the text.
+
+        Args:
+            text: anything
+        """
+        return text

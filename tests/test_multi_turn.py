@@ -11,6 +11,7 @@ import pytest
 
 from embedded import default_model_path
 from rollout import RolloutContext, episodes_to_json
+from tests.helpers import Echo
 from tool_calls import reader_for
 from tools import environment_rewards, tool_rollout
 
@@ -44,21 +45,6 @@ class Scripted:
 
 def tool_answers(episode) -> list[str]:
     return [m["content"] for m in episode.messages if m["role"] == "tool"]
-
-
-class Echo:
-    """Its tool echo(text) answers with text: trajectories whose calls differ grow apart."""
-
-    def reset(self, **row):
-        return ""
-
-    def echo(self, text: str) -> str:
-        """Echo the text.
-
-        Args:
-            text: anything
-        """
-        return text
 
 
 def test_every_turn_of_every_trajectory_has_its_own_seed_in_range_and_its_own_room(tokenizer):

@@ -15,7 +15,7 @@ import pytest
 from config import UsageError
 from embedded import default_model_path
 from tool_calls import UNREAD, reader_for, written_call
-from tests.helpers import Guess
+from tests.helpers import Echo, Guess
 from tools import appended_ids, check_tool_template, end_of_turn_id, tool_rollout, tool_schemas
 
 TEMPLATES = os.path.join(os.path.dirname(__file__), "fixtures", "chat_templates")
@@ -200,21 +200,6 @@ def test_the_end_of_a_turn_is_llama3s_eot_id_and_gemmas_end_of_turn():
     suffix = appended_ids(gemma, asked + [{"role": "assistant", "content": "42"}],
                           [{"role": "user", "content": "Sure?"}], None)
     assert gemma.decode(suffix) == "\n<start_of_turn>user\nSure?<end_of_turn>\n<start_of_turn>model\n"
-
-
-class Echo:
-    """Its tool echo(text) answers with text."""
-
-    def reset(self, **row):
-        return ""
-
-    def echo(self, text: str) -> str:
-        """Echo the text.
-
-        Args:
-            text: anything
-        """
-        return text
 
 
 class WritesCalls:
