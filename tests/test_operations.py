@@ -471,18 +471,20 @@ def test_a_preempted_run_whose_server_died_first_saves_and_stops_within_seconds(
     """Preemption sends SIGTERM to the server and the trainer together; the server dies first. The trainer, waiting
     for it (--vllm_server_timeout 300), sees the stop request, saves the steps done and exits long before torchrun
     would kill it (30 s after the signal)."""
-    out, started = tmp_path / "out", time.monotonic()
-    with running_server(tiny_model, tmp_path / "server.log") as server:
-        proc = start_run(server, out, *RUN, "--max_steps", "50", "--vllm_server_timeout", "300")
-        try:
+    out, port = tmp_path / "out", free_port()
+    # the trainer starts first: it waits for the server's health while the server starts
+    proc = start_run({"model": tiny_model, "port": port}, out, *RUN, "--max_steps", "50",
+                     "--vllm_server_timeout", "300")
+    try:
+        with running_server(tiny_model, tmp_path / "server.log", port=port) as server:
             wait_for_steps(proc, out, 2)
             os.killpg(server["proc"].pid, signal.SIGKILL)
             time.sleep(3)  # the ranks find the server gone and wait for it
             os.kill(proc.pid, signal.SIGTERM)
             started = time.monotonic()
             stdout, stderr = proc.communicate(timeout=60)
-        finally:
-            stop(proc)
+    finally:
+        stop(proc)
     assert time.monotonic() - started < 25, stdout[-2000:] + stderr[-4000:]
     assert "lost the vLLM server" in stdout and "stopped by a signal while waiting for the vLLM server" in stderr, \
         stdout[-2000:] + stderr[-4000:]
@@ -496,14 +498,19 @@ def test_a_server_with_another_model_refuses_the_weights_and_the_run_says_so(tin
     broadcast for gloo's 600 s; now the server takes every bucket, answers with its error, and the run stops at
     the first push saying so (nothing to save before the first step)."""
     from conftest import make_tiny_model
-    other = make_tiny_model(tmp_path / "two-heads", num_heads=2)
-    with running_server(other, tmp_path / "server.log") as server:
-        proc = run_train({**server, "model": tiny_model}, tmp_path / "out", *RUN, "--max_steps", "2",
-                         "--weight_sync_bucket_mb", "0.5", check=False)  # several buckets: the error comes after the first
-        assert server["proc"].poll() is None  # the server is still up
-    assert proc.returncode != 0 and "the vLLM server cannot take these weights" in proc.stderr, proc.stderr[-4000:]
-    assert "stopped (rank 0): " in proc.stderr and "lost the vLLM server" not in proc.stdout
-    assert "No step was done since the start, nothing new to save" in proc.stdout + proc.stderr
+    other, port = make_tiny_model(tmp_path / "two-heads", num_heads=2), free_port()
+    # the trainer starts first: it waits for the server's health while the server starts
+    proc = start_run({"model": tiny_model, "port": port}, tmp_path / "out", *RUN, "--max_steps", "2",
+                     "--weight_sync_bucket_mb", "0.5")  # several buckets: the error comes after the first
+    try:
+        with running_server(other, tmp_path / "server.log", port=port) as server:
+            stdout, stderr = proc.communicate(timeout=900)
+            assert server["proc"].poll() is None  # the server is still up
+    finally:
+        stop(proc)
+    assert proc.returncode != 0 and "the vLLM server cannot take these weights" in stderr, stderr[-4000:]
+    assert "stopped (rank 0): " in stderr and "lost the vLLM server" not in stdout
+    assert "No step was done since the start, nothing new to save" in stdout + stderr
     assert not [n for n in os.listdir(tmp_path / "out") if n.startswith("checkpoint-")]
 
 
