@@ -200,20 +200,27 @@ def test_the_tool_model_writes_well_formed_calls_but_not_always():
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import get_json_schema
     path = tool_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")  # a batch's answers start together
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
     torch.manual_seed(0)
     called = good = 0
     reader = reader_for("auto", tokenizer, [get_json_schema(Calculator.calculate)], path)
     rows = three_digit_problems(0, seed=0, split="test")[:24]
-    # Every prompt in one call of generate: 40 steps of 48 answers instead of 24 x 40 steps of 2 (half the time).
     conversations = [[{"role": "user", "content": row["prompt"] + Calculator().reset()}] for row in rows]
     ids = tokenizer.apply_chat_template(conversations, tools=[get_json_schema(Calculator.calculate)],
-                                        add_generation_prompt=True, padding=True, return_tensors="pt", return_dict=True)
-    out = model.generate(**ids, do_sample=True, temperature=1.0, max_new_tokens=40, num_return_sequences=2,
-                         pad_token_id=tokenizer.pad_token_id)
-    for row, sample in zip([row for row in rows for _ in range(2)], out):  # each prompt's two answers in a row
-        text = tokenizer.decode(sample[ids["input_ids"].shape[1]:], skip_special_tokens=True)
+                                        add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    # Every prompt's two answers in one call of generate, and the tokens every prompt begins with (the system
+    # prompt with the tool's schema, 192 of 228; the prompts have one length, so no padding) computed once and
+    # their cache repeated for each answer: 20 s against 40 s for one call without it (2 cores), and minutes for
+    # a call per prompt.
+    shared = int((ids == ids[:1]).all(0).cumprod(0).sum()) - 1  # at least one token left to compute
+    with torch.no_grad():
+        cache = model(ids[:1, :shared]).past_key_values
+    cache.batch_repeat_interleave(2 * len(rows))
+    answers = ids.repeat_interleave(2, 0)  # each prompt twice, in a row
+    out = model.generate(answers, attention_mask=torch.ones_like(answers), past_key_values=cache, do_sample=True,
+                         temperature=1.0, max_new_tokens=40, pad_token_id=tokenizer.pad_token_id)
+    for row, sample in zip([row for row in rows for _ in range(2)], out):
+        text = tokenizer.decode(sample[ids.shape[1]:], skip_special_tokens=True)
         if "<tool_call>" in text:
             called += 1
             _, calls, errors = reader.read(text)
