@@ -3,6 +3,7 @@ included), and prints its result: a bench that cannot run cannot back a number i
 checked here (the machine is shared; README's come from full-size runs); what is checked is a property of each
 bench's numbers that a broken bench would not have: a ratio that is the quotient of the numbers it names, counts
 that match the workload, phases that add up to the step, a repeat that repeats."""
+import concurrent.futures
 import os
 import re
 import sys
@@ -25,6 +26,23 @@ def shared(server):
     """The session's server, for the benches that would each start their own the same way (bench/common.serving
     hands it out; a bench pushes its model's weights before it measures)."""
     return {"NANOGRPO_BENCH_SERVER": f"{server['port']}:{server['proc'].pid}"}
+
+
+# The benches that need no server, by test: the script and its arguments after --model.
+SERVERLESS = {"test_logprob_memory": ["logprob_memory.py", "--batch", "2", "--prompt", "8", "--completion", "8"],
+              "test_fsdp_memory": ["fsdp_memory.py", "--micro_batches", "2", "--micro_batch_size", "1", "--length", "8",
+                                   "--phases", "save,resume"]}  # save loads, runs the backward and the step first
+
+
+@pytest.fixture(scope="module")
+def serverless(model, request) -> dict:
+    """The runs of the SERVERLESS benches whose tests are in this session, all at once: each mostly starts
+    processes that import and load a model, about one core each, so on 2 cores the two took 60 s together against
+    90 s one after the other. Each test reads its own bench's output; a bench that failed fails its test."""
+    chosen = [item.name for item in request.session.items if item.module is request.module and item.name in SERVERLESS]
+    with concurrent.futures.ThreadPoolExecutor(len(chosen)) as pool:
+        return {name: pool.submit(bench, SERVERLESS[name][0], "--model", model, *SERVERLESS[name][1:])
+                for name in chosen}
 
 
 def bench(name: str, *args: str, timeout: int = 600, env: dict | None = None) -> str:
@@ -95,8 +113,8 @@ def test_multi_turn(model, shared):
     assert quotient(rows[1][6], rows[1][4], rows[1][5]) and quotient(ratio, a, b) and (a, b) == tuple(rows[1][4:6])
 
 
-def test_logprob_memory(model):
-    out = bench("logprob_memory.py", "--model", model, "--batch", "2", "--prompt", "8", "--completion", "8")
+def test_logprob_memory(serverless):
+    out = serverless["test_logprob_memory"].result()
     assert "chunked / logits" in out and "train_checkpointing / train" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if "peak RSS growth" in line}
     for a, b in (("chunked", "logits"), ("train_checkpointing", "train")):  # the ratios are of the rows above
@@ -179,9 +197,8 @@ def test_loss_parity_with_trl_on_every_setting():
         assert int(out.split(row)[1].split(" cases")[0].split()[-1]) > 0, (row, out)
 
 
-def test_fsdp_memory(model):
-    out = bench("fsdp_memory.py", "--model", model, "--micro_batches", "2", "--micro_batch_size", "1", "--length", "8",
-                "--phases", "save,resume")  # save loads, runs the backward and the step first
+def test_fsdp_memory(serverless):
+    out = serverless["test_fsdp_memory"].result()
     rows = {line.split()[0]: line.split() for line in out.splitlines()[2:]}
     assert list(rows) == ["save", "resume"], out
     for phase, (_, ddp, fsdp, ratio, _, r0, _, r1, _, f0, _, f1) in rows.items():
